@@ -1,0 +1,198 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Thin wrappers of the CPU codec operations (src_cuda/dq_cpu.cpp).
+
+Arrays in, errors out: shapes and dtypes are checked here, the math lives in
+the shared header.  The loops run without the GIL.
+"""
+from libc.stdint cimport int64_t, uint32_t, uint8_t, int32_t
+from libc.string cimport memcpy, memset
+import numpy as np
+cimport numpy as cnp
+
+cnp.import_array()
+
+cdef extern from "dq_api.h":
+    ctypedef struct DqParams:
+        int32_t width
+        int32_t radius
+        int32_t hierarchical
+        int32_t correlated
+        uint32_t n_events
+        uint32_t perm_bits
+        uint32_t key_value
+        uint32_t key_perm
+        uint32_t key_scale
+        float mag[128]
+        float inv_gap[128]
+        float level[256]
+        uint8_t lut[4096]
+    ctypedef struct DqSource:
+        const void* x
+        int32_t dtype
+        int64_t length
+        const int64_t* sg_map
+        int64_t sg_offset
+        const float* mean
+    int64_t dq_run_bytes(int64_t nsg, int width, int hierarchical)
+    int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2) nogil
+    void dq_cpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,
+                         uint32_t event, uint8_t* out) nogil
+    void dq_cpu_decompress(const DqParams* P, const uint8_t* inp, int64_t nsg,
+                           float* out, int accumulate) nogil
+    void dq_cpu_dar(const DqParams* P, const uint8_t* inp, const DqSource* local, int64_t nsg,
+                    int64_t sg_base, uint32_t event, uint8_t* out) nogil
+    void dq_cpu_finish(const float* stream, const int64_t* stream_of_sg, const float* mean_sum,
+                       int64_t nsg, float divisor, void* out, int dtype, int64_t length) nogil
+
+SUPER = 256
+PARAMS_SIZE = sizeof(DqParams)
+
+
+def make_params(int width, bint hierarchical, bint correlated, unsigned n_events,
+                unsigned perm_bits, unsigned key_value, unsigned key_perm,
+                unsigned key_scale, mag, inv_gap, level, lut):
+    """Pack a DqParams struct into bytes (the same bytes the GPU receives)."""
+    cdef DqParams p
+    memset(&p, 0, sizeof(DqParams))
+    cdef int radius = (1 << (width - 1)) - 1
+    mag = np.ascontiguousarray(mag, dtype=np.float32)
+    inv_gap = np.ascontiguousarray(inv_gap, dtype=np.float32)
+    level = np.ascontiguousarray(level, dtype=np.float32)
+    lut = np.ascontiguousarray(lut, dtype=np.uint8)
+    if mag.shape[0] != radius + 1 or inv_gap.shape[0] != radius or level.shape[0] != 2 * radius + 1:
+        raise ValueError("level tables do not match width %d" % width)
+    if lut.shape[0] != 4096:
+        raise ValueError("lookup table must have 4096 cells")
+    p.width = width
+    p.radius = radius
+    p.hierarchical = 1 if hierarchical else 0
+    p.correlated = 1 if correlated else 0
+    p.n_events = n_events
+    p.perm_bits = perm_bits
+    p.key_value = key_value
+    p.key_perm = key_perm
+    p.key_scale = key_scale
+    cdef float[::1] m = mag
+    cdef float[::1] g = inv_gap
+    cdef float[::1] l = level
+    cdef uint8_t[::1] t = lut
+    memcpy(p.mag, &m[0], (radius + 1) * sizeof(float))
+    memcpy(p.inv_gap, &g[0], radius * sizeof(float))
+    memcpy(p.level, &l[0], (2 * radius + 1) * sizeof(float))
+    memcpy(p.lut, &t[0], 4096)
+    return (<char*>&p)[:sizeof(DqParams)]
+
+
+cdef const DqParams* _params(const uint8_t[::1] blob) except NULL:
+    if blob.shape[0] != sizeof(DqParams):
+        raise ValueError("params blob has the wrong size")
+    return <const DqParams*>&blob[0]
+
+
+cdef int _dtype_code(cnp.ndarray x) except -1:
+    if not x.flags.c_contiguous or x.ndim != 1:
+        raise ValueError("codec arrays must be flat and C-contiguous")
+    if x.dtype == np.float32:
+        return 0
+    if x.dtype.itemsize == 2 and x.dtype.name == "bfloat16":
+        return 1
+    raise TypeError("unsupported dtype %s (float32 or bfloat16)" % x.dtype)
+
+
+cdef class Source:
+    """Where local values come from: a flat float32/bfloat16 array read by
+    super-group through an optional map, minus optional per-row means."""
+    cdef DqSource src
+    cdef object _keep
+
+    def __cinit__(self, cnp.ndarray x, sg_map=None, int64_t sg_offset=0, mean=None):
+        self.src.dtype = _dtype_code(x)
+        self.src.x = cnp.PyArray_DATA(x)
+        self.src.length = x.shape[0]
+        self.src.sg_offset = sg_offset
+        self.src.sg_map = NULL
+        self.src.mean = NULL
+        keep = [x]
+        cdef cnp.ndarray m
+        if sg_map is not None:
+            m = np.ascontiguousarray(sg_map, dtype=np.int64)
+            self.src.sg_map = <const int64_t*>cnp.PyArray_DATA(m)
+            keep.append(m)
+        if mean is not None:
+            m = np.ascontiguousarray(mean, dtype=np.float32)
+            self.src.mean = <const float*>cnp.PyArray_DATA(m)
+            keep.append(m)
+        self._keep = keep
+
+
+def run_bytes(int64_t nsg, int width, bint hierarchical):
+    return dq_run_bytes(nsg, width, 1 if hierarchical else 0)
+
+
+def stats(cnp.ndarray x, int64_t nsg, bint centre):
+    """Per super-group (mean, squared norm of centred values) of the first nsg
+    super-groups of x (zero-padded), and the count of non-finite inputs."""
+    cdef Source s = Source(x)
+    if nsg * SUPER < x.shape[0]:
+        raise ValueError("stats: %d super-groups do not cover %d values" % (nsg, x.shape[0]))
+    mean = np.empty(nsg, np.float32)
+    norm2 = np.empty(nsg, np.float32)
+    cdef float[::1] mv = mean
+    cdef float[::1] nv = norm2
+    cdef int64_t bad = 0
+    if nsg:
+        with nogil:
+            bad = dq_cpu_stats(&s.src, nsg, 1 if centre else 0, &mv[0], &nv[0])
+    return mean, norm2, bad
+
+
+cdef int _check_bytes(int64_t nsg, Py_ssize_t nbytes, const DqParams* P) except -1:
+    need = dq_run_bytes(nsg, P.width, P.hierarchical)
+    if nbytes != need:
+        raise ValueError("expected %d wire bytes, got %d" % (need, nbytes))
+    return 0
+
+
+def compress(const uint8_t[::1] params, Source local, int64_t nsg, int64_t sg_base,
+             unsigned event, uint8_t[::1] out):
+    cdef const DqParams* P = _params(params)
+    _check_bytes(nsg, out.shape[0], P)
+    if nsg:
+        with nogil:
+            dq_cpu_compress(P, &local.src, nsg, sg_base, event, &out[0])
+
+
+def decompress(const uint8_t[::1] params, const uint8_t[::1] inp, int64_t nsg,
+               float[::1] out, bint accumulate):
+    cdef const DqParams* P = _params(params)
+    _check_bytes(nsg, inp.shape[0], P)
+    if out.shape[0] != nsg * SUPER:
+        raise ValueError("expected %d output values, got %d" % (nsg * SUPER, out.shape[0]))
+    if nsg:
+        with nogil:
+            dq_cpu_decompress(P, &inp[0], nsg, &out[0], 1 if accumulate else 0)
+
+
+def dar(const uint8_t[::1] params, const uint8_t[::1] inp, Source local,
+        int64_t nsg, int64_t sg_base, unsigned event, uint8_t[::1] out):
+    cdef const DqParams* P = _params(params)
+    _check_bytes(nsg, inp.shape[0], P)
+    _check_bytes(nsg, out.shape[0], P)
+    if nsg:
+        with nogil:
+            dq_cpu_dar(P, &inp[0], &local.src, nsg, sg_base, event, &out[0])
+
+
+def finish(const float[::1] stream, const int64_t[::1] stream_of_sg, const float[::1] mean_sum,
+           float divisor, cnp.ndarray out):
+    """Scatter the decoded stream back to the caller's layout (see dq_api.h)."""
+    cdef int dtype = _dtype_code(out)
+    cdef int64_t nsg = stream_of_sg.shape[0]
+    cdef int64_t length = out.shape[0]
+    if mean_sum.shape[0] != nsg or nsg * SUPER < length:
+        raise ValueError("finish: super-group arrays do not cover the output")
+    cdef void* o = cnp.PyArray_DATA(out)
+    cdef const float* sp = &stream[0] if stream.shape[0] else NULL
+    if nsg:
+        with nogil:
+            dq_cpu_finish(sp, &stream_of_sg[0], &mean_sum[0], nsg, divisor, o, dtype, length)

@@ -1,0 +1,289 @@
+// dq_codec.h -- the DynamiQ per-element and per-group math, shared by the CPU
+// path (g++ -ffp-contract=off) and the GPU kernels (nvcc -fmad=false).
+//
+// Rules that keep CPU and GPU bit-identical (spec section 4):
+//  * no FMA contraction, no fast-math, no flush-to-zero;
+//  * no per-element transcendentals: level tables and their inverses are built
+//    on the host in double and passed in as float32 (DqParams);
+//  * every reduction has one fixed order, written here (dq_tree_sum256).
+#pragma once
+#include <stdint.h>
+#include <string.h>
+
+#ifdef __CUDACC__
+#define DQ_HD __host__ __device__ __forceinline__
+#else
+#include <math.h>
+#define DQ_HD static inline
+#endif
+
+#define DQ_GROUP 16            // entries per group (one uint8 scale code each)
+#define DQ_SUPER 256           // entries per super-group (statistics, width, BF16 unit)
+#define DQ_GROUPS 16           // groups per super-group
+#define DQ_MAX_R 127           // largest code radius (8-bit codes)
+#define DQ_LUT_BITS 12         // level lookup table: 4096 cells over [0, 1]
+#define DQ_LUT_SIZE (1 << DQ_LUT_BITS)
+
+// Everything a codec operation needs besides the data.  Built once per
+// (width, configuration, call) on the host; plain old data so it can be copied
+// to the GPU's constant memory as is.
+typedef struct DqParams {
+    int32_t width;          // bits per code: 2, 4 or 8
+    int32_t radius;         // R = 2^(width-1) - 1; codes are q + R, q in [-R, R]
+    int32_t hierarchical;   // 1: uint8 group codes + BF16 unit; 0: BF16 scale per group
+    int32_t correlated;     // 1: stratified uniforms across the n quantization events
+    uint32_t n_events;      // n (number of events per coordinate), 1 if not correlated
+    uint32_t perm_bits;     // smallest m with 2^m >= n_events
+    uint32_t key_value;     // keys of the counter-based generator, per call and domain
+    uint32_t key_perm;
+    uint32_t key_scale;
+    float mag[DQ_MAX_R + 1];       // level magnitudes f(eps, r), r = 0..R (mag[R] = 1)
+    float inv_gap[DQ_MAX_R + 1];   // 1 / (mag[r+1] - mag[r]), r = 0..R-1
+    float level[2 * DQ_MAX_R + 2]; // signed level by code: level[R + q] = sign(q) mag[|q|]
+    uint8_t lut[DQ_LUT_SIZE];      // lut[c] = largest r <= R-1 with mag[r] <= c / 4096
+} DqParams;
+
+// ---------------------------------------------------------------- bit casts
+DQ_HD uint32_t dq_f2u(float f) {
+#ifdef __CUDA_ARCH__
+    return __float_as_uint(f);
+#else
+    uint32_t u; memcpy(&u, &f, 4); return u;
+#endif
+}
+DQ_HD float dq_u2f(uint32_t u) {
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(u);
+#else
+    float f; memcpy(&f, &u, 4); return f;
+#endif
+}
+DQ_HD float dq_bf16_to_f32(uint16_t h) { return dq_u2f(((uint32_t)h) << 16); }
+
+// Round a non-negative finite float up to BF16, saturating at the largest
+// finite BF16 (only values above it, within 0.4% of FLT_MAX, saturate).
+DQ_HD uint16_t dq_f32_to_bf16_up(float f) {
+    uint32_t u = dq_f2u(f);
+    if (u & 0xFFFFu) u = (u + 0x10000u) & 0xFFFF0000u;
+    if (u >= 0x7F800000u) u = 0x7F7F0000u;
+    return (uint16_t)(u >> 16);
+}
+
+// Round a non-negative double up to float32 (exact round toward +inf).
+DQ_HD float dq_f64_to_f32_up(double v) {
+#ifdef __CUDA_ARCH__
+    return __double2float_ru(v);
+#else
+    float f = (float)v;
+    if ((double)f < v) f = nextafterf(f, INFINITY);
+    return f;
+#endif
+}
+
+// ---------------------------------------------------------------- generator
+// A cheap counter-based hash: two multiply-xorshift rounds.  Keys are derived on
+// the host per (seed, call counter, domain); a uniform is a pure function of
+// (key, coordinate, event), so no random pool is ever stored.
+DQ_HD uint32_t dq_mix32(uint32_t x) {
+    x ^= x >> 16; x *= 0x7feb352du;
+    x ^= x >> 15; x *= 0x846ca68bu;
+    x ^= x >> 16;
+    return x;
+}
+// Per-coordinate hash, shared by all ranks (it seeds the permutation).
+DQ_HD uint32_t dq_coord_hash(uint32_t key, uint32_t coord) { return dq_mix32(coord ^ key); }
+// Fresh 32-bit uniform for one (coordinate, event).
+DQ_HD uint32_t dq_event_uniform(uint32_t key, uint32_t coord, uint32_t event) {
+    return dq_mix32(dq_mix32(coord + key) ^ (event * 0x9e3779b9u + 0x632be5abu));
+}
+
+// Keyed pseudo-random permutation of 0..n-1 (n <= 2^perm_bits): a 4-round
+// unbalanced Feistel network over perm_bits bits, with cycle walking so the
+// result stays below n.  h is the coordinate's hash: a different permutation per
+// coordinate, the same on every rank.
+DQ_HD uint32_t dq_feistel_round(uint32_t h, uint32_t round, uint32_t v) {
+    uint32_t t = (v + 1u) * 0x9e3779b1u ^ (h + round * 0x85ebca77u);
+    t ^= t >> 15; t *= 0x2c1b3c6du; t ^= t >> 12;
+    return t;
+}
+DQ_HD uint32_t dq_permute(uint32_t x, uint32_t n, uint32_t bits, uint32_t h) {
+    if (n <= 1u) return 0u;
+    const uint32_t lo_bits = bits >> 1, hi_bits = bits - lo_bits;
+    const uint32_t lo_mask = (1u << lo_bits) - 1u, hi_mask = (1u << hi_bits) - 1u;
+    do {
+        uint32_t lo = x & lo_mask, hi = x >> lo_bits;
+        lo ^= dq_feistel_round(h, 0u, hi) & lo_mask;
+        hi ^= dq_feistel_round(h, 1u, lo) & hi_mask;
+        lo ^= dq_feistel_round(h, 2u, hi) & lo_mask;
+        hi ^= dq_feistel_round(h, 3u, lo) & hi_mask;
+        x = (hi << lo_bits) | lo;
+    } while (x >= n);
+    return x;
+}
+
+// Decide "round toward +inf" with probability p, for uniform u = (pi + g)/n
+// (g = g32 / 2^32): true iff u < p  <=>  g < n p - pi.  With n = 1, pi = 0 this
+// is plain stochastic rounding.  Written as separate float operations so no
+// compiler can fuse them.
+DQ_HD int dq_round_up(float p, uint32_t g32, uint32_t pi, uint32_t n) {
+    float np = (float)n * p;
+    float thr = np - (float)pi;
+    if (thr >= 1.0f) return 1;
+    if (!(thr > 0.0f)) return 0;
+    float scaled = thr * 4294967296.0f;  // exact: power-of-two scaling, < 2^32
+    return g32 < (uint32_t)scaled;
+}
+
+// ---------------------------------------------------------------- quantizer
+// Normalise x by the group scale s (> 0).  Scales below the smallest normal are
+// pre-multiplied by 2^64 (exactly) so the reciprocal stays finite.
+struct DqNorm { float pre; float inv; };
+DQ_HD DqNorm dq_norm_for_scale(float s) {
+    DqNorm r; r.pre = 1.0f;
+    if (s < 1.17549435e-38f) { r.pre = 18446744073709551616.0f; s = s * r.pre; }
+    r.inv = 1.0f / s;
+    return r;
+}
+
+// Quantize t = x / scale (|t| <= 1 up to rounding) to a code in [0, 2R] with
+// unbiased stochastic rounding in value space between adjacent levels.
+// u_* describe the uniform (see dq_round_up).
+DQ_HD uint32_t dq_quantize(const DqParams* P, float x, DqNorm nm,
+                           uint32_t g32, uint32_t pi, uint32_t n) {
+    const int R = P->radius;
+    float t = (x * nm.pre) * nm.inv;
+    float a = t < 0.0f ? -t : t;
+    if (a > 1.0f) a = 1.0f;
+    float cellf = a * (float)DQ_LUT_SIZE;
+    int cell = (int)cellf;
+    if (cell > DQ_LUT_SIZE - 1) cell = DQ_LUT_SIZE - 1;
+    int k = P->lut[cell];
+    while (k < R - 1 && a >= P->mag[k + 1]) k++;
+    if (t < 0.0f) {
+        // interval [-mag[k+1], -mag[k]]: "up" is toward -mag[k]
+        float p = (P->mag[k + 1] - a) * P->inv_gap[k];
+        int up = dq_round_up(p, g32, pi, n);
+        return (uint32_t)(R - (k + 1) + up);
+    } else {
+        float p = (a - P->mag[k]) * P->inv_gap[k];
+        int up = dq_round_up(p, g32, pi, n);
+        return (uint32_t)(R + k + up);
+    }
+}
+
+// Dequantize one code with a decoded group scale.
+DQ_HD float dq_dequantize(const DqParams* P, uint32_t code, float scale) {
+    return P->level[code] * scale;
+}
+
+// ---------------------------------------------------------------- scales
+// BF16 unit of a super-group: bf16_up(max_group_scale / 255), computed in double
+// and rounded up so that every group code is <= 255.  0 for an all-zero block.
+DQ_HD uint16_t dq_unit_bf16(float max_scale) {
+    if (!(max_scale > 0.0f)) return 0;
+    double v = (double)max_scale / 255.0;
+    return dq_f32_to_bf16_up(dq_f64_to_f32_up(v));
+}
+
+// Stochastic uint8 group code c with E[c * unit] = s (exactly, up to one float
+// rounding of s / unit).  g32 is an independent uniform.
+DQ_HD uint32_t dq_scale_code(float s, float unit, uint32_t g32) {
+    if (!(s > 0.0f) || !(unit > 0.0f)) return 0u;
+    float c = s / unit;
+    if (c >= 255.0f) return 255u;
+    float fl = floorf(c);
+    float frac = c - fl;
+    uint32_t ci = (uint32_t)fl;
+    float scaled = frac * 4294967296.0f;
+    if (g32 < (uint32_t)scaled) ci += 1u;
+    return ci;
+}
+
+// ---------------------------------------------------------------- packing
+// Codes are little-endian within a byte, in coordinate order: code j of a
+// 16-entry group sits in byte (j * width) / 8 at bit (j * width) % 8.
+DQ_HD uint32_t dq_unpack_code(const uint8_t* group_codes, int width, int j) {
+    int bit = j * width;
+    uint32_t byte = group_codes[bit >> 3];
+    return (byte >> (bit & 7)) & ((1u << width) - 1u);
+}
+
+// ---------------------------------------------------------------- reductions
+// The one summation order for 256 values: a halving tree,
+// v[i] += v[i + h] for h = 128, 64, ..., 1.  (A warp holding v[lane + 32 k]
+// reproduces it with in-register adds for h >= 32, then shuffles.)
+DQ_HD double dq_tree_sum256(double* v) {
+    for (int h = 128; h >= 1; h >>= 1)
+        for (int i = 0; i < h; i++) v[i] = v[i] + v[i + h];
+    return v[0];
+}
+
+// Saturating float32 of a non-negative double, rounded up (F is never 0 for a
+// non-zero block and never inf for a finite one).
+DQ_HD float dq_norm2_to_f32(double s) {
+    if (s > 3.4028234663852886e38) return 3.4028234663852886e38f;
+    return dq_f64_to_f32_up(s);
+}
+
+// Wire sizes (bytes) of one super-group of the given width.
+DQ_HD int dq_codes_bytes(int width) { return DQ_SUPER * width / 8; }
+DQ_HD int dq_record_bytes(int width, int hierarchical) {
+    return hierarchical ? dq_codes_bytes(width) + DQ_GROUPS + 2
+                        : dq_codes_bytes(width) + 2 * DQ_GROUPS;
+}
+
+// ---------------------------------------------------------------- per event
+// Everything random about one quantization event lives in these two calls, so
+// the CPU loops and the GPU kernels draw exactly the same uniforms.
+//   coord: the coordinate's index in the reordered stream (same on every rank)
+//   event: the quantizing rank's role in the chunk's reduction tree
+DQ_HD uint32_t dq_encode_element(const DqParams* P, float x, DqNorm nm,
+                                 uint32_t coord, uint32_t event) {
+    uint32_t g32 = dq_event_uniform(P->key_value, coord, event);
+    uint32_t pi = 0u, n = 1u;
+    if (P->correlated) {
+        n = P->n_events;
+        pi = dq_permute(event, n, P->perm_bits, dq_coord_hash(P->key_perm, coord));
+    }
+    return dq_quantize(P, x, nm, g32, pi, n);
+}
+// uint8 code of group `group` (global index sg * 16 + g) given its exact max.
+DQ_HD uint32_t dq_encode_group_scale(const DqParams* P, float gmax, float unit,
+                                     uint32_t group, uint32_t event) {
+    return dq_scale_code(gmax, unit, dq_event_uniform(P->key_scale, group, event));
+}
+
+// Round float32 to BF16, nearest-even (finite inputs; NaN stays NaN).
+DQ_HD uint16_t dq_f32_to_bf16_rne(float f) {
+    uint32_t u = dq_f2u(f);
+    if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x7FFFFFu)) return (uint16_t)((u >> 16) | 0x40u);
+    u = u + 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+// ---------------------------------------------------------------- sources
+// Where a codec operation reads its local values from, so compress and the
+// fused step read the caller's buffer directly (float32 or BF16), gathered by
+// super-group into width order and centred on the fly, with no staging copy.
+// Stream super-group s reads input super-group row = sg_map ? sg_map[s] : s - sg_offset;
+// element i of it is x[row * 256 + i] (0 beyond `length`) minus mean[row].
+typedef struct DqSource {
+    const void* x;
+    int32_t dtype;          // 0: float32, 1: bfloat16
+    int64_t length;         // valid elements of x
+    const int64_t* sg_map;  // NULL: identity (with sg_offset)
+    int64_t sg_offset;
+    const float* mean;      // NULL: no centring
+} DqSource;
+
+DQ_HD int64_t dq_source_row(const DqSource* S, int64_t s) {
+    return S->sg_map ? S->sg_map[s] : s - S->sg_offset;
+}
+DQ_HD float dq_source_value(const DqSource* S, int64_t row, int i) {
+    int64_t k = row * DQ_SUPER + i;
+    float v = 0.0f;
+    if (k < S->length)
+        v = S->dtype ? dq_bf16_to_f32(((const uint16_t*)S->x)[k]) : ((const float*)S->x)[k];
+    if (S->mean) v = v - S->mean[row];
+    return v;
+}
