@@ -1,0 +1,27 @@
+"""dynamiq-mpi: compressed multi-hop all-reduce (DynamiQ) over MPI.
+
+    from dynamiq_mpi import allreduce, DynamiQ
+    total = allreduce(grad, codec=DynamiQ(bits=5), topology="ring")
+"""
+from .api import Collective, allreduce, collective_for, simulate_allreduce
+from .codecs import BF16, DynamiQ, Exact
+from .errors import (DynamiQError, InputMismatchError, InvalidInputError, NonFiniteInputError,
+                     SumOverflowError)
+from .report import Report
+from .schedules import TopologyError
+
+__version__ = "0.1.0"
+
+
+def has_cuda() -> bool:
+    """True if the CUDA kernels were built and a GPU is usable (never raises)."""
+    try:
+        from .cuda import has_cuda as _has_cuda
+    except Exception:
+        return False
+    return _has_cuda()
+
+
+__all__ = ["allreduce", "simulate_allreduce", "Collective", "collective_for", "DynamiQ",
+           "Exact", "BF16", "Report", "has_cuda", "DynamiQError", "InputMismatchError",
+           "InvalidInputError", "NonFiniteInputError", "SumOverflowError", "TopologyError"]

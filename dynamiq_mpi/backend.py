@@ -1,0 +1,57 @@
+"""Array backends: which array module and which compiled kernels a call uses.
+
+NumPy arrays run on the CPU codec (``dynamiq_mpi._cpu``); CuPy arrays on the
+CUDA kernels (``dynamiq_mpi._gpu``), when they were built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+SUPPORTED_DTYPES = (np.dtype(np.float32), BFLOAT16)
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str      # "cpu" or "gpu"
+    xp: Any        # numpy or cupy
+    kernels: Any   # dynamiq_mpi._cpu or dynamiq_mpi._gpu
+
+    def empty(self, shape, dtype):
+        return self.xp.empty(shape, dtype=dtype)
+
+    def zeros(self, shape, dtype):
+        return self.xp.zeros(shape, dtype=dtype)
+
+    def asarray(self, host_array):
+        return self.xp.asarray(host_array)
+
+    def to_host(self, array):
+        if self.name == "cpu":
+            return array
+        return self.xp.asnumpy(array)
+
+
+def _cpu_backend() -> Backend:
+    from . import _cpu
+    return Backend("cpu", np, _cpu)
+
+
+def backend_for(x) -> Backend:
+    """The backend of an input array (NumPy -> cpu, CuPy -> gpu)."""
+    if isinstance(x, np.ndarray):
+        return _cpu_backend()
+    module = type(x).__module__
+    if module.startswith("cupy"):
+        from .cuda import gpu_backend
+        return gpu_backend()
+    raise TypeError(f"unsupported array type {type(x).__name__}: pass a NumPy or CuPy array "
+                    "(or use dynamiq_mpi.torch for torch tensors)")
+
+
+def dtype_name(dtype) -> str:
+    return "bfloat16" if np.dtype(dtype) == BFLOAT16 else np.dtype(dtype).name

@@ -1,0 +1,35 @@
+"""What one all-reduce call sent, returned to the caller (never global state)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Report:
+    codec: str
+    topology: str
+    world_size: int
+    length: int
+    dtype: str
+    op: str
+    seed: int
+    call_counter: int
+    wire_bytes_total: int = 0     # bytes sent by all ranks, statistics included
+    stats_bytes_total: int = 0    # of which the statistics phase
+    bytes_sent: int = 0           # bytes this rank sent
+    seconds: float = 0.0
+    codec_info: dict = field(default_factory=dict)
+
+    @property
+    def bits_per_coord(self) -> float:
+        """All bytes sent by all ranks x 8 / (2 (n-1)/n x n x length): for ring
+        and butterfly, the encoded size per coordinate, metadata included."""
+        n = self.world_size
+        if n < 2 or self.length == 0:
+            return 0.0
+        return self.wire_bytes_total * 8.0 / (2.0 * (n - 1) * self.length)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["bits_per_coord"] = self.bits_per_coord
+        return d

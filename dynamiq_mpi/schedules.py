@@ -1,0 +1,116 @@
+"""All-reduce schedules as plain data.
+
+A schedule says, for every rank and every step, which chunk to send to whom and
+which chunk to receive from whom.  It knows nothing about codecs: the engine
+decides what to do with a chunk from the phase and from what it has received.
+
+Both topologies share one convention: the rank whose *role* for chunk ``c`` is
+``v = (rank - c) mod n`` quantizes chunk ``c`` exactly once, as event ``v``
+(which indexes the stratified uniforms of correlated rounding), and the sink of
+chunk ``c`` is role ``n - 1``, rank ``c - 1``.  The all-gather is the same ring
+for both: the sink's compressed bytes travel unchanged to every other rank.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+REDUCE = "reduce"   # reduce-scatter step: send a (re)compressed partial sum
+GATHER = "gather"   # all-gather step: forward compressed bytes unchanged
+
+TOPOLOGIES = ("ring", "butterfly")
+
+
+@dataclass(frozen=True)
+class Step:
+    phase: str       # REDUCE or GATHER
+    send_chunk: int
+    dest: int
+    recv_chunk: int
+    source: int
+
+
+@dataclass(frozen=True)
+class Schedule:
+    topology: str
+    size: int
+    steps: tuple            # steps[rank] -> tuple[Step, ...], same length for every rank
+
+    def owned_chunk(self, rank: int) -> int:
+        """The chunk this rank is the sink of (role n - 1)."""
+        return (rank + 1) % self.size
+
+    def event(self, rank: int, chunk: int) -> int:
+        """Role of ``rank`` in the reduction tree of ``chunk``."""
+        return (rank - chunk) % self.size
+
+
+class TopologyError(ValueError):
+    """A topology that cannot run at this world size."""
+
+
+def check_topology(topology: str, size: int) -> None:
+    if topology not in TOPOLOGIES:
+        raise TopologyError(f"unknown topology {topology!r}; expected one of {TOPOLOGIES}")
+    if size < 1:
+        raise TopologyError(f"world size must be >= 1, got {size}")
+    if topology == "butterfly" and size & (size - 1):
+        raise TopologyError(
+            f"butterfly needs a power-of-two number of ranks, got {size}; use topology='ring'")
+
+
+def _all_gather_steps(rank: int, n: int) -> list:
+    # Step s: forward chunk (rank + 1 - s) to the right, receive chunk (rank - s) from the left.
+    return [Step(GATHER, (rank + 1 - s) % n, (rank + 1) % n, (rank - s) % n, (rank - 1) % n)
+            for s in range(n - 1)]
+
+
+def _ring_reduce_steps(rank: int, n: int) -> list:
+    # Step s: chunk (rank - s) goes right (role s), chunk (rank - s - 1) comes from the left.
+    return [Step(REDUCE, (rank - s) % n, (rank + 1) % n, (rank - s - 1) % n, (rank - 1) % n)
+            for s in range(n - 1)]
+
+
+def _trailing_ones(v: int) -> int:
+    t = 0
+    while v & 1:
+        v >>= 1
+        t += 1
+    return t
+
+
+def _butterfly_reduce_steps(rank: int, n: int) -> list:
+    # Chunk c is reduced along a binomial tree over roles v = (rank - c) mod n:
+    # role v sends to role v + 2^t, t = trailing ones of v (0->1, 2->3, 1->3, 3->7, ...),
+    # so the sink is role n - 1.  All senders at level t send at distance 2^t; levels
+    # run in order, so every parent has heard all its children before it sends.
+    # Each rank sends exactly one chunk per step: n - 1 steps, bandwidth-optimal.
+    steps = []
+    level = 0
+    while (1 << level) < n:
+        dist = 1 << level
+        roles = [v for v in range(n - 1) if _trailing_ones(v) == level]
+        for v in roles:
+            steps.append(Step(REDUCE, (rank - v) % n, (rank + dist) % n,
+                              (rank - dist - v) % n, (rank - dist) % n))
+        level += 1
+    return steps
+
+
+@lru_cache(maxsize=64)
+def build(topology: str, size: int) -> Schedule:
+    check_topology(topology, size)
+    n = size
+    reduce = _ring_reduce_steps if topology == "ring" else _butterfly_reduce_steps
+    steps = tuple(tuple(reduce(r, n) + _all_gather_steps(r, n)) for r in range(n))
+    return Schedule(topology, n, steps)
+
+
+def describe(schedule: Schedule) -> str:
+    """Human-readable table of a schedule (one line per step and rank)."""
+    lines = [f"{schedule.topology} schedule, n={schedule.size}"]
+    for r, steps in enumerate(schedule.steps):
+        for i, s in enumerate(steps):
+            lines.append(f"rank {r} step {i:2d} {s.phase:6s} send chunk {s.send_chunk} -> "
+                         f"{s.dest}, recv chunk {s.recv_chunk} <- {s.source}")
+    return "\n".join(lines)
