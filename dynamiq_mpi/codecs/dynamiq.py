@@ -11,12 +11,13 @@ non-uniform levels, value-space stochastic rounding, hierarchical scales and
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import NonFiniteInputError, SumOverflowError
-from .allocation import WIDTHS, allocate, record_bits
+from .allocation import WIDTHS, Allocation, allocate, record_bits
 from .base import Codec, Plan, split_by_bytes
 from .levels import build_tables
 
@@ -109,9 +110,18 @@ class _DynamiQPlan(Plan):
         norm2 = np.where(np.isinf(norm2), FLT_MAX, norm2).astype(np.float32)
         self.norm2 = norm2
         stats_bits = 32 * int(stats.shape[0])
-        self.alloc = allocate(norm2, codec.bits * self.length, stats_bits, codec.hierarchical,
-                              zero_class=codec.zero_class, variable=codec.variable_width,
-                              fixed_width=codec.fixed_width)
+        def plan_widths(coords):
+            return allocate(norm2, codec.bits * coords, stats_bits, codec.hierarchical,
+                            zero_class=codec.zero_class, variable=codec.variable_width,
+                            fixed_width=codec.fixed_width)
+        self.alloc = plan_widths(self.length)
+        if self.alloc.exceeded:
+            # Tiny inputs: statistics and scales alone outweigh the budget of the
+            # true length.  Spend the budget of the padded super-groups instead
+            # (reported as exceeded) rather than starving them at 2 bits.
+            padded = plan_widths(nsg * SUPER)
+            self.alloc = Allocation(padded.widths, padded.u, padded.total_bits,
+                                    self.alloc.budget_bits, padded.binds, True)
         widths = self.alloc.widths
         # Stable reorder into runs of 2-, 4- then 8-bit super-groups.
         self.order = np.concatenate([np.flatnonzero(widths == w) for w in WIDTHS]).astype(np.int64)
@@ -210,5 +220,12 @@ class _DynamiQPlan(Plan):
 
     def report(self):
         a = self.alloc
+        digest = hashlib.sha256(self.mean_sum.tobytes() + self.norm2.tobytes()).hexdigest()
+        positive = self.norm2[self.norm2 > 0]
         return {"widths": a.counts(), "threshold_u": a.u, "budget_bits": a.budget_bits,
-                "budget_binds": a.binds, "budget_exceeded": a.exceeded}
+                "budget_binds": a.binds, "budget_exceeded": a.exceeded,
+                "supergroup_widths": a.widths,
+                # the reduced statistics that decided the allocation, for checks
+                "stats_digest": digest,
+                "norm2_min_positive": float(positive.min()) if positive.size else 0.0,
+                "norm2_max": float(self.norm2.max()) if self.norm2.size else 0.0}

@@ -45,11 +45,13 @@ class _ElementwisePlan(Plan):
 
     def accumulate(self, chunk, payload, acc):
         base = self._local(chunk) if acc is None else acc
-        return base + self._decode(payload)
+        with np.errstate(over="ignore"):   # an overflowing sum is inf, as in IEEE
+            return base + self._decode(payload)
 
     def dar(self, chunk, payload, acc, event):
         base = self._local(chunk) if acc is None else acc
-        return self._encode(base + self._decode(payload))
+        with np.errstate(over="ignore"):
+            return self._encode(base + self._decode(payload))
 
     def decode(self, chunk, payload):
         a, b = self.ranges[chunk]

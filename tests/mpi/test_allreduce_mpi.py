@@ -1,0 +1,169 @@
+"""The all-reduce over real MPI ranks (run under mpiexec at several sizes).
+
+Every rank derives every rank's input from one shared fresh seed, so each rank
+can check its output against the float64 oracle and against the in-process
+simulation of the same call, and all ranks compare digests.
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import dynamiq_mpi as dq
+from helpers import BF16, digest, exact_sum, fresh_seed, rank_inputs, vnmse
+
+comm = MPI.COMM_WORLD
+N = comm.size
+TOPOLOGIES = ["ring"] + (["butterfly"] if N & (N - 1) == 0 else [])
+CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(bits=5), dq.DynamiQ(bits=3),
+          dq.DynamiQ(bits=5, correlated=False, hierarchical=False, uniform=True)]
+
+
+def shared_seed():
+    return comm.bcast(fresh_seed() if comm.rank == 0 else None)
+
+
+def assert_identical_everywhere(out):
+    digests = comm.allgather(digest(out))
+    assert len(set(digests)) == 1, f"ranks disagree: {digests}"
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: "-".join(map(str, c.signature()[:2])))
+def test_identical_on_every_rank_and_equal_to_simulation(codec, topology):
+    seed = shared_seed()
+    xs = rank_inputs(seed, N, 5003)
+    x = xs[comm.rank].copy()
+    out, rep = dq.allreduce(x, codec=codec, topology=topology, seed=seed % 1000,
+                            return_report=True)
+    assert np.array_equal(x, xs[comm.rank]), "the input was modified"
+    assert out.dtype == np.float32 and out.shape == x.shape
+    assert_identical_everywhere(out)
+    # The same call in one process gives the same bytes (same counter).
+    sim = dq.simulate_allreduce(xs, codec=codec, topology=topology, seed=seed % 1000,
+                                counter=rep.call_counter)
+    assert np.array_equal(out.view(np.uint32), sim[comm.rank].view(np.uint32)), f"seed {seed}"
+    err = vnmse(out, exact_sum(xs))
+    assert np.isfinite(err)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_exact_codec_within_n_ulps(topology):
+    seed = shared_seed()
+    xs = rank_inputs(seed, N, 4099)
+    out = dq.allreduce(xs[comm.rank], codec=dq.Exact(), topology=topology)
+    ref = exact_sum(xs)
+    mag = np.sum(np.abs(np.stack(xs).astype(np.float64)), axis=0)
+    # n-1 float32 additions, each off by at most half an ulp of a partial sum.
+    bound = N * 2.0 ** -24 * mag
+    assert np.all(np.abs(out - ref) <= bound), f"seed {seed}"
+    assert_identical_everywhere(out)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_bf16_codec_within_bf16_rounding_per_hop(topology):
+    seed = shared_seed()
+    xs = rank_inputs(seed, N, 3001)
+    out = dq.allreduce(xs[comm.rank], codec=dq.BF16(), topology=topology)
+    ref = exact_sum(xs)
+    mag = np.sum(np.abs(np.stack(xs).astype(np.float64)), axis=0)
+    # every partial sum is rounded to BF16 (relative 2^-9) once per hop, n hops
+    bound = N * 2.0 ** -8 * mag
+    assert np.all(np.abs(out - ref) <= bound), f"seed {seed}"
+    assert_identical_everywhere(out)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("codec", [dq.Exact(), dq.BF16(), dq.DynamiQ(bits=5)],
+                         ids=lambda c: c.name)
+def test_bfloat16_inputs(codec):
+    seed = shared_seed()
+    xs = rank_inputs(seed, N, 2000, dtype=BF16)
+    out = dq.allreduce(xs[comm.rank], codec=codec)
+    assert out.dtype == BF16 and out.shape == (2000,)
+    assert_identical_everywhere(out)
+    assert vnmse(out, exact_sum(xs)) < 0.05
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("length", [0, 1, 2, 7, 255, 256, 257, 1021, 4093])
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_lengths(length, topology):
+    seed = shared_seed()
+    xs = rank_inputs(seed, N, length)
+    for codec in (dq.Exact(), dq.DynamiQ(bits=5)):
+        out = dq.allreduce(xs[comm.rank], codec=codec, topology=topology)
+        assert out.shape == (length,)
+        assert_identical_everywhere(out)
+        if length:
+            assert vnmse(out, exact_sum(xs)) < (1e-12 if codec.name == "exact" else 0.2)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_shapes_and_mean():
+    seed = shared_seed()
+    xs = [x.reshape(3, 5, 67) for x in rank_inputs(seed, N, 3 * 5 * 67)]
+    out = dq.allreduce(xs[comm.rank], codec=dq.Exact(), op="mean")
+    assert out.shape == (3, 5, 67)
+    np.testing.assert_allclose(out.reshape(-1), exact_sum(xs) / N, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_zero_supergroups_come_back_exactly_zero_and_cost_nothing():
+    seed = shared_seed()
+    xs = rank_inputs(seed, N, 256 * 40)
+    for x in xs:
+        x[256 * 3:256 * 20] = 0.0        # zero on every rank
+    xs[0][256 * 25:256 * 26] = 0.0       # zero on one rank only: not the 0-bit class
+    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(bits=5), return_report=True)
+    assert np.all(out[256 * 3:256 * 20] == 0.0)
+    assert rep.codec_info["widths"][0] == 17
+    assert_identical_everywhere(out)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_statistics_identical_on_every_rank():
+    seed = shared_seed()
+    xs = rank_inputs(seed, N, 256 * 300 + 17)
+    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(bits=5), return_report=True)
+    info = rep.codec_info
+    everyone = comm.allgather((info["stats_digest"], digest(info["supergroup_widths"]),
+                               info["threshold_u"]))
+    assert len(set(everyone)) == 1, everyone
+
+
+@pytest.mark.mpi(min_size=2)
+def test_extreme_values_do_not_raise():
+    seed = shared_seed()
+    rng = np.random.default_rng(seed)
+    length = 256 * 8
+    xs = []
+    for _ in range(N):
+        x = rng.standard_normal(length).astype(np.float32)
+        x[:256] *= np.float32(3e38 / N / 4)            # near the float32 limit
+        x[256:512] = np.float32(1e-42) * np.sign(x[256:512])  # denormals only
+        x[512:768] *= np.float32(1e-30)
+        x[520] = np.float32(1e30)                     # huge range inside one group
+        xs.append(x)
+    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(bits=5), return_report=True)
+    assert np.all(np.isfinite(out))
+    assert_identical_everywhere(out)
+    info = rep.codec_info
+    assert 0.0 < info["norm2_min_positive"] and np.isfinite(info["norm2_max"])
+    assert vnmse(out, exact_sum(xs)) < 0.05
+
+
+@pytest.mark.mpi(min_size=2)
+def test_budget_binds_within_005_bit():
+    seed = shared_seed()
+    xs = rank_inputs(seed, N, 256 * 4096)
+    for bits in (4.0, 5.0, 6.5):
+        out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(bits=bits), return_report=True)
+        assert rep.codec_info["budget_binds"]
+        assert bits - 0.05 <= rep.bits_per_coord <= bits, (bits, rep.bits_per_coord)
+    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(bits=12), return_report=True)
+    assert not rep.codec_info["budget_binds"]
+    assert rep.codec_info["widths"][8] == 4096
+    assert rep.bits_per_coord < 12 - 2
