@@ -1,0 +1,102 @@
+"""The public API in one process (world size 1 and the simulated transport)."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import dynamiq_mpi as dq
+from helpers import BF16, digest, exact_sum, fresh_seed, rank_inputs, vnmse
+
+CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(bits=5), dq.DynamiQ(bits=3)]
+
+
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_single_rank_returns_the_input_exactly(codec, dtype):
+    x = rank_inputs(fresh_seed(), 1, 1000, dtype=dtype)[0].reshape(10, 100)
+    for topology in ("ring", "butterfly"):
+        out = dq.allreduce(x, codec=codec, topology=topology, comm=MPI.COMM_SELF)
+        assert out is not x and out.dtype == x.dtype and out.shape == x.shape
+        assert digest(out) == digest(x)
+
+
+def test_report_counts_every_byte():
+    xs = rank_inputs(fresh_seed(), 4, 256 * 1000)
+    outs, reps = dq.simulate_allreduce(xs, codec=dq.DynamiQ(bits=5), return_reports=True)
+    r = reps[0]
+    # every rank sends the same amount in ring (equal-byte chunks, +- one super-group)
+    assert sum(rep.bytes_sent for rep in reps) == r.wire_bytes_total
+    assert 4.95 <= r.bits_per_coord <= 5.0
+    w = r.codec_info["widths"]
+    assert sum(w.values()) == 1000
+    assert r.stats_bytes_total == 2 * 3 * 4 * (2 * 1000 + 1)
+    d = r.as_dict()
+    assert d["bits_per_coord"] == r.bits_per_coord and d["world_size"] == 4
+
+
+def test_successive_calls_draw_fresh_randomness_and_seed_reproduces():
+    xs = rank_inputs(fresh_seed(), 2, 4096)
+    a = dq.simulate_allreduce(xs, seed=1, counter=0)[0]
+    b = dq.simulate_allreduce(xs, seed=1, counter=1)[0]
+    c = dq.simulate_allreduce(xs, seed=1, counter=0)[0]
+    d = dq.simulate_allreduce(xs, seed=2, counter=0)[0]
+    assert digest(a) == digest(c)
+    assert digest(a) != digest(b) and digest(a) != digest(d)
+
+
+def test_codec_configuration_errors():
+    with pytest.raises(ValueError, match="smallest achievable budget 2.8125"):
+        dq.DynamiQ(bits=2.5)
+    dq.DynamiQ(bits=2.8125)
+    with pytest.raises(ValueError, match="fixed_width"):
+        dq.DynamiQ(fixed_width=3)
+    with pytest.raises(ValueError, match="eps"):
+        dq.DynamiQ(eps=(0.2, 0.2, 1.5))
+    with pytest.raises(ValueError, match="smallest achievable budget 3.25"):
+        dq.DynamiQ(bits=3, hierarchical=False)
+
+
+def test_bad_input_in_simulation():
+    xs = rank_inputs(fresh_seed(), 2, 300)
+    with pytest.raises(dq.InputMismatchError, match="disagree on length"):
+        dq.simulate_allreduce([xs[0], xs[1][:299]])
+    with pytest.raises(dq.InvalidInputError, match="unsupported dtype float64"):
+        dq.simulate_allreduce([xs[0], xs[1].astype(np.float64)])
+    with pytest.raises(dq.InvalidInputError, match="op must be one of"):
+        dq.simulate_allreduce(xs, op="max")
+    with pytest.raises(dq.InvalidInputError, match="unsupported array type list"):
+        dq.simulate_allreduce([list(xs[0]), xs[1]])
+    with pytest.raises(dq.InvalidInputError, match="codec must be"):
+        dq.simulate_allreduce(xs, codec="dynamiq")
+
+
+@pytest.mark.parametrize("switch", ["uniform", "hierarchical", "correlated", "centring",
+                                    "zero_class", "variable_width"])
+def test_every_switch_runs_and_stays_identical(switch):
+    default = dq.DynamiQ(bits=5)
+    flipped = dq.DynamiQ(bits=5, **{switch: not getattr(default, switch)})
+    xs = rank_inputs(fresh_seed(), 3, 256 * 64 + 5)
+    for x in xs:
+        x[:512] = 0
+    outs, reps = dq.simulate_allreduce(xs, codec=flipped, return_reports=True)
+    assert len({digest(o) for o in outs}) == 1
+    assert reps[0].bits_per_coord <= 5.0
+    assert vnmse(outs[0], exact_sum(xs)) < 0.2
+
+
+def test_mean_op_and_bf16_output():
+    xs = rank_inputs(fresh_seed(), 4, 1000, dtype=BF16)
+    outs = dq.simulate_allreduce(xs, codec=dq.Exact(), op="mean")
+    assert outs[0].dtype == BF16
+    np.testing.assert_allclose(outs[0].astype(np.float64), exact_sum(xs) / 4, rtol=1e-2,
+                               atol=1e-6)
+
+
+def test_large_world_in_simulation():
+    xs = rank_inputs(fresh_seed(), 64, 256 * 32, kind="normal")
+    errs = {}
+    for topo in ("ring", "butterfly"):
+        outs = dq.simulate_allreduce(xs, codec=dq.DynamiQ(bits=9), topology=topo)
+        assert len({digest(o) for o in outs}) == 1
+        errs[topo] = vnmse(outs[0], exact_sum(xs))
+    # 64 quantizations per coordinate on the ring, 7 on the butterfly
+    assert errs["butterfly"] < errs["ring"] / 3 < 0.01 / 3, errs
