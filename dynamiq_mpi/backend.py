@@ -47,7 +47,6 @@ def backend_for(x) -> Backend:
         return _cpu_backend()
     module = type(x).__module__
     if module.startswith("cupy"):
-        from .cuda import gpu_backend
         return gpu_backend()
     raise TypeError(f"unsupported array type {type(x).__name__}: pass a NumPy or CuPy array "
                     "(or use dynamiq_mpi.torch for torch tensors)")
@@ -55,3 +54,16 @@ def backend_for(x) -> Backend:
 
 def dtype_name(dtype) -> str:
     return "bfloat16" if np.dtype(dtype) == BFLOAT16 else np.dtype(dtype).name
+
+
+def gpu_backend() -> Backend:
+    """The CUDA backend; a clear error if the kernels were not built or no GPU."""
+    try:
+        from . import _gpu
+    except ImportError as exc:
+        raise RuntimeError("CuPy input, but dynamiq_mpi was built without its CUDA kernels "
+                           f"(nvcc not found at build time?): {exc}") from None
+    if not _gpu.is_usable():
+        raise RuntimeError("CuPy input, but no usable CUDA GPU/driver was found")
+    import cupy
+    return Backend("gpu", cupy, _gpu)

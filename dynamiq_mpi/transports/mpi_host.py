@@ -34,7 +34,7 @@ class MPITransport:
             on_device = not isinstance(payload, np.ndarray)
             if on_device:
                 if self._stager is None:
-                    from ..cuda import HostStager
+                    from .staging import HostStager
                     self._stager = HostStager()
                 send_host = self._stager.to_host(payload)          # synchronises the stream
                 recv_host = self._stager.recv_buffer(request.recv_nbytes)

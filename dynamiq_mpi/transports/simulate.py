@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-import numpy as np
 
 from .ops import AllgatherObject, Exchange
 
@@ -55,7 +54,7 @@ class SimulatedTransport:
                 mailbox = defaultdict(deque)
                 for r in live:
                     q = requests[r]
-                    mailbox[(r, q.dest)].append(np.array(q.payload, dtype=np.uint8, copy=True))
+                    mailbox[(r, q.dest)].append(q.payload.copy())
                 for r in live:
                     q = requests[r]
                     msg = mailbox[(q.source, r)].popleft()
