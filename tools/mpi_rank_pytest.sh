@@ -1,0 +1,23 @@
+#!/bin/sh
+# Per-rank pytest launcher, started by tools/run_tests.sh as
+#     mpiexec -n N tools/mpi_rank_pytest.sh [pytest args...]
+# Rank 0 writes to the terminal; rank R > 0 writes to $MPI_LOG_DIR/rankR.log.
+# Every rank also writes a JUnit XML report, $MPI_LOG_DIR/rankR.xml, which the
+# runner reads to check that every rank ran (and passed) the same tests.
+#
+# Environment: MPI_TEST_PYTHON (the interpreter, default python3),
+#              MPI_LOG_DIR     (default .mpi-logs).
+# The rank comes from the launcher: PMI_RANK (MPICH/hydra),
+# OMPI_COMM_WORLD_RANK (Open MPI), PMIX_RANK (other PMIx launchers).
+rank=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-${PMIX_RANK:-0}}}
+logdir=${MPI_LOG_DIR:-.mpi-logs}
+py=${MPI_TEST_PYTHON:-python3}
+mkdir -p "$logdir"
+
+set -- -m pytest --with-mpi -p no:cacheprovider --color=no \
+    --junitxml="$logdir/rank$rank.xml" "$@"
+if [ "$rank" = 0 ]; then
+    exec "$py" "$@"
+else
+    exec "$py" "$@" >"$logdir/rank$rank.log" 2>&1
+fi
