@@ -63,6 +63,11 @@ def make_params(int width, bint hierarchical, bint correlated, unsigned n_events
         raise ValueError("level tables do not match width %d" % width)
     if lut.shape[0] != 4096:
         raise ValueError("lookup table must have 4096 cells")
+    if n_events < 1 or n_events > (1 << 30):
+        raise ValueError("n_events must be in [1, 2^30], got %d" % n_events)
+    if perm_bits != (n_events - 1).bit_length():
+        raise ValueError("perm_bits must be %d for n_events=%d, got %d"
+                         % ((n_events - 1).bit_length(), n_events, perm_bits))
     p.width = width
     p.radius = radius
     p.hierarchical = 1 if hierarchical else 0
@@ -146,6 +151,12 @@ def stats(cnp.ndarray x, int64_t nsg, bint centre):
     return mean, norm2, bad
 
 
+cdef int _check_event(unsigned event, const DqParams* P) except -1:
+    if P.correlated and event >= P.n_events:
+        raise ValueError("event %d out of range for %d events" % (event, P.n_events))
+    return 0
+
+
 cdef int _check_bytes(int64_t nsg, Py_ssize_t nbytes, const DqParams* P) except -1:
     need = dq_run_bytes(nsg, P.width, P.hierarchical)
     if nbytes != need:
@@ -157,6 +168,7 @@ def compress(const uint8_t[::1] params, Source local, int64_t nsg, int64_t sg_ba
              unsigned event, uint8_t[::1] out):
     cdef const DqParams* P = _params(params)
     _check_bytes(nsg, out.shape[0], P)
+    _check_event(event, P)
     if nsg:
         with nogil:
             dq_cpu_compress(P, &local.src, nsg, sg_base, event, &out[0])
@@ -178,6 +190,7 @@ def dar(const uint8_t[::1] params, const uint8_t[::1] inp, Source local,
     cdef const DqParams* P = _params(params)
     _check_bytes(nsg, inp.shape[0], P)
     _check_bytes(nsg, out.shape[0], P)
+    _check_event(event, P)
     if nsg:
         with nogil:
             dq_cpu_dar(P, &inp[0], &local.src, nsg, sg_base, event, &out[0])

@@ -90,20 +90,21 @@ DQ_HD uint32_t dq_mix32(uint32_t x) {
     x ^= x >> 16;
     return x;
 }
-// Per-coordinate hash, shared by all ranks (it seeds the permutation).
-DQ_HD uint32_t dq_coord_hash(uint32_t key, uint32_t coord) { return dq_mix32(coord ^ key); }
 // Fresh 32-bit uniform for one (coordinate, event).
 DQ_HD uint32_t dq_event_uniform(uint32_t key, uint32_t coord, uint32_t event) {
     return dq_mix32(dq_mix32(coord + key) ^ (event * 0x9e3779b9u + 0x632be5abu));
 }
 
-// Keyed pseudo-random permutation of 0..n-1 (n <= 2^perm_bits): a 4-round
+// Keyed pseudo-random permutation of 0..n-1 (n <= 2^perm_bits): a 6-round
 // unbalanced Feistel network over perm_bits bits, with cycle walking so the
-// result stays below n.  h is the coordinate's hash: a different permutation per
-// coordinate, the same on every rank.
+// result stays below n.  h seeds the round functions.  On its own its
+// distribution over permutations is only roughly uniform (tiny halves), so
+// dq_stratum adds a uniform cyclic offset per coordinate: that makes the
+// stratum of every event exactly uniform (each quantization stays unbiased)
+// while the Feistel part keeps the joint law far from a mere cyclic shift.
 DQ_HD uint32_t dq_feistel_round(uint32_t h, uint32_t round, uint32_t v) {
     uint32_t t = (v + 1u) * 0x9e3779b1u ^ (h + round * 0x85ebca77u);
-    t ^= t >> 15; t *= 0x2c1b3c6du; t ^= t >> 12;
+    t ^= t >> 15; t *= 0x2c1b3c6du; t ^= t >> 12; t *= 0x297a2d39u; t ^= t >> 15;
     return t;
 }
 DQ_HD uint32_t dq_permute(uint32_t x, uint32_t n, uint32_t bits, uint32_t h) {
@@ -112,10 +113,10 @@ DQ_HD uint32_t dq_permute(uint32_t x, uint32_t n, uint32_t bits, uint32_t h) {
     const uint32_t lo_mask = (1u << lo_bits) - 1u, hi_mask = (1u << hi_bits) - 1u;
     do {
         uint32_t lo = x & lo_mask, hi = x >> lo_bits;
-        lo ^= dq_feistel_round(h, 0u, hi) & lo_mask;
-        hi ^= dq_feistel_round(h, 1u, lo) & hi_mask;
-        lo ^= dq_feistel_round(h, 2u, hi) & lo_mask;
-        hi ^= dq_feistel_round(h, 3u, lo) & hi_mask;
+        for (uint32_t r = 0; r < 6u; r += 2u) {
+            lo ^= dq_feistel_round(h, r, hi) & lo_mask;
+            hi ^= dq_feistel_round(h, r + 1u, lo) & hi_mask;
+        }
         x = (hi << lo_bits) | lo;
     } while (x >= n);
     return x;
@@ -153,7 +154,7 @@ DQ_HD uint32_t dq_quantize(const DqParams* P, float x, DqNorm nm,
     const int R = P->radius;
     float t = (x * nm.pre) * nm.inv;
     float a = t < 0.0f ? -t : t;
-    if (a > 1.0f) a = 1.0f;
+    if (!(a < 1.0f)) a = 1.0f;   // also maps NaN (overflowed partial sums) to 1: never UB
     float cellf = a * (float)DQ_LUT_SIZE;
     int cell = (int)cellf;
     if (cell > DQ_LUT_SIZE - 1) cell = DQ_LUT_SIZE - 1;
@@ -179,10 +180,14 @@ DQ_HD float dq_dequantize(const DqParams* P, uint32_t code, float scale) {
 // ---------------------------------------------------------------- scales
 // BF16 unit of a super-group: bf16_up(max_group_scale / 255), computed in double
 // and rounded up so that every group code is <= 255.  0 for an all-zero block.
+// Within 0.4 % of FLT_MAX the unit steps one BF16 ulp down so that 255 * unit
+// stays finite; codes there saturate at 255 (a bias confined to that edge).
 DQ_HD uint16_t dq_unit_bf16(float max_scale) {
     if (!(max_scale > 0.0f)) return 0;
     double v = (double)max_scale / 255.0;
-    return dq_f32_to_bf16_up(dq_f64_to_f32_up(v));
+    uint16_t u = dq_f32_to_bf16_up(dq_f64_to_f32_up(v));
+    if ((double)dq_bf16_to_f32(u) * 255.0 > 3.4028234663852886e38) u = (uint16_t)(u - 1u);
+    return u;
 }
 
 // Stochastic uint8 group code c with E[c * unit] = s (exactly, up to one float
@@ -218,6 +223,13 @@ DQ_HD double dq_tree_sum256(double* v) {
     return v[0];
 }
 
+// Mean of a super-group from its tree sum; 0 (no centring) when a value above
+// FLT_MAX / 2 could make x - mean overflow.
+DQ_HD float dq_mean_from_sum(double sum, float absmax) {
+    if (!(absmax <= 1.7014118e38f)) return 0.0f;
+    return (float)(sum / 256.0);
+}
+
 // Saturating float32 of a non-negative double, rounded up (F is never 0 for a
 // non-zero block and never inf for a finite one).
 DQ_HD float dq_norm2_to_f32(double s) {
@@ -233,6 +245,20 @@ DQ_HD int dq_record_bytes(int width, int hierarchical) {
 }
 
 // ---------------------------------------------------------------- per event
+// Correlated rounding: the stratum pi of this rank's event for a coordinate is
+// (sigma_G(event) + shift_coord) mod n.  sigma_G, a keyed Feistel permutation
+// shared by the 16 coordinates of a group, is computed once per group
+// (dq_perm_base, hoistable out of the element loop); shift_coord is uniform
+// per coordinate.  Every rank derives the same values: no communication.
+DQ_HD uint32_t dq_perm_base(const DqParams* P, uint32_t group, uint32_t event) {
+    return dq_permute(event, P->n_events, P->perm_bits, dq_mix32(group ^ P->key_perm));
+}
+DQ_HD uint32_t dq_stratum(const DqParams* P, uint32_t base, uint32_t coord) {
+    uint32_t h = dq_mix32((coord + 0x6a09e667u) ^ P->key_perm ^ 0xbb67ae85u);
+    uint32_t shift = (uint32_t)(((uint64_t)h * (uint64_t)P->n_events) >> 32);
+    uint32_t s = base + shift;
+    return s >= P->n_events ? s - P->n_events : s;
+}
 // Everything random about one quantization event lives in these two calls, so
 // the CPU loops and the GPU kernels draw exactly the same uniforms.
 //   coord: the coordinate's index in the reordered stream (same on every rank)
@@ -243,7 +269,7 @@ DQ_HD uint32_t dq_encode_element(const DqParams* P, float x, DqNorm nm,
     uint32_t pi = 0u, n = 1u;
     if (P->correlated) {
         n = P->n_events;
-        pi = dq_permute(event, n, P->perm_bits, dq_coord_hash(P->key_perm, coord));
+        pi = dq_stratum(P, dq_perm_base(P, coord >> 4, event), coord);
     }
     return dq_quantize(P, x, nm, g32, pi, n);
 }

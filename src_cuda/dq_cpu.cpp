@@ -116,13 +116,16 @@ int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, fl
     float v[DQ_SUPER];
     double buf[DQ_SUPER];
     for (int64_t s = 0; s < nsg; s++) {
+        float absmax = 0.0f;
         for (int i = 0; i < DQ_SUPER; i++) {
             v[i] = dq_source_value(S, s, i);
             buf[i] = (double)v[i];
             nonfinite += !isfinite(v[i]);
+            float a = fabsf(v[i]);
+            absmax = a > absmax ? a : absmax;
         }
         float mu = 0.0f;
-        if (centre) mu = (float)(dq_tree_sum256(buf) / 256.0);
+        if (centre) mu = dq_mean_from_sum(dq_tree_sum256(buf), absmax);
         for (int i = 0; i < DQ_SUPER; i++) {
             double c = (double)(v[i] - mu);
             buf[i] = c * c;

@@ -28,7 +28,7 @@ def test_report_counts_every_byte():
     assert 4.95 <= r.bits_per_coord <= 5.0
     w = r.codec_info["widths"]
     assert sum(w.values()) == 1000
-    assert r.stats_bytes_total == 2 * 3 * 4 * (2 * 1000 + 1)
+    assert r.stats_bytes_total == 2 * 3 * 4 * (2 * 1000 + 2)
     d = r.as_dict()
     assert d["bits_per_coord"] == r.bits_per_coord and d["world_size"] == 4
 

@@ -23,6 +23,9 @@ from .levels import build_tables
 
 SUPER = 256
 FLT_MAX = np.float32(np.finfo(np.float32).max)
+# Largest sum over ranks of max |x| accepted: decoded partial sums may exceed
+# their exact value by a scale step, so keep a margin below FLT_MAX.
+PARTIAL_SUM_LIMIT = np.float32(0.98) * FLT_MAX
 
 # Level spacing per width.  We take the artifact's *simulation* values for 4 and
 # 8 bits (the ones behind the paper's accuracy and vNMSE numbers); 2-bit codes
@@ -80,9 +83,14 @@ class DynamiQ(Codec):
     def local_stats(self, x, backend):
         nsg = -(-x.shape[0] // SUPER)
         mean, norm2, nonfinite = backend.kernels.stats(x, nsg, self.centring)
-        # One float flags non-finite input: it rides the same exact reduction.
-        flag = backend.xp.asarray([1.0 if int(nonfinite) else 0.0], dtype=np.float32)
-        parts = ([mean] if self.centring else []) + [norm2, flag]
+        # Two floats per call ride the same exact reduction: a flag for
+        # non-finite input, and max |x| (summed over ranks: a bound on every
+        # partial sum, so overflow is refused before any byte moves).
+        xp = backend.xp
+        bad = int(nonfinite)
+        absmax = float(xp.max(xp.abs(x.astype(np.float32)))) if not bad else 0.0
+        tail = xp.asarray([1.0 if bad else 0.0, absmax], dtype=np.float32)
+        parts = ([mean] if self.centring else []) + [norm2, tail]
         return backend.xp.concatenate(parts).astype(np.float32), mean
 
     def plan(self, x, reduced_stats, n, keys, backend, local_state=None):
@@ -97,29 +105,35 @@ class _DynamiQPlan(Plan):
         self.length = x.shape[0]
         self.nsg = nsg = -(-self.length // SUPER)
         stats = backend.to_host(reduced)
-        if stats[-1] > 0:
+        if stats[-2] > 0:
             raise NonFiniteInputError("input holds NaN or Inf on at least one rank "
-                                      f"({int(stats[-1])} of {n} ranks)")
+                                      f"({int(stats[-2])} of {n} ranks)")
+        with np.errstate(over="ignore"):
+            if not stats[-1] <= PARTIAL_SUM_LIMIT:
+                raise SumOverflowError(
+                    "the inputs' max |x| summed over ranks exceeds the float32 range "
+                    f"({PARTIAL_SUM_LIMIT:.3g}): partial sums could overflow")
         if codec.centring:
             self.mean_sum, norm2 = stats[:nsg], stats[nsg:2 * nsg]
         else:
             self.mean_sum, norm2 = np.zeros(nsg, np.float32), stats[:nsg]
         if not np.all(np.isfinite(self.mean_sum)):
-            raise SumOverflowError("the sum of the inputs' super-group means overflows float32")
+            raise SumOverflowError("the sum of the inputs' super-group means exceeds the float32 range")
         # The sum of n finite norms can overflow: saturate, F stays finite.
         norm2 = np.where(np.isinf(norm2), FLT_MAX, norm2).astype(np.float32)
         self.norm2 = norm2
         stats_bits = 32 * int(stats.shape[0])
-        def plan_widths(coords):
-            return allocate(norm2, codec.bits * coords, stats_bits, codec.hierarchical,
+        def plan_widths(budget):
+            return allocate(norm2, budget, stats_bits, codec.hierarchical,
                             zero_class=codec.zero_class, variable=codec.variable_width,
                             fixed_width=codec.fixed_width)
-        self.alloc = plan_widths(self.length)
+        self.alloc = plan_widths(codec.bits * self.length)
         if self.alloc.exceeded:
             # Tiny inputs: statistics and scales alone outweigh the budget of the
-            # true length.  Spend the budget of the padded super-groups instead
-            # (reported as exceeded) rather than starving them at 2 bits.
-            padded = plan_widths(nsg * SUPER)
+            # true length.  Give the codes and scales the budget of the padded
+            # super-groups instead (reported as exceeded) rather than starving
+            # them at 2 bits.
+            padded = plan_widths(codec.bits * nsg * SUPER + stats_bits)
             self.alloc = Allocation(padded.widths, padded.u, padded.total_bits,
                                     self.alloc.budget_bits, padded.binds, True)
         widths = self.alloc.widths
@@ -139,11 +153,12 @@ class _DynamiQPlan(Plan):
 
         # Kernel parameters per width, keyed by this call's generator keys.
         correlated = codec.correlated and n > 1
-        perm_bits = max(0, (n - 1).bit_length())
+        n_events = n if correlated else 1
+        perm_bits = (n_events - 1).bit_length()
         tables = codec.tables()
         self.params = {
             w: np.frombuffer(self.k.make_params(
-                w, codec.hierarchical, correlated, n if correlated else 1, perm_bits,
+                w, codec.hierarchical, correlated, n_events, perm_bits,
                 keys.value, keys.perm, keys.scale,
                 tables[w].mag, tables[w].inv_gap, tables[w].level, tables[w].lut), dtype=np.uint8)
             for w in WIDTHS}
