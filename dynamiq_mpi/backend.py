@@ -67,3 +67,26 @@ def gpu_backend() -> Backend:
         raise RuntimeError("CuPy input, but no usable CUDA GPU/driver was found")
     import cupy
     return Backend("gpu", cupy, _gpu)
+
+
+def bf16_to_float32(x):
+    """Exact BF16 -> float32 with integer ops (same on NumPy and CuPy)."""
+    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    bits = x.view(xp.uint16).astype(xp.uint32) << 16
+    return bits.view(xp.float32)
+
+
+def float32_to_bf16(x):
+    """float32 -> BF16, round to nearest even, with integer ops (same on NumPy
+    and CuPy, and equal to ml_dtypes for every non-NaN value)."""
+    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
+    rounded = (u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16
+    nan = (u & xp.uint32(0x7F800000)) == xp.uint32(0x7F800000)
+    nan &= (u & xp.uint32(0x7FFFFF)) != 0
+    rounded = xp.where(nan, (u >> 16) | xp.uint32(0x40), rounded)
+    return rounded.astype(xp.uint16).view(BFLOAT16)
+
+
+def as_float32(x):
+    return bf16_to_float32(x) if x.dtype == BFLOAT16 else x.astype(np.float32, copy=False)

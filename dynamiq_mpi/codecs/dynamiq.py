@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..backend import as_float32
 from ..errors import NonFiniteInputError, SumOverflowError
 from .allocation import WIDTHS, Allocation, allocate, record_bits
 from .base import Codec, Plan, split_by_bytes
@@ -88,7 +89,7 @@ class DynamiQ(Codec):
         # partial sum, so overflow is refused before any byte moves).
         xp = backend.xp
         bad = int(nonfinite)
-        absmax = float(xp.max(xp.abs(x.astype(np.float32)))) if not bad else 0.0
+        absmax = float(xp.max(xp.abs(as_float32(x)))) if not bad else 0.0
         tail = xp.asarray([1.0 if bad else 0.0, absmax], dtype=np.float32)
         parts = ([mean] if self.centring else []) + [norm2, tail]
         return backend.xp.concatenate(parts).astype(np.float32), mean
@@ -184,14 +185,19 @@ class _DynamiQPlan(Plan):
         """float32 copy of this rank's centred local values of a chunk."""
         a, b = self.chunks[chunk]
         xp = self.xp
+        if self.backend.name == "gpu":   # the kernels read the source as compress does
+            out = xp.empty((b - a) * SUPER, dtype=np.float32)
+            src = self.k.Source(self.x, self.d_order[a:b], 0, self.d_local_mean)
+            self.k.exact_compress(src, b - a, out)
+            return out
         if getattr(self, "_padded", None) is None:
-            self._padded = xp.zeros((self.nsg, SUPER), dtype=np.float32)
-            self._padded.reshape(-1)[:self.length] = self.x
+            self._padded = np.zeros((self.nsg, SUPER), dtype=np.float32)
+            self._padded.reshape(-1)[:self.length] = as_float32(self.x)
         rows = self.d_order[a:b]
         vals = self._padded[rows]
         if self.d_local_mean is not None:
             vals = vals - self.d_local_mean[rows][:, None]
-        return xp.ascontiguousarray(vals.reshape(-1), dtype=np.float32)
+        return np.ascontiguousarray(vals.reshape(-1), dtype=np.float32)
 
     def _acc_source(self, chunk, acc):
         a, _ = self.chunks[chunk]

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import BFLOAT16
+from ..backend import BFLOAT16, as_float32, bf16_to_float32, float32_to_bf16
 from .base import Codec, Plan, split_even
 
 
@@ -24,7 +24,7 @@ class _ElementwisePlan(Plan):
         self.xp = backend.xp
         self.length = x.shape[0]
         self.dtype = x.dtype
-        self.local = x if x.dtype == np.float32 else x.astype(np.float32)
+        self.local = as_float32(x)
         self.ranges = split_even(self.length, n)
         self.chunk_nbytes = [(b - a) * self.wire_dtype.itemsize for a, b in self.ranges]
         self.result = backend.empty(self.length, np.float32)
@@ -59,7 +59,7 @@ class _ElementwisePlan(Plan):
 
     def finish(self, divisor):
         out = self.result if divisor == 1 else self.result / np.float32(divisor)
-        return out if self.dtype == np.float32 else out.astype(self.dtype)
+        return out if self.dtype == np.float32 else float32_to_bf16(out)
 
 
 class _ExactPlan(_ElementwisePlan):
@@ -74,10 +74,10 @@ class _BF16Plan(_ElementwisePlan):
     wire_dtype = BFLOAT16
 
     def _encode(self, values):
-        return self.xp.ascontiguousarray(values, dtype=np.float32).astype(BFLOAT16).view(np.uint8)
+        return float32_to_bf16(values).view(np.uint8)
 
     def _decode(self, payload):
-        return payload.view(BFLOAT16).astype(np.float32)
+        return bf16_to_float32(payload)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,62 @@
+"""Is the CUDA path available here?
+
+``has_cuda()`` is True when the kernels were built (``dynamiq_mpi._gpu``
+imports), CuPy imports, and a CUDA device is usable.  It never raises and the
+answer is cached (the first call pays for the imports and the driver query).
+``gpu_module()`` returns the kernel module or raises a clear error saying why
+there is none.
+"""
+from __future__ import annotations
+
+import threading
+
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def _probe() -> tuple[bool, str]:
+    try:
+        from . import _gpu
+    except Exception as exc:  # ImportError, or a broken build
+        return False, ("dynamiq_mpi was built without its CUDA kernels (nvcc not found at build "
+                       f"time, or DYNAMIQ_NO_CUDA=1): {exc}")
+    try:
+        if not _gpu.is_usable():
+            return False, "no usable CUDA device or driver"
+    except Exception as exc:  # pragma: no cover - is_usable() does not raise
+        return False, f"CUDA device query failed: {exc}"
+    try:
+        import cupy  # noqa: F401
+    except Exception as exc:
+        return False, f"CuPy is not importable: {exc}"
+    return True, ""
+
+
+def _cached() -> tuple[bool, str]:
+    with _lock:
+        if "result" not in _state:
+            _state["result"] = _probe()
+        return _state["result"]
+
+
+def has_cuda() -> bool:
+    """True when the CUDA kernels are built, CuPy imports and a GPU is usable."""
+    try:
+        return _cached()[0]
+    except Exception:  # pragma: no cover - never raise
+        return False
+
+
+def why_not() -> str:
+    """Empty when has_cuda(), else the reason."""
+    return _cached()[1]
+
+
+def gpu_module():
+    """The compiled kernel module ``dynamiq_mpi._gpu``; RuntimeError (saying why)
+    when the CUDA path is not available."""
+    ok, reason = _cached()
+    if not ok:
+        raise RuntimeError(f"the CUDA kernels are not available: {reason}")
+    from . import _gpu
+    return _gpu
