@@ -1,6 +1,14 @@
 """Build of dynamiq-mpi: the CPU codec extension always; the CUDA kernels when
 nvcc is found (see src_cuda/).  The CUDA runtime is linked statically so that
-importing never needs a GPU or a driver."""
+importing never needs a GPU or a driver.
+
+Environment:
+  CUDA_HOME           CUDA toolkit to use (default: /usr/local/cuda, then the
+                      toolkit of an `nvcc` on PATH)
+  DYNAMIQ_NO_CUDA=1   build the CPU extension only
+  DYNAMIQ_CUDA_ARCH   compute capabilities to build SASS for, e.g. "80;90"
+                      (default "90"); PTX of the highest is embedded too
+"""
 import os
 import shutil
 import subprocess
@@ -15,6 +23,67 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = "src_cuda"
 # No FMA contraction, no fast math: the CPU and GPU codecs must agree bit for bit.
 HOST_FLAGS = ["-O3", "-std=c++17", "-ffp-contract=off", "-fno-fast-math", "-fno-finite-math-only"]
+# The device side of the same rules (spec section 4): no FMA contraction, IEEE
+# division and square root, denormals kept.
+NVCC_FLAGS = ["-O3", "-std=c++17", "-fmad=false", "-ftz=false", "-prec-div=true",
+              "-prec-sqrt=true", "-Xcompiler", "-fPIC", "-Xcompiler", "-ffp-contract=off",
+              "-Xcompiler", "-fno-fast-math"]
+
+
+def _find_cuda_home():
+    """(CUDA_HOME, nvcc path) or (None, None)."""
+    env = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidates = [env] if env else []
+    candidates.append("/usr/local/cuda")
+    which = shutil.which("nvcc")
+    if which:
+        # PATH entries may be wrapper scripts or links: resolve to the toolkit
+        candidates.append(os.path.dirname(os.path.dirname(os.path.realpath(which))))
+    for home in candidates:
+        nvcc = os.path.join(home, "bin", "nvcc")
+        if os.path.isfile(nvcc) and os.access(nvcc, os.X_OK):
+            return home, nvcc
+    return None, None
+
+
+def _gencode_flags():
+    archs = os.environ.get("DYNAMIQ_CUDA_ARCH", "90")
+    archs = [a.strip().replace(".", "") for a in archs.replace(",", ";").split(";") if a.strip()]
+    if not archs or not all(a.isdigit() for a in archs):
+        raise SystemExit(f"DYNAMIQ_CUDA_ARCH must list compute capabilities like '80;90', "
+                         f"got {os.environ.get('DYNAMIQ_CUDA_ARCH')!r}")
+    flags = []
+    for a in archs:
+        flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
+    top = max(archs, key=int)
+    flags += ["-gencode", f"arch=compute_{top},code=compute_{top}"]   # PTX for newer GPUs
+    return flags
+
+
+class BuildExtNvcc(build_ext):
+    """build_ext that compiles the .cu sources of an extension with nvcc and
+    links the objects in."""
+
+    def build_extension(self, ext):
+        cu = [s for s in ext.sources if s.endswith(".cu")]
+        if cu:
+            ext.sources = [s for s in ext.sources if not s.endswith(".cu")]
+            nvcc = NVCC
+            objs = []
+            os.makedirs(self.build_temp, exist_ok=True)
+            for src in cu:
+                obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
+                deps = [src] + [os.path.join(SRC, f) for f in os.listdir(SRC) if f.endswith(".h")]
+                if self.force or not os.path.exists(obj) or \
+                        max(os.path.getmtime(d) for d in deps) > os.path.getmtime(obj):
+                    cmd = [nvcc, "-c", src, "-o", obj, *NVCC_FLAGS, *_gencode_flags(),
+                           *[f"-I{d}" for d in ext.include_dirs]]
+                    print(" ".join(cmd), flush=True)
+                    subprocess.check_call(cmd)
+                objs.append(obj)
+            ext.extra_objects = objs + list(ext.extra_objects or [])
+        super().build_extension(ext)
+
 
 extensions = [
     Extension(
@@ -27,6 +96,31 @@ extensions = [
     )
 ]
 
+NVCC = None
+if os.environ.get("DYNAMIQ_NO_CUDA", "") not in ("", "0"):
+    print("dynamiq-mpi: DYNAMIQ_NO_CUDA is set: building the CPU codec only", flush=True)
+else:
+    cuda_home, NVCC = _find_cuda_home()
+    if NVCC is None:
+        print("dynamiq-mpi: nvcc not found (set CUDA_HOME): building the CPU codec only, "
+              "without dynamiq_mpi._gpu", flush=True)
+    else:
+        lib_dirs = [d for d in (os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "lib"))
+                    if os.path.isdir(d)]
+        gpu = Extension(
+            "dynamiq_mpi._gpu",
+            sources=["pyx/_gpu.pyx", f"{SRC}/dq_kernels.cu"],
+            include_dirs=[SRC, os.path.join(cuda_home, "include"), np.get_include()],
+            library_dirs=lib_dirs,
+            # static CUDA runtime: importing needs no driver, ldd shows no CUDA library
+            libraries=["cudart_static", "rt", "dl", "pthread"],
+            language="c++",
+            extra_compile_args=HOST_FLAGS,
+            define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
+        )
+        extensions.append(gpu)
+
 setup(
     ext_modules=cythonize(extensions, language_level=3),
+    cmdclass={"build_ext": BuildExtNvcc},
 )

@@ -1,0 +1,479 @@
+# cython: language_level=3, boundscheck=False, wraparound=False
+"""Thin wrappers of the CUDA codec kernels (src_cuda/dq_kernels.cu).
+
+The same Python API as ``dynamiq_mpi._cpu`` (same functions, same argument
+order), on CuPy arrays: device pointers come from ``array.data.ptr`` (no
+copies), every kernel is enqueued on CuPy's current stream (or ``stream=``, a
+``cupy.cuda.Stream`` or a raw handle), and nothing synchronises.  Every launch
+is checked; a failure raises ``RuntimeError`` with the CUDA error string.
+
+Differences from ``_cpu``: ``stats`` returns its non-finite count as a 0-d
+CuPy int64 array (``int(bad)`` synchronises; ``bad != 0`` works on both), and
+the baselines ``bf16_*`` / ``exact_*`` exist here only.
+
+Importing never needs a GPU or a driver (the CUDA runtime is linked
+statically); ``is_usable()`` says whether kernels can run.
+"""
+from libc.stdint cimport int64_t, uint32_t, uint8_t, int32_t, uint16_t, uintptr_t
+from libc.string cimport memcpy, memset
+import numpy as np
+cimport numpy as cnp
+
+cnp.import_array()
+
+cdef extern from "dq_gpu_api.h":
+    ctypedef struct DqParams:
+        int32_t width
+        int32_t radius
+        int32_t hierarchical
+        int32_t correlated
+        uint32_t n_events
+        uint32_t perm_bits
+        uint32_t key_value
+        uint32_t key_perm
+        uint32_t key_scale
+        float mag[128]
+        float inv_gap[128]
+        float level[256]
+        uint8_t lut[4096]
+    ctypedef struct DqSource:
+        const void* x
+        int32_t dtype
+        int64_t length
+        const int64_t* sg_map
+        int64_t sg_offset
+        const float* mean
+    int dq_gpu_device_count(int* count) nogil
+    const char* dq_gpu_error_string(int code) nogil
+    const char* dq_gpu_error_name(int code) nogil
+    int dq_gpu_ensure_device(int device) nogil
+    int dq_gpu_device_name(int device, char* buf, int buflen) nogil
+    int dq_gpu_synchronize(uintptr_t stream) nogil
+    int dq_gpu_last_error() nogil
+    void dq_gpu_set_variant(int variant) nogil
+    int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
+                     int64_t* nonfinite, uintptr_t stream) nogil
+    int dq_gpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,
+                        uint32_t event, uint8_t* out, uintptr_t stream) nogil
+    int dq_gpu_decompress(const DqParams* P, const uint8_t* inp, int64_t nsg, float* out,
+                          int accumulate, uintptr_t stream) nogil
+    int dq_gpu_dar(const DqParams* P, const uint8_t* inp, const DqSource* local, int64_t nsg,
+                   int64_t sg_base, uint32_t event, uint8_t* out, uintptr_t stream) nogil
+    int dq_gpu_finish(const float* stream_values, const int64_t* stream_of_sg,
+                      const float* mean_sum, int64_t nsg, float divisor, void* out, int dtype,
+                      int64_t length, uintptr_t stream) nogil
+    int dq_gpu_bf16_compress(const DqSource* local, int64_t nsg, uint16_t* out,
+                             uintptr_t stream) nogil
+    int dq_gpu_bf16_decompress(const uint16_t* inp, int64_t n, float* out, int accumulate,
+                               uintptr_t stream) nogil
+    int dq_gpu_bf16_dar(const uint16_t* inp, const DqSource* local, int64_t nsg, uint16_t* out,
+                        uintptr_t stream) nogil
+    int dq_gpu_exact_compress(const DqSource* local, int64_t nsg, float* out,
+                              uintptr_t stream) nogil
+    int dq_gpu_exact_decompress(const float* inp, int64_t n, float* out, int accumulate,
+                                uintptr_t stream) nogil
+    int dq_gpu_exact_dar(const float* inp, const DqSource* local, int64_t nsg, float* out,
+                         uintptr_t stream) nogil
+
+SUPER = 256
+PARAMS_SIZE = sizeof(DqParams)
+
+# ------------------------------------------------------------------ device state
+
+def device_count():
+    """Number of CUDA devices; 0 (never an exception) without a driver or GPU."""
+    cdef int n = 0
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_device_count(&n)
+    return n if rc == 0 else 0
+
+
+def is_usable():
+    """True when a CUDA device can run the kernels (never raises)."""
+    try:
+        return device_count() > 0
+    except Exception:  # pragma: no cover - belt and braces
+        return False
+
+
+def error_string(int code):
+    return "%s: %s" % (dq_gpu_error_name(code).decode(), dq_gpu_error_string(code).decode())
+
+
+cdef int _check(int rc, what) except -1:
+    if rc != 0:
+        msg = error_string(rc)
+        if rc == 1:  # cudaErrorInvalidValue
+            msg += " (bad arguments or codec parameters the kernels cannot reproduce)"
+        raise RuntimeError("dynamiq_mpi._gpu.%s failed: CUDA error %d (%s)" % (what, rc, msg))
+    return 0
+
+
+def device_name(int device=0):
+    cdef char buf[256]
+    _check(dq_gpu_device_name(device, buf, 256), "device_name")
+    return buf.decode()
+
+
+def synchronize(stream=None):
+    """cudaStreamSynchronize on ``stream`` (default: CuPy's current stream)."""
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_synchronize(st)
+    _check(rc, "synchronize")
+
+
+def set_variant(int variant):
+    """Timing studies only: 1 selects a one-round hash in the 4-bit encoders
+    (NOT bit-identical to the CPU).  0 (the default) is the real codec."""
+    dq_gpu_set_variant(variant)
+
+
+_cupy = None
+
+cdef object _cp():
+    global _cupy
+    if _cupy is None:
+        import cupy
+        _cupy = cupy
+    return _cupy
+
+
+cdef uintptr_t _stream(stream) except? 0:
+    if stream is None:
+        return <uintptr_t>_cp().cuda.get_current_stream().ptr
+    if isinstance(stream, int):
+        return <uintptr_t>stream
+    return <uintptr_t>stream.ptr
+
+
+cdef uintptr_t _dptr(a, what) except? 0:
+    """Device pointer of a flat C-contiguous CuPy array (also selects its device)."""
+    try:
+        mem = a.data
+        ptr = mem.ptr
+    except AttributeError:
+        raise TypeError("%s must be a CuPy array, got %s" % (what, type(a).__name__)) from None
+    if a.ndim != 1 or not a.flags.c_contiguous:
+        raise ValueError("%s must be flat and C-contiguous" % what)
+    _check(dq_gpu_ensure_device(mem.device_id), "set device")
+    return <uintptr_t>ptr
+
+
+cdef int _dtype_code(a, what) except -1:
+    dt = a.dtype
+    if dt == np.float32:
+        return 0
+    if dt.itemsize == 2 and dt.name == "bfloat16":
+        return 1
+    raise TypeError("%s: unsupported dtype %s (float32 or bfloat16)" % (what, dt))
+
+
+cdef int _expect(a, dtype, int64_t size, what) except -1:
+    if a.dtype != dtype:
+        raise TypeError("%s must be %s, got %s" % (what, np.dtype(dtype), a.dtype))
+    if size >= 0 and a.size != size:
+        raise ValueError("%s: expected %d elements, got %d" % (what, size, a.size))
+    return 0
+
+
+# ------------------------------------------------------------------ params
+
+def make_params(int width, bint hierarchical, bint correlated, unsigned n_events,
+                unsigned perm_bits, unsigned key_value, unsigned key_perm,
+                unsigned key_scale, mag, inv_gap, level, lut):
+    """Pack a DqParams struct into bytes (identical to ``_cpu.make_params``)."""
+    cdef DqParams p
+    memset(&p, 0, sizeof(DqParams))
+    cdef int radius = (1 << (width - 1)) - 1
+    mag = np.ascontiguousarray(mag, dtype=np.float32)
+    inv_gap = np.ascontiguousarray(inv_gap, dtype=np.float32)
+    level = np.ascontiguousarray(level, dtype=np.float32)
+    lut = np.ascontiguousarray(lut, dtype=np.uint8)
+    if mag.shape[0] != radius + 1 or inv_gap.shape[0] != radius or level.shape[0] != 2 * radius + 1:
+        raise ValueError("level tables do not match width %d" % width)
+    if lut.shape[0] != 4096:
+        raise ValueError("lookup table must have 4096 cells")
+    if n_events < 1 or n_events > (1 << 30):
+        raise ValueError("n_events must be in [1, 2^30], got %d" % n_events)
+    if perm_bits != (n_events - 1).bit_length():
+        raise ValueError("perm_bits must be %d for n_events=%d, got %d"
+                         % ((n_events - 1).bit_length(), n_events, perm_bits))
+    p.width = width
+    p.radius = radius
+    p.hierarchical = 1 if hierarchical else 0
+    p.correlated = 1 if correlated else 0
+    p.n_events = n_events
+    p.perm_bits = perm_bits
+    p.key_value = key_value
+    p.key_perm = key_perm
+    p.key_scale = key_scale
+    cdef float[::1] m = mag
+    cdef float[::1] g = inv_gap
+    cdef float[::1] l = level
+    cdef uint8_t[::1] t = lut
+    memcpy(p.mag, &m[0], (radius + 1) * sizeof(float))
+    memcpy(p.inv_gap, &g[0], radius * sizeof(float))
+    memcpy(p.level, &l[0], (2 * radius + 1) * sizeof(float))
+    memcpy(p.lut, &t[0], 4096)
+    return (<char*>&p)[:sizeof(DqParams)]
+
+
+cdef const DqParams* _params(const uint8_t[::1] blob) except NULL:
+    if blob.shape[0] != sizeof(DqParams):
+        raise ValueError("params blob has the wrong size")
+    return <const DqParams*>&blob[0]
+
+
+def run_bytes(int64_t nsg, int width, bint hierarchical):
+    return nsg * (32 * width + (16 + 2 if hierarchical else 32))
+
+
+cdef int _check_event(unsigned event, const DqParams* P) except -1:
+    if P.correlated and event >= P.n_events:
+        raise ValueError("event %d out of range for %d events" % (event, P.n_events))
+    return 0
+
+
+cdef int _check_bytes(int64_t nsg, int64_t nbytes, const DqParams* P) except -1:
+    need = run_bytes(nsg, P.width, P.hierarchical)
+    if nbytes != need:
+        raise ValueError("expected %d wire bytes, got %d" % (need, nbytes))
+    return 0
+
+
+# ------------------------------------------------------------------ sources
+
+cdef class Source:
+    """Where local values come from: a flat float32/bfloat16 CuPy array read by
+    super-group through an optional map, minus optional per-row means (the
+    device pointers of dq_codec.h's DqSource).  NumPy sg_map / mean are copied
+    to the device once."""
+    cdef DqSource src
+    cdef object _keep
+
+    def __cinit__(self, x, sg_map=None, int64_t sg_offset=0, mean=None):
+        self.src.dtype = _dtype_code(x, "source")
+        self.src.x = <const void*>_dptr(x, "source")
+        self.src.length = x.size
+        self.src.sg_offset = sg_offset
+        self.src.sg_map = NULL
+        self.src.mean = NULL
+        keep = [x]
+        cp = None
+        if sg_map is not None:
+            cp = _cp()
+            m = cp.ascontiguousarray(cp.asarray(sg_map), dtype=cp.int64).reshape(-1)
+            self.src.sg_map = <const int64_t*>_dptr(m, "sg_map")
+            keep.append(m)
+        if mean is not None:
+            cp = _cp()
+            m = cp.ascontiguousarray(cp.asarray(mean), dtype=cp.float32).reshape(-1)
+            self.src.mean = <const float*>_dptr(m, "mean")
+            keep.append(m)
+        self._keep = keep
+
+    @property
+    def length(self):
+        return self.src.length
+
+
+# ------------------------------------------------------------------ DynamiQ codec
+
+def stats(x, int64_t nsg, bint centre, stream=None):
+    """Per super-group (mean, squared norm of centred values) of the first nsg
+    super-groups of x (zero-padded) as CuPy float32 arrays, and the count of
+    non-finite inputs as a 0-d CuPy int64 array."""
+    cp = _cp()
+    cdef Source s = Source(x)
+    if nsg * SUPER < x.size:
+        raise ValueError("stats: %d super-groups do not cover %d values" % (nsg, x.size))
+    mean = cp.empty(nsg, cp.float32)
+    norm2 = cp.empty(nsg, cp.float32)
+    bad = cp.zeros((), cp.int64)
+    cdef uintptr_t st = _stream(stream)
+    cdef float* mp = <float*>(<uintptr_t>mean.data.ptr)
+    cdef float* np_ = <float*>(<uintptr_t>norm2.data.ptr)
+    cdef int64_t* bp = <int64_t*>(<uintptr_t>bad.data.ptr)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_stats(&s.src, nsg, 1 if centre else 0, mp, np_, bp, st)
+    _check(rc, "stats")
+    return mean, norm2, bad
+
+
+def compress(const uint8_t[::1] params, Source local, int64_t nsg, int64_t sg_base,
+             unsigned event, out, stream=None):
+    cdef const DqParams* P = _params(params)
+    _expect(out, np.uint8, -1, "compress out")
+    _check_bytes(nsg, out.size, P)
+    _check_event(event, P)
+    if nsg == 0:
+        return
+    cdef uint8_t* op = <uint8_t*>_dptr(out, "compress out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_compress(P, &local.src, nsg, sg_base, event, op, st)
+    _check(rc, "compress")
+
+
+def decompress(const uint8_t[::1] params, inp, int64_t nsg, out, bint accumulate, stream=None):
+    cdef const DqParams* P = _params(params)
+    _expect(inp, np.uint8, -1, "decompress input")
+    _check_bytes(nsg, inp.size, P)
+    _expect(out, np.float32, nsg * SUPER, "decompress out")
+    if nsg == 0:
+        return
+    cdef const uint8_t* ip = <const uint8_t*>_dptr(inp, "decompress input")
+    cdef float* op = <float*>_dptr(out, "decompress out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_decompress(P, ip, nsg, op, 1 if accumulate else 0, st)
+    _check(rc, "decompress")
+
+
+def dar(const uint8_t[::1] params, inp, Source local, int64_t nsg, int64_t sg_base,
+        unsigned event, out, stream=None):
+    """out = compress(decompress(inp) + local) in one pass (inp may be out)."""
+    cdef const DqParams* P = _params(params)
+    _expect(inp, np.uint8, -1, "dar input")
+    _expect(out, np.uint8, -1, "dar out")
+    _check_bytes(nsg, inp.size, P)
+    _check_bytes(nsg, out.size, P)
+    _check_event(event, P)
+    if nsg == 0:
+        return
+    cdef const uint8_t* ip = <const uint8_t*>_dptr(inp, "dar input")
+    cdef uint8_t* op = <uint8_t*>_dptr(out, "dar out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_dar(P, ip, &local.src, nsg, sg_base, event, op, st)
+    _check(rc, "dar")
+
+
+def finish(stream_values, stream_of_sg, mean_sum, float divisor, out, stream=None):
+    """Scatter the decoded stream back to the caller's layout (see dq_api.h)."""
+    cdef int dtype = _dtype_code(out, "finish out")
+    cdef int64_t nsg = stream_of_sg.size
+    cdef int64_t length = out.size
+    _expect(stream_values, np.float32, -1, "finish stream")
+    _expect(stream_of_sg, np.int64, -1, "finish stream_of_sg")
+    _expect(mean_sum, np.float32, -1, "finish mean_sum")
+    if mean_sum.size != nsg or nsg * SUPER < length:
+        raise ValueError("finish: super-group arrays do not cover the output")
+    if nsg == 0 or length == 0:
+        return
+    cdef const float* sp = NULL
+    if stream_values.size:
+        sp = <const float*>_dptr(stream_values, "finish stream")
+    cdef const int64_t* gp = <const int64_t*>_dptr(stream_of_sg, "finish stream_of_sg")
+    cdef const float* mp = <const float*>_dptr(mean_sum, "finish mean_sum")
+    cdef void* op = <void*>_dptr(out, "finish out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_finish(sp, gp, mp, nsg, divisor, op, dtype, length, st)
+    _check(rc, "finish")
+
+
+# ------------------------------------------------------------------ baselines
+# Stream element e < nsg * 256 reads the Source like the DynamiQ kernels
+# (super-group map, centring, zero padding beyond the source's length).
+
+def bf16_compress(Source local, int64_t nsg, out, stream=None):
+    """out[e] = bfloat16(local(e)) (round to nearest even); out is uint16 or bfloat16."""
+    if out.dtype.itemsize != 2:
+        raise TypeError("bf16_compress out must be uint16 or bfloat16")
+    if out.size != nsg * SUPER:
+        raise ValueError("bf16_compress: expected %d elements, got %d" % (nsg * SUPER, out.size))
+    if nsg == 0:
+        return
+    cdef uint16_t* op = <uint16_t*>_dptr(out, "bf16_compress out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_bf16_compress(&local.src, nsg, op, st)
+    _check(rc, "bf16_compress")
+
+
+def bf16_decompress(inp, out, bint accumulate, stream=None):
+    """out (+)= float32(inp), elementwise over inp.size elements."""
+    if inp.dtype.itemsize != 2:
+        raise TypeError("bf16_decompress input must be uint16 or bfloat16")
+    _expect(out, np.float32, inp.size, "bf16_decompress out")
+    cdef int64_t n = inp.size
+    if n == 0:
+        return
+    cdef const uint16_t* ip = <const uint16_t*>_dptr(inp, "bf16_decompress input")
+    cdef float* op = <float*>_dptr(out, "bf16_decompress out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_bf16_decompress(ip, n, op, 1 if accumulate else 0, st)
+    _check(rc, "bf16_decompress")
+
+
+def bf16_dar(inp, Source local, int64_t nsg, out, stream=None):
+    """out[e] = bfloat16(float32(inp[e]) + local(e))."""
+    if inp.dtype.itemsize != 2 or out.dtype.itemsize != 2:
+        raise TypeError("bf16_dar buffers must be uint16 or bfloat16")
+    if inp.size != nsg * SUPER or out.size != nsg * SUPER:
+        raise ValueError("bf16_dar: expected %d elements" % (nsg * SUPER))
+    if nsg == 0:
+        return
+    cdef const uint16_t* ip = <const uint16_t*>_dptr(inp, "bf16_dar input")
+    cdef uint16_t* op = <uint16_t*>_dptr(out, "bf16_dar out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_bf16_dar(ip, &local.src, nsg, op, st)
+    _check(rc, "bf16_dar")
+
+
+def exact_compress(Source local, int64_t nsg, out, stream=None):
+    """out[e] = local(e) (float32)."""
+    _expect(out, np.float32, nsg * SUPER, "exact_compress out")
+    if nsg == 0:
+        return
+    cdef float* op = <float*>_dptr(out, "exact_compress out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_exact_compress(&local.src, nsg, op, st)
+    _check(rc, "exact_compress")
+
+
+def exact_decompress(inp, out, bint accumulate, stream=None):
+    """out (+)= inp (float32), elementwise."""
+    _expect(inp, np.float32, -1, "exact_decompress input")
+    _expect(out, np.float32, inp.size, "exact_decompress out")
+    cdef int64_t n = inp.size
+    if n == 0:
+        return
+    cdef const float* ip = <const float*>_dptr(inp, "exact_decompress input")
+    cdef float* op = <float*>_dptr(out, "exact_decompress out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_exact_decompress(ip, n, op, 1 if accumulate else 0, st)
+    _check(rc, "exact_decompress")
+
+
+def exact_dar(inp, Source local, int64_t nsg, out, stream=None):
+    """out[e] = inp[e] + local(e) (float32)."""
+    _expect(inp, np.float32, nsg * SUPER, "exact_dar input")
+    _expect(out, np.float32, nsg * SUPER, "exact_dar out")
+    if nsg == 0:
+        return
+    cdef const float* ip = <const float*>_dptr(inp, "exact_dar input")
+    cdef float* op = <float*>_dptr(out, "exact_dar out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_exact_dar(ip, &local.src, nsg, op, st)
+    _check(rc, "exact_dar")

@@ -1,0 +1,82 @@
+// dq_gpu_api.h -- C API of the CUDA codec kernels (src_cuda/dq_kernels.cu).
+//
+// Every dq_gpu_* twin of a dq_cpu_* function of dq_api.h produces the same
+// bytes and the same float32 values, bit for bit, for the same inputs (same
+// header math, nvcc -fmad=false -ftz=false -prec-div=true -prec-sqrt=true).
+//
+// Conventions:
+//  * array arguments are DEVICE pointers; DqParams and DqSource are HOST structs
+//    (a DqSource holds device pointers).  The params are passed to the kernel by
+//    value (__grid_constant__), so calls on different streams never share state;
+//  * `stream` is a cudaStream_t as an integer (0: the legacy default stream);
+//  * every function enqueues its work and returns a cudaError_t code (0 on
+//    success, the launch error otherwise); nothing synchronises;
+//  * wire buffers may start at any byte offset (runs are concatenated in one
+//    message); vector accesses are used where the addresses allow.
+#pragma once
+#include <stdint.h>
+#include "dq_api.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+// -------------------------------------------------------------- device/runtime
+int dq_gpu_device_count(int* count);            // cudaGetDeviceCount (never crashes)
+const char* dq_gpu_error_string(int code);      // cudaGetErrorString
+const char* dq_gpu_error_name(int code);        // cudaGetErrorName
+int dq_gpu_ensure_device(int device);           // cudaSetDevice when not current
+int dq_gpu_device_name(int device, char* buf, int buflen);
+int dq_gpu_synchronize(uintptr_t stream);       // cudaStreamSynchronize
+int dq_gpu_last_error(void);                    // cudaGetLastError (clears it)
+
+// -------------------------------------------------------------- DynamiQ codec
+// Statistics (see dq_cpu_stats).  `nonfinite` is one device int64 that receives
+// the count of non-finite inputs (it is zeroed first, on the same stream).
+int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
+                 int64_t* nonfinite, uintptr_t stream);
+
+int dq_gpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,
+                    uint32_t event, uint8_t* out, uintptr_t stream);
+int dq_gpu_decompress(const DqParams* P, const uint8_t* in, int64_t nsg, float* out,
+                      int accumulate, uintptr_t stream);
+// out = compress(decode(in) + local), the float32 sum kept in registers.  `in`
+// and `out` may be the same buffer.
+int dq_gpu_dar(const DqParams* P, const uint8_t* in, const DqSource* local, int64_t nsg,
+               int64_t sg_base, uint32_t event, uint8_t* out, uintptr_t stream);
+int dq_gpu_finish(const float* stream_values, const int64_t* stream_of_sg, const float* mean_sum,
+                  int64_t nsg, float divisor, void* out, int dtype, int64_t length,
+                  uintptr_t stream);
+
+// -------------------------------------------------------------- baselines
+// Stream element e (0 <= e < nsg * 256) is the source value of stream
+// super-group e / 256 (sg_map / sg_offset / mean / zero padding as DqSource).
+// bf16:  compress  out[e] = bf16_rne(local(e))
+//        decompress out[e] (+)= float(in[e])                  (n elements)
+//        dar       out[e] = bf16_rne(float(in[e]) + local(e))
+// exact: compress  out[e] = local(e)
+//        decompress out[e] (+)= in[e]                         (n elements)
+//        dar       out[e] = in[e] + local(e)
+int dq_gpu_bf16_compress(const DqSource* local, int64_t nsg, uint16_t* out, uintptr_t stream);
+int dq_gpu_bf16_decompress(const uint16_t* in, int64_t n, float* out, int accumulate,
+                           uintptr_t stream);
+int dq_gpu_bf16_dar(const uint16_t* in, const DqSource* local, int64_t nsg, uint16_t* out,
+                    uintptr_t stream);
+int dq_gpu_exact_compress(const DqSource* local, int64_t nsg, float* out, uintptr_t stream);
+int dq_gpu_exact_decompress(const float* in, int64_t n, float* out, int accumulate,
+                            uintptr_t stream);
+int dq_gpu_exact_dar(const float* in, const DqSource* local, int64_t nsg, float* out,
+                     uintptr_t stream);
+
+// -------------------------------------------------------------- benchmarking
+// Kernel variant for timing studies only (0 = the default).  Applies to the
+// 4-bit encoders with independent rounding:
+//   1: a one-round hash (NOT bit-identical to the CPU: shows what the
+//      generator costs; see docs/kernels.md);
+//   2, 3: the default code compiled for 5 / 6 resident blocks per SM (fewer
+//      registers, more warps; bit-identical).
+void dq_gpu_set_variant(int variant);
+
+#ifdef __cplusplus
+}
+#endif

@@ -1,0 +1,1127 @@
+// dq_kernels.cu -- the codec operations on the GPU (C API: dq_gpu_api.h).
+//
+// Bit-identical twins of src_cuda/dq_cpu.cpp.  Build with
+//   nvcc -fmad=false -ftz=false -prec-div=true -prec-sqrt=true
+// (no contraction, IEEE division and denormals, like the host's
+// -ffp-contract=off) and keep every reduction in the header's order.
+//
+// Layout of the encoding kernels (compress and the fused
+// decompress-accumulate-recompress "dar"): one warp handles TWO consecutive
+// super-groups per step and every lane owns one group of 16 entries
+// (lanes 0-15: super-group 2p, lanes 16-31: super-group 2p+1).  So the
+// per-group work (scale code, reciprocal, one uniform) is done once per group
+// with no shuffles, the 16 values of a lane are read with 16-byte loads
+// (BF16: 2 x 16 B, float32: 4 x 16 B), a lane writes its group's 2w code bytes
+// with one store, and the super-group maximum needs 4 shuffles.  Level
+// tables live in shared memory (copied once per block from the kernel
+// parameters); the decoded sum of the fused kernel never leaves registers.
+//
+// Exact rewrites of header code used below (each gives the same bits; the
+// tests compare every operation with the CPU on the device, docs/kernels.md):
+//  * a = min(|t|, 1) with fminf/fabsf: equal to the header's clamp for every t,
+//    NaN included (fminf(NaN, 1) = 1); t = -0 takes the t >= 0 entry like the
+//    header (a = 0, p = 0, code R);
+//  * level search: the LUT cell floor(a * 2^b) is read from the bits of
+//    RZ(1 + a); 4-bit codes use a 128-cell LUT of their own (any LUT that is a
+//    lower bound of the level index ends on the same index after the search,
+//    host_build() checks the CPU LUT is one); the test "a >= mag[k+1] && k < R-1"
+//    reads a per-k check value that is +inf for k = R-1; when the host proves
+//    that no cell holds two level boundaries the search is one predicated step;
+//  * each (k, sign) has a table entry {base, inv_gap[k] * 2^32, -, code}:
+//    base = mag[k] (t >= 0) or mag[k+1] (t < 0), code = R + k or R - k - 1, and
+//    S = |a - base| * (inv_gap * 2^32) equals p * 2^32 of the header's
+//    (a - mag[k]) * inv_gap / (mag[k+1] - a) * inv_gap (the differences are >= 0,
+//    RN subtraction is sign-symmetric, and scaling by 2^32 commutes with RN
+//    except below FLT_MIN, where both give a zero threshold); tables whose
+//    inv_gap * 2^32 overflows use the generic kernels (unscaled, loop search);
+//  * dq_round_up: "g32 < (uint32)(thr * 2^32)" with the saturating cvt.rzi.u32
+//    (0 for thr <= 0) and thr >= 1 tested on S >= 2^32; with correlated
+//    rounding thr * 2^32 = n * S - pi * 2^32, exactly;
+//  * dq_event_uniform: the inner mix32's last xorshift-16 and the outer one's
+//    first cancel (an involution), see mix_head / mix_tail;
+//  * dq_unit_bf16 without the double division: the smallest BF16 b with
+//    255 * b >= max (products exact in float), from a one-multiply estimate
+//    and one correction step each way, then the header's saturation step
+//    (unit_bf16 below; checked for every non-negative float bit pattern);
+//  * x >> 16, x >> 15 inside the hashes are __umulhi(x, 2^16 / 2^17):
+//    multiply-high runs on the FMA pipe, relieving the integer ALU;
+//  * correlated rounding: dq_perm_base once per group (the header's own
+//    dq_permute), dq_stratum per coordinate (stratum below).
+#ifndef DQ_EMU
+#include <cuda_runtime.h>
+#endif
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+#include <type_traits>
+#ifndef DQ_EMU
+#include <mutex>
+#include <unordered_map>
+#endif
+
+#include "dq_gpu_api.h"
+
+namespace {
+
+constexpr int kThreads = 256;               // threads per block of every kernel
+constexpr int kWarps = kThreads / 32;
+constexpr unsigned kFull = 0xffffffffu;
+
+template <int W> struct WT;
+template <> struct WT<2> { static constexpr int R = 1;   static constexpr int LUT_BITS = 0; };
+template <> struct WT<4> { static constexpr int R = 7;   static constexpr int LUT_BITS = 7; };
+template <> struct WT<8> { static constexpr int R = 127; static constexpr int LUT_BITS = 12; };
+
+// Kernel parameters derived on the host from DqParams, passed by value.
+struct KParams {
+    uint32_t key_value, key_perm, key_scale;
+    uint32_t n_events, perm_bits;
+    int32_t hierarchical;
+    float n_f;                           // (float)n_events
+    int32_t pad_;
+    // entry 2k (t >= 0) and 2k+1 (t < 0), k < R:
+    //   {mag[k] | mag[k+1], inv_gap[k] * 2^32, check[k], bits of R + k | R - k - 1}
+    float4 tab[2 * DQ_MAX_R];
+    float level[2 * DQ_MAX_R + 2];       // decode table, code -> signed level
+    uint16_t lut[DQ_LUT_SIZE + 8];       // cells 0 .. 2^LUT_BITS (the last: a == 1): 32 k
+};
+
+int g_variant = 0;
+
+// ---------------------------------------------------------------- hashing
+// dq_mix32 with its right shifts as multiply-high (same bits).
+__device__ __forceinline__ uint32_t mix32(uint32_t x) {
+    x ^= __umulhi(x, 0x10000u); x *= 0x7feb352du;
+    x ^= __umulhi(x, 0x20000u); x *= 0x846ca68bu;
+    x ^= __umulhi(x, 0x10000u);
+    return x;
+}
+// Correlated rounding (dq_encode_element): pi = dq_stratum(dq_perm_base(group), coord).
+// The base (a 6-round keyed Feistel permutation of the event, dq_permute) is
+// shared by the 16 coordinates of a group, so a lane computes it once with the
+// header's own functions; the per-coordinate stratum is below (same arithmetic
+// as dq_stratum: h = mix32((coord + C) ^ key_perm ^ C'), shift = (h * n) >> 32).
+__device__ __forceinline__ uint32_t stratum(uint32_t base, uint32_t coord_c, uint32_t key_c,
+                                            uint32_t n) {
+    const uint32_t h = mix32(coord_c ^ key_c);
+    const uint32_t sft = __umulhi(h, n);
+    const uint32_t s = base + sft;
+    return s >= n ? s - n : s;
+}
+// dq_event_uniform(key, coord, event) = mix32(mix32(coord + key) ^ E) with
+// E = event * 0x9e3779b9 + 0x632be5ab.  The inner mix ends with x ^= x >> 16 and
+// the outer one starts with it: that xorshift is an involution on 32 bits and
+// commutes with XOR by a constant up to E -> E ^ (E >> 16), so
+//   uniform = mix_tail(mix_head(coord + key) ^ Ex),  Ex = E ^ (E >> 16),
+// the same bits with two xorshifts (four instructions) fewer per element.
+__device__ __forceinline__ uint32_t mix_head(uint32_t x) {   // mix32 without its last xorshift
+    x ^= __umulhi(x, 0x10000u); x *= 0x7feb352du;
+    x ^= __umulhi(x, 0x20000u); x *= 0x846ca68bu;
+    return x;
+}
+__device__ __forceinline__ uint32_t mix_tail(uint32_t x) {   // mix32 without its first xorshift
+    x *= 0x7feb352du;
+    x ^= __umulhi(x, 0x20000u); x *= 0x846ca68bu;
+    x ^= __umulhi(x, 0x10000u);
+    return x;
+}
+__host__ __device__ __forceinline__ uint32_t event_mix(uint32_t event) {
+    const uint32_t E = event * 0x9e3779b9u + 0x632be5abu;
+    return E ^ (E >> 16);
+}
+template <int HASH>
+__device__ __forceinline__ uint32_t uniform_ck(uint32_t coord_plus_key, uint32_t Ex) {
+    if (HASH == 0) return mix_tail(mix_head(coord_plus_key) ^ Ex);
+    // variant 1 (timing study only, NOT the header's generator): one round.
+    return mix32(coord_plus_key ^ Ex);
+}
+
+// ---------------------------------------------------------------- memory helpers
+__device__ __forceinline__ bool aligned(const void* p, int a) {
+    return (reinterpret_cast<uintptr_t>(p) & (uintptr_t)(a - 1)) == 0;
+}
+__device__ __forceinline__ uint16_t ld_u16(const uint8_t* p) {
+    if (aligned(p, 2)) return *reinterpret_cast<const uint16_t*>(p);
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+__device__ __forceinline__ void st_u16(uint8_t* p, uint16_t v) {
+    if (aligned(p, 2)) { *reinterpret_cast<uint16_t*>(p) = v; return; }
+    p[0] = (uint8_t)(v & 0xFF); p[1] = (uint8_t)(v >> 8);
+}
+// NB bytes (4, 8 or 16) as little-endian 32-bit words.
+template <int NB>
+__device__ __forceinline__ void ld_words(const uint8_t* p, uint32_t (&w)[NB / 4]) {
+    if (aligned(p, NB)) {
+        if (NB == 4) { w[0] = *reinterpret_cast<const uint32_t*>(p); }
+        else if (NB == 8) { uint2 v = *reinterpret_cast<const uint2*>(p); w[0] = v.x; w[1] = v.y; }
+        else { uint4 v = *reinterpret_cast<const uint4*>(p);
+               w[0] = v.x; w[1] = v.y; w[NB / 4 > 2 ? 2 : 0] = v.z; w[NB / 4 > 3 ? 3 : 0] = v.w; }
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < NB / 4; i++)
+        w[i] = (uint32_t)p[4 * i] | ((uint32_t)p[4 * i + 1] << 8) |
+               ((uint32_t)p[4 * i + 2] << 16) | ((uint32_t)p[4 * i + 3] << 24);
+}
+template <int NB>
+__device__ __forceinline__ void st_words(uint8_t* p, const uint32_t (&w)[NB / 4]) {
+    if (aligned(p, NB)) {
+        if (NB == 4) *reinterpret_cast<uint32_t*>(p) = w[0];
+        else if (NB == 8) *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
+        else *reinterpret_cast<uint4*>(p) =
+            make_uint4(w[0], w[1], w[NB / 4 > 2 ? 2 : 0], w[NB / 4 > 3 ? 3 : 0]);
+        return;
+    }
+#pragma unroll
+    for (int i = 0; i < NB / 4; i++) {
+        p[4 * i] = (uint8_t)w[i]; p[4 * i + 1] = (uint8_t)(w[i] >> 8);
+        p[4 * i + 2] = (uint8_t)(w[i] >> 16); p[4 * i + 3] = (uint8_t)(w[i] >> 24);
+    }
+}
+
+// N consecutive source values of input row `row` from element offset i0
+// (dq_source_value: zero beyond length, minus mean[row] when centring).
+// The mean is subtracted unconditionally (0 when there is none): v - 0 == v.
+template <int N>
+__device__ __forceinline__ void load_source(const DqSource& S, int64_t row, int i0, float (&x)[N]) {
+    const int64_t k0 = row * DQ_SUPER + i0;
+    const float m = S.mean ? __ldg(S.mean + row) : 0.0f;   // dq_source_value
+    if (S.dtype) {
+        const uint16_t* p = static_cast<const uint16_t*>(S.x) + k0;
+        if (k0 + N <= S.length && aligned(p, 16)) {
+#pragma unroll
+            for (int v = 0; v < N / 8; v++) {
+                uint4 q = __ldg(reinterpret_cast<const uint4*>(p) + v);
+                uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    x[8 * v + 2 * i] = __uint_as_float(w[i] << 16);
+                    x[8 * v + 2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < N; j++)
+                x[j] = (k0 + j < S.length) ? dq_bf16_to_f32(__ldg(p + j)) : 0.0f;
+        }
+    } else {
+        const float* p = static_cast<const float*>(S.x) + k0;
+        if (k0 + N <= S.length && aligned(p, 16)) {
+#pragma unroll
+            for (int v = 0; v < N / 4; v++) {
+                float4 q = __ldg(reinterpret_cast<const float4*>(p) + v);
+                x[4 * v] = q.x; x[4 * v + 1] = q.y; x[4 * v + 2] = q.z; x[4 * v + 3] = q.w;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < N; j++) x[j] = (k0 + j < S.length) ? __ldg(p + j) : 0.0f;
+        }
+    }
+    if (S.mean) {
+#pragma unroll
+        for (int j = 0; j < N; j++) x[j] = x[j] - m;
+    }
+}
+
+__device__ __forceinline__ int64_t source_row(const DqSource& S, int64_t s) {
+    return S.sg_map ? __ldg(S.sg_map + s) : s - S.sg_offset;
+}
+
+// ---------------------------------------------------------------- tables in shared memory
+template <int W>
+struct SmemTables {
+    static constexpr int R = WT<W>::R;
+    static constexpr int NLUT = (1 << WT<W>::LUT_BITS) + 1;
+    using LutT = typename std::conditional<(W == 8), uint16_t, uint8_t>::type;
+    float4 tab[2 * R];     // {base, inv_gap * 2^32, -, code}, byte offset 32 k + 16 (t < 0)
+    float4 chk[2 * R];     // .x: check[k], at the same byte offsets as tab
+    float level[1 << W];   // every code, the never-sent 2^W - 1 included (as the CPU reads it)
+    LutT lut[(NLUT + 3) & ~3];
+};
+template <int W>
+__device__ __forceinline__ void load_tables(SmemTables<W>& sm, const KParams& kp, bool encode,
+                                            bool decode) {
+    constexpr int R = WT<W>::R;
+    if (encode) {
+        for (int i = threadIdx.x; i < 2 * R; i += blockDim.x) {
+            sm.tab[i] = kp.tab[i];
+            sm.chk[i] = make_float4(kp.tab[i].z, 0.0f, 0.0f, 0.0f);
+        }
+        if (W != 2)
+            for (int i = threadIdx.x; i < SmemTables<W>::NLUT; i += blockDim.x)
+                sm.lut[i] = (typename SmemTables<W>::LutT)kp.lut[i];
+    }
+    if (decode)
+        for (int i = threadIdx.x; i < (1 << W); i += blockDim.x) sm.level[i] = kp.level[i];
+    __syncthreads();
+}
+
+// dq_unit_bf16 (bf16_up(f32_up(max / 255.0 in double))) = the smallest BF16 b
+// with b >= max / 255 (directed roundings compose; the double quotient is never
+// within 2^-31 relative of a float unless equal to it).  Computed as the
+// smallest b with 255 * b >= max: the products are exact in float (8 x 8
+// significant bits), and the one-multiply estimate is within one BF16 step.
+// Branch-free; max = 0 gives 0 (no BF16 b >= 0 is smaller).  Checked against
+// dq_unit_bf16 for every non-negative float bit pattern (inf included).
+__device__ __forceinline__ uint16_t unit_bf16(float m) {
+    uint32_t u = __float_as_uint(m * (1.0f / 255.0f));          // >= 0
+    u = (u & 0xFFFFu) ? ((u + 0x10000u) & 0xFFFF0000u) : u;      // round up to BF16
+    const bool low = __uint_as_float(u) * 255.0f < m;             // one step too small
+    const bool high = u >= 0x10000u && __uint_as_float(u - 0x10000u) * 255.0f >= m;
+    u = low ? u + 0x10000u : (high ? u - 0x10000u : u);
+    // 255 * unit must stay finite: one BF16 step down (the product is exact or inf)
+    if (__uint_as_float(u) * 255.0f > 3.4028234663852886e38f) u -= 0x10000u;
+    return (uint16_t)(u >> 16);
+}
+
+// ---------------------------------------------------------------- one group
+// Read group g of run super-group s: its packed codes and its decoded scale.
+template <int W>
+__device__ __forceinline__ void read_group(const uint8_t* in, int64_t nsg, int64_t s, int g,
+                                           int hierarchical, uint32_t (&cw)[W / 2], float& scale) {
+    ld_words<2 * W>(in + s * (32 * W) + g * (2 * W), cw);
+    const uint8_t* meta = in + nsg * (32 * W);
+    if (hierarchical) {
+        const float unit = dq_bf16_to_f32(ld_u16(meta + nsg * DQ_GROUPS + 2 * s));
+        scale = (float)meta[s * DQ_GROUPS + g] * unit;
+    } else {
+        scale = dq_bf16_to_f32(ld_u16(meta + 2 * (s * DQ_GROUPS + g)));
+    }
+}
+template <int W>
+__device__ __forceinline__ float decode_one(const float* level, const uint32_t (&cw)[W / 2],
+                                            int j, float scale) {
+    const uint32_t code = (cw[(j * W) >> 5] >> ((j * W) & 31)) & ((1u << W) - 1u);
+    return level[code] * scale;
+}
+
+// Encode the 16 values x of group g of run super-group s (stream index sidx)
+// into out (the whole run's wire buffer).  All 32 lanes must call it (it
+// shuffles); lanes with valid == false store nothing.
+template <int W, bool CORR, bool ONESTEP, int HASH>
+__device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables<W>& sm,
+                                             float (&x)[16], uint8_t* out, int64_t nsg, int64_t s,
+                                             int64_t sidx, int g, bool valid, uint32_t event,
+                                             uint32_t Ex, bool units_aligned) {
+    // group maximum, then the super-group maximum over the 16 lanes of this half
+    float gm = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 16; j++) gm = fmaxf(gm, fabsf(x[j]));
+    float smax = gm;
+    smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, 1));
+    smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, 2));
+    smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, 4));
+    smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, 8));
+
+    uint8_t* meta = out + nsg * (32 * W);
+    float ns;   // the scale the group's values are normalised by
+    if (kp.hierarchical) {
+        const uint16_t unit_bits = unit_bf16(smax);
+        const float unit = dq_bf16_to_f32(unit_bits);
+        const uint32_t group = (uint32_t)(sidx * DQ_GROUPS + g);
+        // dq_encode_group_scale: dq_scale_code(gm, unit, dq_event_uniform(key_scale, group, event))
+        const uint32_t gcode = dq_scale_code(gm, unit, uniform_ck<0>(group + kp.key_scale, Ex));
+        if (valid) {
+            meta[s * DQ_GROUPS + g] = (uint8_t)gcode;
+            if (g == 0) {
+                uint8_t* up = meta + nsg * DQ_GROUPS + 2 * s;
+                if (units_aligned) *reinterpret_cast<uint16_t*>(up) = unit_bits;
+                else { up[0] = (uint8_t)unit_bits; up[1] = (uint8_t)(unit_bits >> 8); }
+            }
+        }
+        ns = gm;
+    } else {
+        const uint16_t b = gm > 0.0f ? dq_f32_to_bf16_up(gm) : (uint16_t)0;
+        if (valid) st_u16(meta + 2 * (s * DQ_GROUPS + g), b);
+        ns = dq_bf16_to_f32(b);
+    }
+    // dq_norm_for_scale; an all-zero group gets inv = 0, so t = +-0 and every
+    // code is R (the header's explicit zero code), with no branch.
+    float inv = 0.0f;
+    if (ns > 0.0f) {
+        if (ns < 1.17549435e-38f) {
+            ns = ns * 18446744073709551616.0f;
+#pragma unroll
+            for (int j = 0; j < 16; j++) x[j] = x[j] * 18446744073709551616.0f;
+        }
+        inv = 1.0f / ns;
+    }
+
+    constexpr int SHIFT = 23 - WT<W>::LUT_BITS;
+    // lut[(bits(RZ(1 + a)) >> SHIFT) - (bits(1.0f) >> SHIFT)] = lut[floor(a * 2^LUT_BITS)]
+    constexpr uint32_t LUT_ORIGIN = 0x3F800000u >> SHIFT;
+    const char* tabb = reinterpret_cast<const char*>(sm.tab);
+    const char* chkb = reinterpret_cast<const char*>(sm.chk);
+    const uint32_t coord0 = (uint32_t)(sidx * DQ_SUPER + g * DQ_GROUP);
+    const uint32_t ck0 = coord0 + kp.key_value;
+    uint32_t pbase = 0u;       // dq_perm_base(P, coord >> 4, event): one per group
+    if (CORR) pbase = dq_permute(event, kp.n_events, kp.perm_bits, dq_mix32((coord0 >> 4) ^ kp.key_perm));
+    const uint32_t cc0 = coord0 + 0x6a09e667u;          // dq_stratum's (coord + C)
+    const uint32_t key_c = kp.key_perm ^ 0xbb67ae85u;   // and key_perm ^ C'
+    uint32_t cw[W / 2];
+#pragma unroll
+    for (int i = 0; i < W / 2; i++) cw[i] = 0u;
+#pragma unroll
+    for (int j = 0; j < 16; j++) {
+        const float t = x[j] * inv;
+        const float a = fminf(fabsf(t), 1.0f);
+        // (t = -0 takes the t >= 0 entry like the header: a = 0, p = 0, code R)
+        uint32_t off = (W == 2) ? 0u : (uint32_t)sm.lut[(__float_as_uint(__fadd_rz(a, 1.0f)) >> SHIFT) - LUT_ORIGIN];
+        if (t < 0.0f) off += 16u;
+        if (W != 2) {
+            if (ONESTEP) {
+                if (a >= *reinterpret_cast<const float*>(chkb + off)) off += 32u;
+            } else {
+                while (a >= *reinterpret_cast<const float*>(chkb + off)) off += 32u;
+            }
+        }
+        const float4 T = *reinterpret_cast<const float4*>(tabb + off);
+        float S = fabsf(a - T.x) * T.y;                 // p * 2^32
+        if (!ONESTEP) S = S * 4294967296.0f;            // generic tables: T.y = inv_gap
+        if (CORR) {
+            const uint32_t pi = stratum(pbase, cc0 + (uint32_t)j, key_c, kp.n_events);
+            const float np = kp.n_f * S;                 // n p 2^32
+            S = np - (float)pi * 4294967296.0f;          // (n p - pi) 2^32
+        }
+        const uint32_t g32 = uniform_ck<HASH>(ck0 + (uint32_t)j, Ex);
+        const uint32_t lim = __float2uint_rz(S);
+        cw[(j * W) >> 5] += __float_as_uint(T.w) << ((j * W) & 31);
+        if ((S >= 4294967296.0f) | (g32 < lim)) cw[(j * W) >> 5] += 1u << ((j * W) & 31);
+    }
+    if (valid) st_words<2 * W>(out + s * (32 * W) + g * (2 * W), cw);
+}
+
+// ---------------------------------------------------------------- kernels
+// One lane's inputs for one step (its group of one super-group), fetched a step
+// ahead so the loads of step i+1 are in flight while step i computes.
+template <int W, int DT, bool DAR>
+struct Fetched {
+    uint32_t raw[DT ? 8 : 16];     // BF16 pairs (little-endian) or float32 bits
+    float mean;
+    uint32_t cw[W / 2];            // DAR: the incoming group's packed codes
+    float scale;                   // DAR: its decoded scale
+};
+
+// fast: the source rows below full_rows are whole and 16-byte aligned (else 0)
+template <int W, int DT, bool DAR>
+__device__ __forceinline__ void fetch(Fetched<W, DT, DAR>& F, const KParams& kp, const DqSource& src,
+                                      const uint8_t* in, int64_t nsg, int64_t s, int64_t sidx,
+                                      int g, int64_t full_rows) {
+    const int64_t row = source_row(src, sidx);
+    F.mean = src.mean ? __ldg(src.mean + row) : 0.0f;
+    const int64_t k0 = row * DQ_SUPER + g * DQ_GROUP;
+    const bool fast = (uint64_t)row < (uint64_t)full_rows;
+    if (DT) {
+        const uint16_t* p = static_cast<const uint16_t*>(src.x) + k0;
+        if (fast) {
+            const uint4 a = __ldg(reinterpret_cast<const uint4*>(p));
+            const uint4 b = __ldg(reinterpret_cast<const uint4*>(p) + 1);
+            F.raw[0] = a.x; F.raw[1] = a.y; F.raw[2] = a.z; F.raw[3] = a.w;
+            F.raw[4] = b.x; F.raw[5] = b.y; F.raw[6] = b.z; F.raw[7] = b.w;
+        } else {
+#pragma unroll
+            for (int i = 0; i < 8; i++) {
+                const uint32_t lo = (k0 + 2 * i < src.length) ? __ldg(p + 2 * i) : 0u;
+                const uint32_t hi = (k0 + 2 * i + 1 < src.length) ? __ldg(p + 2 * i + 1) : 0u;
+                F.raw[i] = lo | (hi << 16);
+            }
+        }
+    } else {
+        const float* p = static_cast<const float*>(src.x) + k0;
+        if (fast) {
+#pragma unroll
+            for (int v = 0; v < 4; v++) {
+                const uint4 q = __ldg(reinterpret_cast<const uint4*>(p) + v);
+                F.raw[4 * v] = q.x; F.raw[4 * v + 1] = q.y; F.raw[4 * v + 2] = q.z; F.raw[4 * v + 3] = q.w;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 16; j++)
+                F.raw[j] = (k0 + j < src.length) ? __float_as_uint(__ldg(p + j)) : 0u;
+        }
+    }
+    if (DAR) read_group<W>(in, nsg, s, g, kp.hierarchical, F.cw, F.scale);
+}
+
+template <int W, int DT, bool CORR, bool DAR, bool ONESTEP, int HASH, int MINB = 0>
+__global__ void __launch_bounds__(kThreads, MINB)
+k_encode(const __grid_constant__ KParams kp, const DqSource src, const uint8_t* in, uint8_t* out,
+         int64_t nsg, int64_t sg_base, uint32_t event) {
+    __shared__ SmemTables<W> sm;
+    load_tables<W>(sm, kp, true, DAR);
+    const int lane = threadIdx.x & 31;
+    const int g = lane & 15;
+    const int half = lane >> 4;
+    const int64_t npairs = (nsg + 1) >> 1;
+    const uint32_t Ex = event_mix(event);
+    const int64_t stride = (int64_t)gridDim.x * kWarps;
+    int64_t pair = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
+    // rows whose 256 values are all inside the source and 16-byte aligned (vector loads)
+    const int64_t full_rows = aligned(src.x, 16) ? src.length / DQ_SUPER : 0;
+    const bool units_aligned = aligned(out + nsg * (32 * W + DQ_GROUPS), 2);
+    Fetched<W, DT, DAR> cur = {};
+    if (pair < npairs && 2 * pair + half < nsg)
+        fetch<W, DT, DAR>(cur, kp, src, in, nsg, 2 * pair + half, sg_base + 2 * pair + half, g,
+                          full_rows);
+    for (; pair < npairs; pair += stride) {
+        const int64_t s = 2 * pair + half;
+        const bool valid = s < nsg;
+        const int64_t sidx = sg_base + s;
+        // prefetch the next step's inputs
+        Fetched<W, DT, DAR> nxt;
+        const int64_t s2 = s + 2 * stride;
+        if (pair + stride < npairs && s2 < nsg)
+            fetch<W, DT, DAR>(nxt, kp, src, in, nsg, s2, sg_base + s2, g, full_rows);
+        // (a lane of a missing super-group works on whatever it holds and stores nothing)
+        float x[16];
+        {
+            if (DT) {
+#pragma unroll
+                for (int i = 0; i < 8; i++) {
+                    x[2 * i] = __uint_as_float(cur.raw[i] << 16);
+                    x[2 * i + 1] = __uint_as_float(cur.raw[i] & 0xFFFF0000u);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 16; j++) x[j] = __uint_as_float(cur.raw[j]);
+            }
+            if (src.mean) {   // dq_source_value: v - mean[row]
+#pragma unroll
+                for (int j = 0; j < 16; j++) x[j] = x[j] - cur.mean;
+            }
+            if (DAR) {
+#pragma unroll
+                for (int j = 0; j < 16; j++)
+                    x[j] = decode_one<W>(sm.level, cur.cw, j, cur.scale) + x[j];
+            }
+        }
+        encode_group<W, CORR, ONESTEP, HASH>(kp, sm, x, out, nsg, s, sidx, g, valid, event, Ex,
+                                             units_aligned);
+        cur = nxt;
+    }
+}
+
+// Decompress: each thread step produces 4 consecutive outputs (one float4), so
+// the warp reads 32 consecutive code pieces and writes 512 consecutive bytes.
+template <int W>
+__global__ void __launch_bounds__(kThreads)
+k_decompress(const __grid_constant__ KParams kp, const uint8_t* in, int64_t nsg, float* out,
+             int accumulate) {
+    __shared__ SmemTables<W> sm;
+    load_tables<W>(sm, kp, false, true);
+    const int64_t nchunks = nsg * (DQ_SUPER / 4);
+    const uint8_t* meta = in + nsg * (32 * W);
+    // codes of a chunk: W/2 bytes at in + c * (W/2); aligned when in is
+    const bool codes_aligned = aligned(in, W / 2 > 1 ? W / 2 : 1);
+    const bool out_aligned = aligned(out, 16);
+    const bool units_aligned = aligned(meta + nsg * DQ_GROUPS, 2);
+    for (int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x; c < nchunks;
+         c += (int64_t)gridDim.x * kThreads) {
+        const int64_t s = c >> 6;                 // 64 chunks per super-group
+        const int64_t grp = c >> 2;               // global group index s * 16 + g
+        const uint8_t* cp = in + c * (W / 2);
+        uint32_t bits;
+        if (W == 2) bits = cp[0];
+        else if (W == 4) bits = codes_aligned ? *reinterpret_cast<const uint16_t*>(cp)
+                                              : (uint32_t)(cp[0] | (cp[1] << 8));
+        else bits = codes_aligned ? *reinterpret_cast<const uint32_t*>(cp)
+                                  : (uint32_t)cp[0] | ((uint32_t)cp[1] << 8) |
+                                    ((uint32_t)cp[2] << 16) | ((uint32_t)cp[3] << 24);
+        float scale;
+        if (kp.hierarchical) {
+            const uint8_t* up = meta + nsg * DQ_GROUPS + 2 * s;
+            const uint16_t ub = units_aligned ? *reinterpret_cast<const uint16_t*>(up)
+                                              : (uint16_t)(up[0] | (up[1] << 8));
+            scale = (float)meta[grp] * dq_bf16_to_f32(ub);
+        } else {
+            scale = dq_bf16_to_f32(ld_u16(meta + 2 * grp));
+        }
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+            v[j] = sm.level[(bits >> (j * W)) & ((1u << W) - 1u)] * scale;
+        float* o = out + 4 * c;
+        if (out_aligned) {
+            float4* o4 = reinterpret_cast<float4*>(o);
+            if (accumulate) {
+                float4 a = *o4;
+                a.x = a.x + v[0]; a.y = a.y + v[1]; a.z = a.z + v[2]; a.w = a.w + v[3];
+                *o4 = a;
+            } else {
+                *o4 = make_float4(v[0], v[1], v[2], v[3]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 4; j++) o[j] = accumulate ? o[j] + v[j] : v[j];
+        }
+    }
+}
+
+// Statistics: one warp per super-group, lane holds entries lane + 32 k, so the
+// header's halving tree is k-pairs in registers for h >= 32, then shuffles.
+__device__ __forceinline__ double tree_sum_warp(double (&b)[8]) {
+#pragma unroll
+    for (int k = 0; k < 4; k++) b[k] = b[k] + b[k + 4];
+    b[0] = b[0] + b[2];
+    b[1] = b[1] + b[3];
+    b[0] = b[0] + b[1];
+    double v = b[0];
+#pragma unroll
+    for (int h = 16; h >= 1; h >>= 1) v = v + __shfl_down_sync(kFull, v, h);
+    return __shfl_sync(kFull, v, 0);
+}
+__global__ void __launch_bounds__(kThreads)
+k_stats(const DqSource S, int64_t nsg, int centre, float* mean, float* norm2,
+        unsigned long long* nonfinite) {
+    const int lane = threadIdx.x & 31;
+    unsigned long long bad = 0;
+    for (int64_t s = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5); s < nsg;
+         s += (int64_t)gridDim.x * kWarps) {
+        float v[8];
+        double b[8];
+        float amax = 0.0f;
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const int64_t idx = s * DQ_SUPER + lane + 32 * k;
+            float val = 0.0f;
+            if (idx < S.length)
+                val = S.dtype ? dq_bf16_to_f32(__ldg(static_cast<const uint16_t*>(S.x) + idx))
+                              : __ldg(static_cast<const float*>(S.x) + idx);
+            v[k] = val;
+            bad += isfinite(val) ? 0u : 1u;
+            b[k] = (double)val;
+            amax = fmaxf(amax, fabsf(val));          // NaN ignored, like the CPU's a > m
+        }
+#pragma unroll
+        for (int h = 16; h >= 1; h >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, h));
+        float mu = 0.0f;
+        if (centre) mu = dq_mean_from_sum(tree_sum_warp(b), amax);
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const double c = (double)(v[k] - mu);
+            b[k] = c * c;
+        }
+        const float f = dq_norm2_to_f32(tree_sum_warp(b));
+        if (lane == 0) { mean[s] = mu; norm2[s] = f; }
+    }
+    // one atomic per warp that saw a non-finite value
+#pragma unroll
+    for (int h = 16; h >= 1; h >>= 1) bad += __shfl_xor_sync(kFull, bad, h);
+    if (lane == 0 && bad) atomicAdd(nonfinite, bad);
+}
+
+// Final scatter: 8 entries per thread step (one input super-group each).
+__global__ void __launch_bounds__(kThreads)
+k_finish(const float* stream, const int64_t* stream_of_sg, const float* mean_sum, int64_t nsg,
+         float divisor, void* out, int dtype, int64_t length) {
+    const int64_t nchunks = nsg * (DQ_SUPER / 8);
+    for (int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x; c < nchunks;
+         c += (int64_t)gridDim.x * kThreads) {
+        const int64_t g = c >> 5;
+        const int i0 = (int)(c & 31) * 8;
+        const int64_t k0 = g * DQ_SUPER + i0;
+        if (k0 >= length) continue;
+        const int64_t s = __ldg(stream_of_sg + g);
+        const float ms = __ldg(mean_sum + g);
+        float v[8];
+        if (s >= 0) {
+            const float* p = stream + s * DQ_SUPER + i0;
+            if (aligned(p, 16)) {
+                float4 a = __ldg(reinterpret_cast<const float4*>(p));
+                float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+                v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+                v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++) v[j] = __ldg(p + j);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = 0.0f;
+        }
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            v[j] = v[j] + ms;
+            if (divisor != 1.0f) v[j] = v[j] / divisor;
+        }
+        const bool full = k0 + 8 <= length;
+        if (dtype) {
+            uint16_t* o = static_cast<uint16_t*>(out) + k0;
+            if (full && aligned(o, 16)) {
+                uint32_t w[4];
+#pragma unroll
+                for (int i = 0; i < 4; i++)
+                    w[i] = (uint32_t)dq_f32_to_bf16_rne(v[2 * i]) |
+                           ((uint32_t)dq_f32_to_bf16_rne(v[2 * i + 1]) << 16);
+                *reinterpret_cast<uint4*>(o) = make_uint4(w[0], w[1], w[2], w[3]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    if (k0 + j < length) o[j] = dq_f32_to_bf16_rne(v[j]);
+            }
+        } else {
+            float* o = static_cast<float*>(out) + k0;
+            if (full && aligned(o, 16)) {
+                reinterpret_cast<float4*>(o)[0] = make_float4(v[0], v[1], v[2], v[3]);
+                reinterpret_cast<float4*>(o)[1] = make_float4(v[4], v[5], v[6], v[7]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++)
+                    if (k0 + j < length) o[j] = v[j];
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- baselines
+// OP 0: bf16 compress, 1: bf16 dar, 2: exact compress, 3: exact dar.
+template <int OP>
+__global__ void __launch_bounds__(kThreads)
+k_plain_encode(const DqSource src, int64_t nsg, const void* in, void* out) {
+    const int64_t nchunks = nsg * (DQ_SUPER / 8);
+    for (int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x; c < nchunks;
+         c += (int64_t)gridDim.x * kThreads) {
+        const int64_t s = c >> 5;
+        const int i0 = (int)(c & 31) * 8;
+        float v[8];
+        load_source<8>(src, source_row(src, s), i0, v);
+        const int64_t e0 = s * DQ_SUPER + i0;
+        if (OP == 1) {
+            const uint16_t* p = static_cast<const uint16_t*>(in) + e0;
+            if (aligned(p, 16)) {
+                uint4 q = *reinterpret_cast<const uint4*>(p);
+                uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    v[2 * i] = __uint_as_float(w[i] << 16) + v[2 * i];
+                    v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u) + v[2 * i + 1];
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++) v[j] = dq_bf16_to_f32(p[j]) + v[j];
+            }
+        } else if (OP == 3) {
+            const float* p = static_cast<const float*>(in) + e0;
+            if (aligned(p, 16)) {
+                float4 a = reinterpret_cast<const float4*>(p)[0];
+                float4 b = reinterpret_cast<const float4*>(p)[1];
+                v[0] = a.x + v[0]; v[1] = a.y + v[1]; v[2] = a.z + v[2]; v[3] = a.w + v[3];
+                v[4] = b.x + v[4]; v[5] = b.y + v[5]; v[6] = b.z + v[6]; v[7] = b.w + v[7];
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++) v[j] = p[j] + v[j];
+            }
+        }
+        if (OP <= 1) {
+            uint16_t* o = static_cast<uint16_t*>(out) + e0;
+            uint16_t h[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) h[j] = dq_f32_to_bf16_rne(v[j]);
+            if (aligned(o, 16)) {
+                *reinterpret_cast<uint4*>(o) = make_uint4(
+                    h[0] | ((uint32_t)h[1] << 16), h[2] | ((uint32_t)h[3] << 16),
+                    h[4] | ((uint32_t)h[5] << 16), h[6] | ((uint32_t)h[7] << 16));
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++) o[j] = h[j];
+            }
+        } else {
+            float* o = static_cast<float*>(out) + e0;
+            if (aligned(o, 16)) {
+                reinterpret_cast<float4*>(o)[0] = make_float4(v[0], v[1], v[2], v[3]);
+                reinterpret_cast<float4*>(o)[1] = make_float4(v[4], v[5], v[6], v[7]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++) o[j] = v[j];
+            }
+        }
+    }
+}
+
+// out[e] (+)= float(in[e]) for n elements; BF16 (IS_BF16) or float32 input.
+template <bool IS_BF16>
+__global__ void __launch_bounds__(kThreads)
+k_plain_decode(const void* in, int64_t n, float* out, int accumulate) {
+    const int64_t nchunks = (n + 7) >> 3;
+    for (int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x; c < nchunks;
+         c += (int64_t)gridDim.x * kThreads) {
+        const int64_t e0 = c * 8;
+        float v[8];
+        const bool full = e0 + 8 <= n;
+        if (IS_BF16) {
+            const uint16_t* p = static_cast<const uint16_t*>(in) + e0;
+            if (full && aligned(p, 16)) {
+                uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
+                uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    v[2 * i] = __uint_as_float(w[i] << 16);
+                    v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+                }
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++) v[j] = (e0 + j < n) ? dq_bf16_to_f32(p[j]) : 0.0f;
+            }
+        } else {
+            const float* p = static_cast<const float*>(in) + e0;
+            if (full && aligned(p, 16)) {
+                float4 a = __ldg(reinterpret_cast<const float4*>(p));
+                float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+                v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+                v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+            } else {
+#pragma unroll
+                for (int j = 0; j < 8; j++) v[j] = (e0 + j < n) ? p[j] : 0.0f;
+            }
+        }
+        float* o = out + e0;
+        if (full && aligned(o, 16)) {
+            float4* o4 = reinterpret_cast<float4*>(o);
+            if (accumulate) {
+                float4 a = o4[0], b = o4[1];
+                a.x = a.x + v[0]; a.y = a.y + v[1]; a.z = a.z + v[2]; a.w = a.w + v[3];
+                b.x = b.x + v[4]; b.y = b.y + v[5]; b.z = b.z + v[6]; b.w = b.w + v[7];
+                o4[0] = a; o4[1] = b;
+            } else {
+                o4[0] = make_float4(v[0], v[1], v[2], v[3]);
+                o4[1] = make_float4(v[4], v[5], v[6], v[7]);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                if (e0 + j < n) o[j] = accumulate ? o[j] + v[j] : v[j];
+        }
+    }
+}
+
+// ---------------------------------------------------------------- host side
+// Derive the kernel parameters.  Returns cudaErrorInvalidValue for params the
+// kernels cannot reproduce bit for bit: a width other than 2/4/8, levels not
+// increasing from 0, or a LUT that is not a lower bound of the level index
+// (levels.py builds valid ones).  *onestep tells whether every LUT cell holds
+// at most one level boundary (then the search is a single predicated step).
+int host_build(const DqParams* P, KParams* kp, bool* onestep) {
+    const int w = P->width;
+    if (w != 2 && w != 4 && w != 8) return (int)cudaErrorInvalidValue;
+    const int R = (1 << (w - 1)) - 1;
+    if (P->radius != R) return (int)cudaErrorInvalidValue;
+    memset(kp, 0, sizeof(*kp));
+    kp->key_value = P->key_value;
+    kp->key_perm = P->key_perm;
+    kp->key_scale = P->key_scale;
+    kp->n_events = P->n_events;
+    kp->perm_bits = P->perm_bits;
+    kp->hierarchical = P->hierarchical;
+    kp->n_f = (float)P->n_events;
+    if (!(P->mag[0] == 0.0f)) return (int)cudaErrorInvalidValue;
+    for (int r = 0; r < R; r++)
+        if (!(P->mag[r] < P->mag[r + 1])) return (int)cudaErrorInvalidValue;
+    // One-step search and inv_gap * 2^32 in the table, unless a cell holds two
+    // level boundaries or inv_gap * 2^32 overflows (crowded levels): then the
+    // generic kernels search with a loop and multiply by 2^32 after rounding.
+    *onestep = true;
+    for (int k = 0; k < R; k++)
+        if (!(P->inv_gap[k] * 4294967296.0f <= 3.4028234663852886e38f)) *onestep = false;
+    if (w != 2) {
+        const int bits = (w == 8) ? WT<8>::LUT_BITS : WT<4>::LUT_BITS;
+        const int cells = 1 << bits;
+        for (int c = 0; c <= cells; c++) {
+            int k;
+            if (w == 8) {
+                k = P->lut[c < DQ_LUT_SIZE ? c : DQ_LUT_SIZE - 1];  // a == 1: the CPU clamps the cell
+            } else {
+                const float lo = (float)c / (float)cells;            // exact
+                k = 0;
+                while (k < R - 1 && P->mag[k + 1] <= lo) k++;
+            }
+            kp->lut[c] = (uint16_t)(32 * k);
+            // a in [c / cells, (c + 1) / cells) (a == 1 for the last cell) moves at
+            // most one step past k when mag[k + 2] >= the cell's upper end.
+            if (k + 2 <= R - 1) {
+                const float hi = (c < cells) ? (float)(c + 1) / (float)cells : 1.0f;
+                if (c == cells || !(P->mag[k + 2] >= hi)) *onestep = false;
+            }
+        }
+    }
+    if (w == 2 && !*onestep) return (int)cudaErrorInvalidValue;   // inv_gap = 1: cannot happen
+    for (int k = 0; k < R; k++) {
+        const float ig32 = *onestep ? P->inv_gap[k] * 4294967296.0f   // exact (power of two)
+                                    : P->inv_gap[k];
+        const float check = (k < R - 1) ? P->mag[k + 1] : INFINITY;
+        const uint32_t cpos = (uint32_t)(R + k), cneg = (uint32_t)(R - k - 1);
+        float fpos, fneg;
+        memcpy(&fpos, &cpos, 4);
+        memcpy(&fneg, &cneg, 4);
+        kp->tab[2 * k] = make_float4(P->mag[k], ig32, check, fpos);
+        kp->tab[2 * k + 1] = make_float4(P->mag[k + 1], ig32, check, fneg);
+    }
+    for (int c = 0; c < (1 << w); c++) kp->level[c] = P->level[c];
+    // The CPU LUT must be a lower bound of the level index (mag[lut[c]] <= c/4096).
+    for (int c = 0; c < DQ_LUT_SIZE; c++) {
+        const int k = P->lut[c];
+        if (k > R - 1) return (int)cudaErrorInvalidValue;
+        if (!(P->mag[k] <= (float)c / (float)DQ_LUT_SIZE)) return (int)cudaErrorInvalidValue;
+    }
+    return 0;
+}
+
+#ifndef DQ_EMU   // (tools/emu: the kernels run on a host SIMT emulator; no launches)
+int sm_count() {
+    static int cached[64] = {0};
+    int dev = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || dev < 0) return 132;
+    if (dev < 64 && cached[dev]) return cached[dev];
+    int n = 0;
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0)
+        n = 132;
+    if (dev < 64) cached[dev] = n;
+    return n;
+}
+// Resident blocks of kThreads threads per SM for a kernel (cached per kernel).
+int resident_per_sm(const void* kernel) {
+    static std::mutex mu;
+    static std::unordered_map<const void*, int> cache;
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = cache.find(kernel);
+    if (it != cache.end()) return it->second;
+    int n = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, 0) != cudaSuccess ||
+        n <= 0) {
+        cudaGetLastError();
+        n = 4;
+    }
+    cache[kernel] = n;
+    return n;
+}
+// Blocks for `units` work items handled `per_block` at a time: never more than
+// fit on the GPU at once (the kernels loop grid-stride, a persistent grid).
+unsigned grid_for(int64_t units, int per_block, int blocks_per_sm = 8) {
+    int64_t b = (units + per_block - 1) / per_block;
+    const int64_t cap = (int64_t)sm_count() * blocks_per_sm;
+    if (b > cap) b = cap;
+    if (b < 1) b = 1;
+    return (unsigned)b;
+}
+template <class Kernel>
+unsigned grid_resident(Kernel kernel, int64_t units, int per_block) {
+    return grid_for(units, per_block, resident_per_sm(reinterpret_cast<const void*>(kernel)));
+}
+
+// host_build() on the params of the previous call of this thread, when equal.
+struct ParamsCache {
+    DqParams last;
+    KParams kp;
+    bool onestep = true;
+    bool valid = false;
+    int build(const DqParams* P) {
+        if (valid && memcmp(P, &last, sizeof(DqParams)) == 0) return 0;
+        valid = false;
+        int rc = host_build(P, &kp, &onestep);
+        if (rc) return rc;
+        memcpy(&last, P, sizeof(DqParams));
+        valid = true;
+        return 0;
+    }
+};
+thread_local ParamsCache g_params_cache;
+
+int launch_result() { return (int)cudaGetLastError(); }
+
+struct EncodeArgs {
+    const DqSource* src;
+    const uint8_t* in;
+    uint8_t* out;
+    int64_t nsg, sg_base;
+    uint32_t event;
+    cudaStream_t st;
+};
+
+template <int W, int DT, bool CORR, bool DAR, bool ONESTEP, int HASH, int MINB = 0>
+int launch_encode_k(const KParams& kp, const EncodeArgs& A) {
+    const int64_t npairs = (A.nsg + 1) / 2;
+    auto kern = k_encode<W, DT, CORR, DAR, ONESTEP, HASH, MINB>;
+    kern<<<grid_resident(kern, npairs, kWarps), kThreads, 0, A.st>>>(
+        kp, *A.src, A.in, A.out, A.nsg, A.sg_base, A.event);
+    return launch_result();
+}
+template <int W, int DT, bool CORR, bool DAR>
+int launch_encode_v(const KParams& kp, const EncodeArgs& A, bool onestep) {
+    if (W == 2) return launch_encode_k<W, DT, CORR, DAR, true, 0>(kp, A);
+    if (!onestep) return launch_encode_k<W, DT, CORR, DAR, false, 0>(kp, A);
+    if (W == 4 && !CORR) {   // timing studies (dq_gpu_set_variant)
+        if (g_variant == 1) return launch_encode_k<W, DT, CORR, DAR, true, 1>(kp, A);
+        if (g_variant == 2) return launch_encode_k<W, DT, CORR, DAR, true, 0, 5>(kp, A);
+        if (g_variant == 3) return launch_encode_k<W, DT, CORR, DAR, true, 0, 6>(kp, A);
+    }
+    return launch_encode_k<W, DT, CORR, DAR, true, 0>(kp, A);
+}
+template <int W, bool DAR>
+int launch_encode_w(const KParams& kp, const EncodeArgs& A, bool corr, bool onestep) {
+    if (A.src->dtype) {
+        return corr ? launch_encode_v<W, 1, true, DAR>(kp, A, onestep)
+                    : launch_encode_v<W, 1, false, DAR>(kp, A, onestep);
+    }
+    return corr ? launch_encode_v<W, 0, true, DAR>(kp, A, onestep)
+                : launch_encode_v<W, 0, false, DAR>(kp, A, onestep);
+}
+template <bool DAR>
+int launch_encode(const DqParams* P, const DqSource* local, const uint8_t* in, int64_t nsg,
+                  int64_t sg_base, uint32_t event, uint8_t* out, uintptr_t stream) {
+    if (nsg <= 0) return 0;
+    if (!P || !local || !out || (DAR && !in)) return (int)cudaErrorInvalidValue;
+    if (local->dtype != 0 && local->dtype != 1) return (int)cudaErrorInvalidValue;
+    ParamsCache& pc = g_params_cache;   // ~16 KB: not on the caller's stack
+    int rc = pc.build(P);
+    if (rc) return rc;
+    const KParams& kp = pc.kp;
+    const bool onestep = pc.onestep;
+    const EncodeArgs A{local, in, out, nsg, sg_base, event, reinterpret_cast<cudaStream_t>(stream)};
+    const bool corr = P->correlated != 0;
+    switch (P->width) {
+        case 2: return launch_encode_w<2, DAR>(kp, A, corr, onestep);
+        case 4: return launch_encode_w<4, DAR>(kp, A, corr, onestep);
+        default: return launch_encode_w<8, DAR>(kp, A, corr, onestep);
+    }
+}
+
+#endif  // DQ_EMU
+}  // namespace
+#ifndef DQ_EMU
+
+// ================================================================ C API
+extern "C" {
+
+int dq_gpu_device_count(int* count) {
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (count) *count = (e == cudaSuccess) ? n : 0;
+    return (int)e;
+}
+const char* dq_gpu_error_string(int code) { return cudaGetErrorString((cudaError_t)code); }
+const char* dq_gpu_error_name(int code) { return cudaGetErrorName((cudaError_t)code); }
+int dq_gpu_ensure_device(int device) {
+    int cur = -1;
+    cudaError_t e = cudaGetDevice(&cur);
+    if (e != cudaSuccess) return (int)e;
+    if (cur == device) return 0;
+    return (int)cudaSetDevice(device);
+}
+int dq_gpu_device_name(int device, char* buf, int buflen) {
+    cudaDeviceProp prop;
+    cudaError_t e = cudaGetDeviceProperties(&prop, device);
+    if (e != cudaSuccess) return (int)e;
+    if (buf && buflen > 0) {
+        strncpy(buf, prop.name, (size_t)buflen - 1);
+        buf[buflen - 1] = 0;
+    }
+    return 0;
+}
+int dq_gpu_synchronize(uintptr_t stream) {
+    return (int)cudaStreamSynchronize(reinterpret_cast<cudaStream_t>(stream));
+}
+int dq_gpu_last_error(void) { return (int)cudaGetLastError(); }
+void dq_gpu_set_variant(int variant) { g_variant = variant; }
+
+int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
+                 int64_t* nonfinite, uintptr_t stream) {
+    cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    if (!S || !nonfinite) return (int)cudaErrorInvalidValue;
+    if (S->sg_map || S->mean) return (int)cudaErrorInvalidValue;
+    cudaError_t e = cudaMemsetAsync(nonfinite, 0, sizeof(int64_t), st);
+    if (e != cudaSuccess) return (int)e;
+    if (nsg <= 0) return 0;
+    k_stats<<<grid_for(nsg, kWarps), kThreads, 0, st>>>(
+        *S, nsg, centre, mean, norm2, reinterpret_cast<unsigned long long*>(nonfinite));
+    return launch_result();
+}
+
+int dq_gpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,
+                    uint32_t event, uint8_t* out, uintptr_t stream) {
+    return launch_encode<false>(P, local, nullptr, nsg, sg_base, event, out, stream);
+}
+
+int dq_gpu_dar(const DqParams* P, const uint8_t* in, const DqSource* local, int64_t nsg,
+               int64_t sg_base, uint32_t event, uint8_t* out, uintptr_t stream) {
+    return launch_encode<true>(P, local, in, nsg, sg_base, event, out, stream);
+}
+
+int dq_gpu_decompress(const DqParams* P, const uint8_t* in, int64_t nsg, float* out,
+                      int accumulate, uintptr_t stream) {
+    if (nsg <= 0) return 0;
+    if (!P || !in || !out) return (int)cudaErrorInvalidValue;
+    ParamsCache& pc = g_params_cache;
+    int rc = pc.build(P);
+    if (rc) return rc;
+    const KParams& kp = pc.kp;
+    cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    const int64_t chunks = nsg * (DQ_SUPER / 4);
+    switch (P->width) {
+        case 2: { auto k = k_decompress<2>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, out, accumulate); break; }
+        case 4: { auto k = k_decompress<4>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, out, accumulate); break; }
+        default: { auto k = k_decompress<8>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, out, accumulate); break; }
+    }
+    return launch_result();
+}
+
+int dq_gpu_finish(const float* stream_values, const int64_t* stream_of_sg, const float* mean_sum,
+                  int64_t nsg, float divisor, void* out, int dtype, int64_t length,
+                  uintptr_t stream) {
+    if (nsg <= 0 || length <= 0) return 0;
+    if (!stream_of_sg || !mean_sum || !out || (dtype != 0 && dtype != 1))
+        return (int)cudaErrorInvalidValue;
+    cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    k_finish<<<grid_for(nsg * 32, kThreads), kThreads, 0, st>>>(
+        stream_values, stream_of_sg, mean_sum, nsg, divisor, out, dtype, length);
+    return launch_result();
+}
+
+int dq_gpu_bf16_compress(const DqSource* local, int64_t nsg, uint16_t* out, uintptr_t stream) {
+    if (nsg <= 0) return 0;
+    if (!local || !out) return (int)cudaErrorInvalidValue;
+    k_plain_encode<0><<<grid_for(nsg * 32, kThreads), kThreads, 0,
+                        reinterpret_cast<cudaStream_t>(stream)>>>(*local, nsg, nullptr, out);
+    return launch_result();
+}
+int dq_gpu_bf16_dar(const uint16_t* in, const DqSource* local, int64_t nsg, uint16_t* out,
+                    uintptr_t stream) {
+    if (nsg <= 0) return 0;
+    if (!local || !out || !in) return (int)cudaErrorInvalidValue;
+    k_plain_encode<1><<<grid_for(nsg * 32, kThreads), kThreads, 0,
+                        reinterpret_cast<cudaStream_t>(stream)>>>(*local, nsg, in, out);
+    return launch_result();
+}
+int dq_gpu_exact_compress(const DqSource* local, int64_t nsg, float* out, uintptr_t stream) {
+    if (nsg <= 0) return 0;
+    if (!local || !out) return (int)cudaErrorInvalidValue;
+    k_plain_encode<2><<<grid_for(nsg * 32, kThreads), kThreads, 0,
+                        reinterpret_cast<cudaStream_t>(stream)>>>(*local, nsg, nullptr, out);
+    return launch_result();
+}
+int dq_gpu_exact_dar(const float* in, const DqSource* local, int64_t nsg, float* out,
+                     uintptr_t stream) {
+    if (nsg <= 0) return 0;
+    if (!local || !out || !in) return (int)cudaErrorInvalidValue;
+    k_plain_encode<3><<<grid_for(nsg * 32, kThreads), kThreads, 0,
+                        reinterpret_cast<cudaStream_t>(stream)>>>(*local, nsg, in, out);
+    return launch_result();
+}
+int dq_gpu_bf16_decompress(const uint16_t* in, int64_t n, float* out, int accumulate,
+                           uintptr_t stream) {
+    if (n <= 0) return 0;
+    if (!in || !out) return (int)cudaErrorInvalidValue;
+    k_plain_decode<true><<<grid_for((n + 7) / 8, kThreads), kThreads, 0,
+                           reinterpret_cast<cudaStream_t>(stream)>>>(in, n, out, accumulate);
+    return launch_result();
+}
+int dq_gpu_exact_decompress(const float* in, int64_t n, float* out, int accumulate,
+                            uintptr_t stream) {
+    if (n <= 0) return 0;
+    if (!in || !out) return (int)cudaErrorInvalidValue;
+    k_plain_decode<false><<<grid_for((n + 7) / 8, kThreads), kThreads, 0,
+                            reinterpret_cast<cudaStream_t>(stream)>>>(in, n, out, accumulate);
+    return launch_result();
+}
+
+}  // extern "C"
+#endif  // DQ_EMU

@@ -1,0 +1,47 @@
+#!/bin/bash
+# One device call: build in place, GPU tests, kernel benchmark, ncu counts, compute-sanitizer.
+# Results go under $OUT (./gpu_check_out when OUT is unset), 8 files at most.
+#   bash tools/gpu_check.sh            everything
+#   SKIP="san ncu" bash tools/gpu_check.sh
+OUT=${OUT:-gpu_check_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+SIZES=${SIZES:-20,22,24,26,28}
+skip() { [[ " $SKIP " == *" $1 "* ]]; }
+{
+  date -u; nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.sm,power.limit --format=csv
+  nvcc --version | tail -2
+  $PY -c "import cupy, numpy, Cython, ml_dtypes; print('cupy', cupy.__version__, 'numpy', numpy.__version__, 'cython', Cython.__version__, 'ml_dtypes', ml_dtypes.__version__)"
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+echo "== build"; t0=$(date +%s)
+$PY setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+echo "build took $(( $(date +%s) - t0 )) s"
+if ! skip tests; then
+  echo "== tests"; t0=$(date +%s)
+  timeout 300 $PY -m pytest -q -rs --maxfail=10 tests/gpu 2>&1 | tee "$OUT/pytest.txt" | tail -30
+  echo "tests took $(( $(date +%s) - t0 )) s"
+fi
+if ! skip bench; then
+  echo "== bench"; t0=$(date +%s)
+  timeout 240 $PY -m dynamiq_mpi.bench_kernels --sizes $SIZES --json "$OUT/kernel_bench_h100.json" 2>&1 \
+    | tee "$OUT/kernel_bench_h100.txt" | tail -75
+  echo "bench took $(( $(date +%s) - t0 )) s"
+fi
+if ! skip ncu; then
+  echo "== ncu"; t0=$(date +%s)
+  timeout 180 ncu --clock-control none --kernel-name regex:'k_encode|k_decompress' --launch-count 30 \
+    --metrics smsp__inst_executed.sum,smsp__thread_inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_mio_throttle.ratio,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,smsp__average_warp_latency_issue_stalled_wait.ratio,smsp__average_warp_latency_issue_stalled_not_selected.ratio,smsp__average_warp_latency_issue_stalled_selected.ratio,smsp__average_warp_latency_issue_stalled_no_instruction.ratio,smsp__average_warp_latency_issue_stalled_lg_throttle.ratio,smsp__average_warp_latency_issue_stalled_branch_resolving.ratio,smsp__average_warp_latency_issue_stalled_dispatch_stall.ratio,smsp__warps_active.avg.per_cycle_active,sm__cycles_elapsed.avg.per_second,launch__registers_per_thread \
+    --csv $PY tools/ncu_workload.py > "$OUT/ncu.csv" 2> /tmp/ncu.err
+  { tail -5 /tmp/ncu.err; $PY tools/ncu_summary.py "$OUT/ncu.csv"; } 2>&1 | tee "$OUT/ncu_summary.txt"
+  echo "ncu took $(( $(date +%s) - t0 )) s"
+fi
+if ! skip san; then
+  echo "== compute-sanitizer"; t0=$(date +%s)
+  { for tool in memcheck racecheck; do
+      echo "---- compute-sanitizer --tool $tool $PY tools/gpu_sanitize.py"
+      timeout 150 compute-sanitizer --tool $tool --print-limit 20 $PY tools/gpu_sanitize.py 2>&1 | tail -15
+    done; } > "$OUT/sanitizer.txt" 2>&1
+  cat "$OUT/sanitizer.txt"
+  echo "sanitizer took $(( $(date +%s) - t0 )) s"
+fi
