@@ -1,0 +1,14 @@
+#!/bin/bash
+# One device call: build, GPU kernel tests, then the MPI suites (CPU and CuPy
+# all-reduce) at the given world sizes with the machine's Open MPI, then the
+# demo on CuPy arrays.  Usage: bash tools/device_gpu_allreduce.sh [NP...]
+set -o pipefail
+OUT=${OUT:-device_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
+       OMPI_MCA_rmaps_base_oversubscribe=1
+NPS=${*:-2 4}
+{ date -u; nvidia-smi -L; } | tee "$OUT/env.txt"
+SERIAL_TESTS="tests/gpu tests/test_api.py tests/test_schedules.py" make test-installed NP_LIST="$NPS" 2>&1 | tee "$OUT/test.txt" | tail -40
+for n in $NPS; do
+  mpiexec -n $n python3 -m dynamiq_mpi demo --gpu --length $((1 << 22)) 2>&1 | tee -a "$OUT/demo_gpu.txt"
+done
