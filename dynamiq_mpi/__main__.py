@@ -63,6 +63,8 @@ def cmd_demo(args):
             if topo == "butterfly" and n & (n - 1):
                 rows.append((name, topo, None, None, None, None, ""))
                 continue
+            # one untimed call first: CuPy compiles its kernels on first use
+            coll.allreduce(x, codec=codec, topology=topo, seed=args.seed)
             comm.Barrier()
             out, rep = coll.allreduce(x, codec=codec, topology=topo, seed=args.seed,
                                       return_report=True)
@@ -78,6 +80,7 @@ def cmd_demo(args):
               "(heavy-tailed, layer scales over 5 decades, a quarter of it an embedding table, 90% zero rows)")
         print(f"{'codec':16s} {'topology':10s} {'bits/coord':>10s} {'vNMSE':>10s} "
               f"{'time (ms)':>10s} {'identical':>9s}  super-groups at 0/2/4/8 bits")
+        print("(time: slowest rank, second call; the first call of each row warms up)")
         for name, topo, bits, err, t, same, widths in rows:
             if bits is None:
                 print(f"{name:16s} {topo:10s} {'n/a (butterfly needs a power-of-two n)':>43s}")
