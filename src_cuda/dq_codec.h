@@ -99,7 +99,7 @@ DQ_HD uint32_t dq_event_uniform(uint32_t key, uint32_t coord, uint32_t event) {
 // unbalanced Feistel network over perm_bits bits, with cycle walking so the
 // result stays below n.  h seeds the round functions.  On its own its
 // distribution over permutations is only roughly uniform (tiny halves), so
-// dq_stratum adds a uniform cyclic offset per coordinate: that makes the
+// dq_encode_lane adds a uniform cyclic offset per coordinate: that makes the
 // stratum of every event exactly uniform (each quantization stays unbiased)
 // while the Feistel part keeps the joint law far from a mere cyclic shift.
 DQ_HD uint32_t dq_feistel_round(uint32_t h, uint32_t round, uint32_t v) {
@@ -245,31 +245,53 @@ DQ_HD int dq_record_bytes(int width, int hierarchical) {
 }
 
 // ---------------------------------------------------------------- per event
-// Correlated rounding: the stratum pi of this rank's event for a coordinate is
-// (sigma_G(event) + shift_coord) mod n.  sigma_G, a keyed Feistel permutation
-// shared by the 16 coordinates of a group, is computed once per group
-// (dq_perm_base, hoistable out of the element loop); shift_coord is uniform
-// per coordinate.  Every rank derives the same values: no communication.
-DQ_HD uint32_t dq_perm_base(const DqParams* P, uint32_t group, uint32_t event) {
-    return dq_permute(event, P->n_events, P->perm_bits, dq_mix32(group ^ P->key_perm));
-}
-DQ_HD uint32_t dq_stratum(const DqParams* P, uint32_t base, uint32_t coord) {
-    uint32_t h = dq_mix32((coord + 0x6a09e667u) ^ P->key_perm ^ 0xbb67ae85u);
-    uint32_t shift = (uint32_t)(((uint64_t)h * (uint64_t)P->n_events) >> 32);
-    uint32_t s = base + shift;
-    return s >= P->n_events ? s - P->n_events : s;
-}
-// Everything random about one quantization event lives in these two calls, so
-// the CPU loops and the GPU kernels draw exactly the same uniforms.
-//   coord: the coordinate's index in the reordered stream (same on every rank)
+// Everything random about one quantization event lives here, so the CPU
+// loops and the GPU kernels draw exactly the same uniforms.
+//   group: the group's index in the reordered stream (coordinate >> 4), the same
+//          on every rank; j: the coordinate's lane in the group (coordinate & 15)
 //   event: the quantizing rank's role in the chunk's reduction tree
-DQ_HD uint32_t dq_encode_element(const DqParams* P, float x, DqNorm nm,
-                                 uint32_t coord, uint32_t event) {
-    uint32_t g32 = dq_event_uniform(P->key_value, coord, event);
+//
+// Cost matters (the fused kernel has a budget of a few dozen instructions per
+// element), so the full hash runs once per (group, event) and each lane derives
+// its uniform with one multiply-xorshift.  Each lane's uniform is a bijection of
+// a uniform base, so it is exactly uniform; across events of a coordinate the
+// bases are independent hashes.  Lanes of one group are not independent of each
+// other, which changes neither the unbiasedness nor the expected squared error
+// (both are sums over coordinates of per-coordinate quantities).
+//
+// Correlated rounding: the stratum of this rank's event for a coordinate is
+// pi = (sigma_G(event) + shift) mod n, sigma_G a keyed Feistel permutation shared
+// by the group, shift uniform per coordinate (so pi is exactly uniform: each
+// quantization is unbiased on its own).
+typedef struct DqGroupRng {
+    uint32_t value_base;   // value rounding, per (group, event)
+    uint32_t shift_base;   // correlated rounding: per group, the same for all events
+    uint32_t sigma;        // correlated rounding: sigma_G(event)
+} DqGroupRng;
+
+DQ_HD uint32_t dq_lane_uniform(uint32_t base, uint32_t j) {
+    uint32_t t = (base ^ (j * 0x9e3779b9u)) * 0x85ebca6bu;
+    return t ^ (t >> 16);
+}
+DQ_HD DqGroupRng dq_group_rng(const DqParams* P, uint32_t group, uint32_t event) {
+    DqGroupRng r;
+    r.value_base = dq_event_uniform(P->key_value, group, event);
+    r.shift_base = 0u;
+    r.sigma = 0u;
+    if (P->correlated) {
+        r.shift_base = dq_mix32(group ^ P->key_perm ^ 0xbb67ae85u);
+        r.sigma = dq_permute(event, P->n_events, P->perm_bits, dq_mix32(group ^ P->key_perm));
+    }
+    return r;
+}
+DQ_HD uint32_t dq_encode_lane(const DqParams* P, float x, DqNorm nm, DqGroupRng r, uint32_t j) {
+    uint32_t g32 = dq_lane_uniform(r.value_base, j);
     uint32_t pi = 0u, n = 1u;
     if (P->correlated) {
         n = P->n_events;
-        pi = dq_stratum(P, dq_perm_base(P, coord >> 4, event), coord);
+        uint32_t shift = (uint32_t)(((uint64_t)dq_lane_uniform(r.shift_base, j) * (uint64_t)n) >> 32);
+        pi = r.sigma + shift;
+        if (pi >= n) pi -= n;
     }
     return dq_quantize(P, x, nm, g32, pi, n);
 }

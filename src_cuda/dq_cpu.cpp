@@ -90,9 +90,9 @@ void encode_sg(const DqParams* P, const float* x, int64_t s, int64_t sg_index,
             continue;
         }
         DqNorm nm = dq_norm_for_scale(norm_scale[g]);
+        DqGroupRng rng = dq_group_rng(P, (uint32_t)(sg_index * DQ_GROUPS + g), event);
         for (int j = 0; j < DQ_GROUP; j++) {
-            uint32_t coord = (uint32_t)(sg_index * DQ_SUPER + g * DQ_GROUP + j);
-            uint32_t code = dq_encode_element(P, x[g * DQ_GROUP + j], nm, coord, event);
+            uint32_t code = dq_encode_lane(P, x[g * DQ_GROUP + j], nm, rng, (uint32_t)j);
             gc[(j * w) >> 3] |= (uint8_t)(code << ((j * w) & 7));
         }
     }

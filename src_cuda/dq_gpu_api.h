@@ -71,10 +71,10 @@ int dq_gpu_exact_dar(const float* in, const DqSource* local, int64_t nsg, float*
 // -------------------------------------------------------------- benchmarking
 // Kernel variant for timing studies only (0 = the default).  Applies to the
 // 4-bit encoders with independent rounding:
-//   1: a one-round hash (NOT bit-identical to the CPU: shows what the
-//      generator costs; see docs/kernels.md);
 //   2, 3: the default code compiled for 5 / 6 resident blocks per SM (fewer
 //      registers, more warps; bit-identical).
+// (Variant 1, a one-round-hash study, is gone: the header's generator now
+// hashes once per group; any other value runs the default.)
 void dq_gpu_set_variant(int variant);
 
 #ifdef __cplusplus

@@ -9,31 +9,39 @@
 // decompress-accumulate-recompress "dar"): one warp handles TWO consecutive
 // super-groups per step and every lane owns one group of 16 entries
 // (lanes 0-15: super-group 2p, lanes 16-31: super-group 2p+1).  So the
-// per-group work (scale code, reciprocal, one uniform) is done once per group
+// per-group work (scale code, reciprocal, dq_group_rng) is done once per group
 // with no shuffles, the 16 values of a lane are read with 16-byte loads
 // (BF16: 2 x 16 B, float32: 4 x 16 B), a lane writes its group's 2w code bytes
 // with one store, and the super-group maximum needs 4 shuffles.  Level
 // tables live in shared memory (copied once per block from the kernel
 // parameters); the decoded sum of the fused kernel never leaves registers.
+// Each step's inputs are prefetched a step ahead into the registers the
+// current step has just unpacked; wire addresses are byte offsets advanced by
+// a constant per step (the same offsets for dar's incoming and outgoing run).
 //
 // Exact rewrites of header code used below (each gives the same bits; the
 // tests compare every operation with the CPU on the device, docs/kernels.md):
 //  * a = min(|t|, 1) with fminf/fabsf: equal to the header's clamp for every t,
 //    NaN included (fminf(NaN, 1) = 1); t = -0 takes the t >= 0 entry like the
-//    header (a = 0, p = 0, code R);
+//    header (a = 0, p = 0, code R) -- except in the 4-bit one-step kernels,
+//    whose signed LUT sends it to the t < 0 entry k = 0, which gives code R too
+//    when RN(mag[1] * inv_gap[0]) >= 1 (host_build checks; see encode_group);
 //  * level search: the LUT cell floor(a * 2^b) is read from the bits of
 //    RZ(1 + a); 4-bit codes use a 128-cell LUT of their own (any LUT that is a
 //    lower bound of the level index ends on the same index after the search,
 //    host_build() checks the CPU LUT is one); the test "a >= mag[k+1] && k < R-1"
 //    reads a per-k check value that is +inf for k = R-1; when the host proves
 //    that no cell holds two level boundaries the search is one predicated step;
-//  * each (k, sign) has a table entry {base, inv_gap[k] * 2^32, -, code}:
+//  * each (k, sign) has a table entry e = 2k + (t < 0), split in two 8-byte
+//    arrays (SmemTables: {check, code} and {base, inv_gap[k] * 2^32}) so the
+//    4-bit loads are free of bank conflicts:
 //    base = mag[k] (t >= 0) or mag[k+1] (t < 0), code = R + k or R - k - 1, and
 //    S = |a - base| * (inv_gap * 2^32) equals p * 2^32 of the header's
 //    (a - mag[k]) * inv_gap / (mag[k+1] - a) * inv_gap (the differences are >= 0,
 //    RN subtraction is sign-symmetric, and scaling by 2^32 commutes with RN
 //    except below FLT_MIN, where both give a zero threshold); tables whose
 //    inv_gap * 2^32 overflows use the generic kernels (unscaled, loop search);
+//  * dq_scale_code without branches (scale_code below);
 //  * dq_round_up: "g32 < (uint32)(thr * 2^32)" with the saturating cvt.rzi.u32
 //    (0 for thr <= 0) and thr >= 1 tested on S >= 2^32; with correlated
 //    rounding thr * 2^32 = n * S - pi * 2^32, exactly;
@@ -43,10 +51,13 @@
 //    255 * b >= max (products exact in float), from a one-multiply estimate
 //    and one correction step each way, then the header's saturation step
 //    (unit_bf16 below; checked for every non-negative float bit pattern);
-//  * x >> 16, x >> 15 inside the hashes are __umulhi(x, 2^16 / 2^17):
-//    multiply-high runs on the FMA pipe, relieving the integer ALU;
-//  * correlated rounding: dq_perm_base once per group (the header's own
-//    dq_permute), dq_stratum per coordinate (stratum below).
+//  * x >> 16, x >> 15 inside the per-group hashes are __umulhi(x, 2^16 / 2^17):
+//    multiply-high runs on the FMA pipe, relieving the integer ALU (in the
+//    per-element dq_lane_uniform the plain shift measured faster);
+//  * dq_group_rng once per lane (= per group): the value base, and with
+//    correlated rounding the shift base and sigma (the header's own
+//    dq_permute); dq_encode_lane per element with j a compile-time constant;
+//    the stratum's "if (pi >= n) pi -= n" is min(pi, pi - n) (unsigned).
 #ifndef DQ_EMU
 #include <cuda_runtime.h>
 #endif
@@ -97,18 +108,6 @@ __device__ __forceinline__ uint32_t mix32(uint32_t x) {
     x ^= __umulhi(x, 0x10000u);
     return x;
 }
-// Correlated rounding (dq_encode_element): pi = dq_stratum(dq_perm_base(group), coord).
-// The base (a 6-round keyed Feistel permutation of the event, dq_permute) is
-// shared by the 16 coordinates of a group, so a lane computes it once with the
-// header's own functions; the per-coordinate stratum is below (same arithmetic
-// as dq_stratum: h = mix32((coord + C) ^ key_perm ^ C'), shift = (h * n) >> 32).
-__device__ __forceinline__ uint32_t stratum(uint32_t base, uint32_t coord_c, uint32_t key_c,
-                                            uint32_t n) {
-    const uint32_t h = mix32(coord_c ^ key_c);
-    const uint32_t sft = __umulhi(h, n);
-    const uint32_t s = base + sft;
-    return s >= n ? s - n : s;
-}
 // dq_event_uniform(key, coord, event) = mix32(mix32(coord + key) ^ E) with
 // E = event * 0x9e3779b9 + 0x632be5ab.  The inner mix ends with x ^= x >> 16 and
 // the outer one starts with it: that xorshift is an involution on 32 bits and
@@ -130,11 +129,34 @@ __host__ __device__ __forceinline__ uint32_t event_mix(uint32_t event) {
     const uint32_t E = event * 0x9e3779b9u + 0x632be5abu;
     return E ^ (E >> 16);
 }
-template <int HASH>
-__device__ __forceinline__ uint32_t uniform_ck(uint32_t coord_plus_key, uint32_t Ex) {
-    if (HASH == 0) return mix_tail(mix_head(coord_plus_key) ^ Ex);
-    // variant 1 (timing study only, NOT the header's generator): one round.
-    return mix32(coord_plus_key ^ Ex);
+// dq_event_uniform(key, c, event) given c + key and Ex = event_mix(event).
+__device__ __forceinline__ uint32_t event_uniform(uint32_t c_plus_key, uint32_t Ex) {
+    return mix_tail(mix_head(c_plus_key) ^ Ex);
+}
+__device__ __forceinline__ uint32_t umin32(uint32_t a, uint32_t b) { return a < b ? a : b; }
+// prmt.b32 (default mode): selector nibble i picks byte (nibble & 7) of {b:a}
+// for result byte i, replicating that byte's sign bit when nibble & 8.
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
+#ifdef DQ_EMU
+    uint64_t v = ((uint64_t)b << 32) | a; uint32_t r = 0;
+    for (int i = 0; i < 4; i++) {
+        const uint32_t n = (sel >> (4 * i)) & 15u;
+        uint32_t byte = (uint32_t)(v >> (8 * (n & 7))) & 0xFFu;
+        if (n & 8) byte = (byte & 0x80u) ? 0xFFu : 0u;
+        r |= byte << (8 * i);
+    }
+    return r;
+#else
+    uint32_t d;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+    return d;
+#endif
+}
+// dq_lane_uniform(base, j): j is a compile-time constant in the unrolled loops,
+// so j * 0x9e3779b9 folds into the XOR's immediate.
+__device__ __forceinline__ uint32_t lane_uniform(uint32_t base, uint32_t j) {
+    const uint32_t t = (base ^ (j * 0x9e3779b9u)) * 0x85ebca6bu;
+    return t ^ (t >> 16);
 }
 
 // ---------------------------------------------------------------- memory helpers
@@ -145,41 +167,6 @@ __device__ __forceinline__ uint16_t ld_u16(const uint8_t* p) {
     if (aligned(p, 2)) return *reinterpret_cast<const uint16_t*>(p);
     return (uint16_t)(p[0] | (p[1] << 8));
 }
-__device__ __forceinline__ void st_u16(uint8_t* p, uint16_t v) {
-    if (aligned(p, 2)) { *reinterpret_cast<uint16_t*>(p) = v; return; }
-    p[0] = (uint8_t)(v & 0xFF); p[1] = (uint8_t)(v >> 8);
-}
-// NB bytes (4, 8 or 16) as little-endian 32-bit words.
-template <int NB>
-__device__ __forceinline__ void ld_words(const uint8_t* p, uint32_t (&w)[NB / 4]) {
-    if (aligned(p, NB)) {
-        if (NB == 4) { w[0] = *reinterpret_cast<const uint32_t*>(p); }
-        else if (NB == 8) { uint2 v = *reinterpret_cast<const uint2*>(p); w[0] = v.x; w[1] = v.y; }
-        else { uint4 v = *reinterpret_cast<const uint4*>(p);
-               w[0] = v.x; w[1] = v.y; w[NB / 4 > 2 ? 2 : 0] = v.z; w[NB / 4 > 3 ? 3 : 0] = v.w; }
-        return;
-    }
-#pragma unroll
-    for (int i = 0; i < NB / 4; i++)
-        w[i] = (uint32_t)p[4 * i] | ((uint32_t)p[4 * i + 1] << 8) |
-               ((uint32_t)p[4 * i + 2] << 16) | ((uint32_t)p[4 * i + 3] << 24);
-}
-template <int NB>
-__device__ __forceinline__ void st_words(uint8_t* p, const uint32_t (&w)[NB / 4]) {
-    if (aligned(p, NB)) {
-        if (NB == 4) *reinterpret_cast<uint32_t*>(p) = w[0];
-        else if (NB == 8) *reinterpret_cast<uint2*>(p) = make_uint2(w[0], w[1]);
-        else *reinterpret_cast<uint4*>(p) =
-            make_uint4(w[0], w[1], w[NB / 4 > 2 ? 2 : 0], w[NB / 4 > 3 ? 3 : 0]);
-        return;
-    }
-#pragma unroll
-    for (int i = 0; i < NB / 4; i++) {
-        p[4 * i] = (uint8_t)w[i]; p[4 * i + 1] = (uint8_t)(w[i] >> 8);
-        p[4 * i + 2] = (uint8_t)(w[i] >> 16); p[4 * i + 3] = (uint8_t)(w[i] >> 24);
-    }
-}
-
 // N consecutive source values of input row `row` from element offset i0
 // (dq_source_value: zero beyond length, minus mean[row] when centring).
 // The mean is subtracted unconditionally (0 when there is none): v - 0 == v.
@@ -229,15 +216,22 @@ __device__ __forceinline__ int64_t source_row(const DqSource& S, int64_t s) {
 }
 
 // ---------------------------------------------------------------- tables in shared memory
+// Entry e = 2k + (t < 0) of the level tables sits at byte offset off = 8e in
+// both ta and tb: 8-byte strides keep a 4-bit table (14 entries, 112 bytes)
+// inside the 32 banks, so the per-element loads are conflict-free.  The LUTs
+// hold 16 k, the search steps by 16 and the sign adds 8.
 template <int W>
 struct SmemTables {
     static constexpr int R = WT<W>::R;
     static constexpr int NLUT = (1 << WT<W>::LUT_BITS) + 1;
     using LutT = typename std::conditional<(W == 8), uint16_t, uint8_t>::type;
-    float4 tab[2 * R];     // {base, inv_gap * 2^32, -, code}, byte offset 32 k + 16 (t < 0)
-    float4 chk[2 * R];     // .x: check[k], at the same byte offsets as tab
+    float2 ta[2 * R];      // {check[k], bits of the code R + k | R - k - 1}
+    float2 tb[2 * R];      // {mag[k] | mag[k+1], inv_gap[k] * 2^32}
     float level[1 << W];   // every code, the never-sent 2^W - 1 included (as the CPU reads it)
     LutT lut[(NLUT + 3) & ~3];
+    // 4-bit one-step kernels: the LUT indexed by a signed cell (see encode_group):
+    // [c] = 16 k(c) + 8 (t < 0, cell c), [256 + c] = 16 k(c) (t >= 0)
+    uint8_t luts[W == 4 ? 388 : 4];
 };
 template <int W>
 __device__ __forceinline__ void load_tables(SmemTables<W>& sm, const KParams& kp, bool encode,
@@ -245,12 +239,18 @@ __device__ __forceinline__ void load_tables(SmemTables<W>& sm, const KParams& kp
     constexpr int R = WT<W>::R;
     if (encode) {
         for (int i = threadIdx.x; i < 2 * R; i += blockDim.x) {
-            sm.tab[i] = kp.tab[i];
-            sm.chk[i] = make_float4(kp.tab[i].z, 0.0f, 0.0f, 0.0f);
+            const float4 T = kp.tab[i];
+            sm.ta[i] = make_float2(T.z, T.w);
+            sm.tb[i] = make_float2(T.x, T.y);
         }
         if (W != 2)
             for (int i = threadIdx.x; i < SmemTables<W>::NLUT; i += blockDim.x)
                 sm.lut[i] = (typename SmemTables<W>::LutT)kp.lut[i];
+        if (W == 4)
+            for (int i = threadIdx.x; i < SmemTables<W>::NLUT; i += blockDim.x) {
+                sm.luts[i] = (uint8_t)(kp.lut[i] + 8u);
+                sm.luts[256 + i] = (uint8_t)kp.lut[i];
+            }
     }
     if (decode)
         for (int i = threadIdx.x; i < (1 << W); i += blockDim.x) sm.level[i] = kp.level[i];
@@ -275,18 +275,80 @@ __device__ __forceinline__ uint16_t unit_bf16(float m) {
     return (uint16_t)(u >> 16);
 }
 
+// dq_scale_code(s, unit, g32) without branches.  Here s = the group max and
+// unit = unit_bf16(super-group max), so unit > 0 whenever s > 0; s = 0 gives
+// c = 0 (unit > 0) or 0/0 = NaN (unit = 0), and both give code 0 like the
+// header's early return (cvt.rzi.u32 of NaN is 0); s is never NaN or negative.
+__device__ __forceinline__ uint32_t scale_code(float s, float unit, uint32_t g32) {
+    const float c = s / unit;
+    const float fl = floorf(c);
+    const uint32_t ci = __float2uint_rz(fl);
+    const uint32_t lim = __float2uint_rz((c - fl) * 4294967296.0f);   // frac < 1: exact
+    const uint32_t r = ci + (g32 < lim ? 1u : 0u);
+    return c >= 255.0f ? 255u : r;
+}
+
 // ---------------------------------------------------------------- one group
-// Read group g of run super-group s: its packed codes and its decoded scale.
+// Where one lane's group lives in a run's wire buffer (a run of nsg
+// super-groups), as byte offsets (the same for the incoming and the outgoing
+// buffer of dar): its codes, its group code (hierarchical) or BF16 scale, and
+// its super-group's BF16 unit.  The kernels advance them by a fixed number of
+// super-groups per step (strength-reduced 64-bit address math).
 template <int W>
-__device__ __forceinline__ void read_group(const uint8_t* in, int64_t nsg, int64_t s, int g,
+struct WireLoc {
+    int64_t codes;   // s * 32W + g * 2W
+    int64_t gmeta;   // meta + s * 16 + g (hierarchical) or meta + 2 * (s * 16 + g)
+    int64_t unit;    // meta + nsg * 16 + 2 s (hierarchical), meta = nsg * 32W
+    __device__ __forceinline__ void init(int64_t nsg, int64_t s, int g, int hier) {
+        const int64_t meta = nsg * (32 * W);
+        codes = s * (32 * W) + g * (2 * W);
+        gmeta = hier ? meta + s * DQ_GROUPS + g : meta + 2 * (s * DQ_GROUPS + g);
+        unit = meta + nsg * DQ_GROUPS + 2 * s;
+    }
+    __device__ __forceinline__ void advance(int64_t d_codes, int64_t d_gmeta, int64_t d_unit) {
+        codes += d_codes; gmeta += d_gmeta; unit += d_unit;
+    }
+};
+// Alignment facts of a wire buffer, the same for every group (loop-invariant).
+struct WireAlign {
+    bool codes;   // codes of a group are 2W-aligned
+    bool meta2;   // per-group BF16 scales are 2-aligned
+    bool unit;    // units are 2-aligned
+};
+template <int W>
+__device__ __forceinline__ WireAlign wire_align(const uint8_t* base, int64_t nsg) {
+    return WireAlign{aligned(base, 2 * W), aligned(base, 2),
+                     aligned(base + nsg * (32 * W + DQ_GROUPS), 2)};
+}
+__device__ __forceinline__ uint16_t ld_u16a(const uint8_t* p, bool al) {
+    if (al) return *reinterpret_cast<const uint16_t*>(p);
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+__device__ __forceinline__ void st_u16a(uint8_t* p, uint16_t v, bool al) {
+    if (al) { *reinterpret_cast<uint16_t*>(p) = v; return; }
+    p[0] = (uint8_t)(v & 0xFF); p[1] = (uint8_t)(v >> 8);
+}
+// Read one group: its packed codes and its decoded scale.
+template <int W>
+__device__ __forceinline__ void read_group(const uint8_t* in, const WireLoc<W>& L, const WireAlign& A,
                                            int hierarchical, uint32_t (&cw)[W / 2], float& scale) {
-    ld_words<2 * W>(in + s * (32 * W) + g * (2 * W), cw);
-    const uint8_t* meta = in + nsg * (32 * W);
-    if (hierarchical) {
-        const float unit = dq_bf16_to_f32(ld_u16(meta + nsg * DQ_GROUPS + 2 * s));
-        scale = (float)meta[s * DQ_GROUPS + g] * unit;
+    const uint8_t* pc = in + L.codes;
+    if (A.codes) {
+        if (W == 2) { cw[0] = *reinterpret_cast<const uint32_t*>(pc); }
+        else if (W == 4) { const uint2 v = *reinterpret_cast<const uint2*>(pc); cw[0] = v.x; cw[W / 2 > 1 ? 1 : 0] = v.y; }
+        else { const uint4 v = *reinterpret_cast<const uint4*>(pc);
+               cw[0] = v.x; cw[W / 2 > 1 ? 1 : 0] = v.y; cw[W / 2 > 2 ? 2 : 0] = v.z; cw[W / 2 > 3 ? 3 : 0] = v.w; }
     } else {
-        scale = dq_bf16_to_f32(ld_u16(meta + 2 * (s * DQ_GROUPS + g)));
+#pragma unroll
+        for (int i = 0; i < W / 2; i++)
+            cw[i] = (uint32_t)pc[4 * i] | ((uint32_t)pc[4 * i + 1] << 8) |
+                    ((uint32_t)pc[4 * i + 2] << 16) | ((uint32_t)pc[4 * i + 3] << 24);
+    }
+    if (hierarchical) {
+        const float unit = dq_bf16_to_f32(ld_u16a(in + L.unit, A.unit));
+        scale = (float)in[L.gmeta] * unit;
+    } else {
+        scale = dq_bf16_to_f32(ld_u16a(in + L.gmeta, A.meta2));
     }
 }
 template <int W>
@@ -296,14 +358,14 @@ __device__ __forceinline__ float decode_one(const float* level, const uint32_t (
     return level[code] * scale;
 }
 
-// Encode the 16 values x of group g of run super-group s (stream index sidx)
-// into out (the whole run's wire buffer).  All 32 lanes must call it (it
-// shuffles); lanes with valid == false store nothing.
-template <int W, bool CORR, bool ONESTEP, int HASH>
+// Encode the 16 values x of group g (stream group index `group`) to its wire
+// location L.  All 32 lanes must call it (it shuffles); lanes with
+// valid == false store nothing.
+template <int W, bool CORR, bool ONESTEP>
 __device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables<W>& sm,
-                                             float (&x)[16], uint8_t* out, int64_t nsg, int64_t s,
-                                             int64_t sidx, int g, bool valid, uint32_t event,
-                                             uint32_t Ex, bool units_aligned) {
+                                             float (&x)[16], uint8_t* out, const WireLoc<W>& L,
+                                             const WireAlign& A, uint32_t group, int g, bool valid,
+                                             uint32_t event, uint32_t Ex) {
     // group maximum, then the super-group maximum over the 16 lanes of this half
     float gm = 0.0f;
 #pragma unroll
@@ -314,26 +376,20 @@ __device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables
     smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, 4));
     smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, 8));
 
-    uint8_t* meta = out + nsg * (32 * W);
     float ns;   // the scale the group's values are normalised by
     if (kp.hierarchical) {
         const uint16_t unit_bits = unit_bf16(smax);
         const float unit = dq_bf16_to_f32(unit_bits);
-        const uint32_t group = (uint32_t)(sidx * DQ_GROUPS + g);
         // dq_encode_group_scale: dq_scale_code(gm, unit, dq_event_uniform(key_scale, group, event))
-        const uint32_t gcode = dq_scale_code(gm, unit, uniform_ck<0>(group + kp.key_scale, Ex));
+        const uint32_t gcode = scale_code(gm, unit, event_uniform(group + kp.key_scale, Ex));
         if (valid) {
-            meta[s * DQ_GROUPS + g] = (uint8_t)gcode;
-            if (g == 0) {
-                uint8_t* up = meta + nsg * DQ_GROUPS + 2 * s;
-                if (units_aligned) *reinterpret_cast<uint16_t*>(up) = unit_bits;
-                else { up[0] = (uint8_t)unit_bits; up[1] = (uint8_t)(unit_bits >> 8); }
-            }
+            out[L.gmeta] = (uint8_t)gcode;
+            if (g == 0) st_u16a(out + L.unit, unit_bits, A.unit);
         }
         ns = gm;
     } else {
         const uint16_t b = gm > 0.0f ? dq_f32_to_bf16_up(gm) : (uint16_t)0;
-        if (valid) st_u16(meta + 2 * (s * DQ_GROUPS + g), b);
+        if (valid) st_u16a(out + L.gmeta, b, A.meta2);
         ns = dq_bf16_to_f32(b);
     }
     // dq_norm_for_scale; an all-zero group gets inv = 0, so t = +-0 and every
@@ -351,45 +407,83 @@ __device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables
     constexpr int SHIFT = 23 - WT<W>::LUT_BITS;
     // lut[(bits(RZ(1 + a)) >> SHIFT) - (bits(1.0f) >> SHIFT)] = lut[floor(a * 2^LUT_BITS)]
     constexpr uint32_t LUT_ORIGIN = 0x3F800000u >> SHIFT;
-    const char* tabb = reinterpret_cast<const char*>(sm.tab);
-    const char* chkb = reinterpret_cast<const char*>(sm.chk);
-    const uint32_t coord0 = (uint32_t)(sidx * DQ_SUPER + g * DQ_GROUP);
-    const uint32_t ck0 = coord0 + kp.key_value;
-    uint32_t pbase = 0u;       // dq_perm_base(P, coord >> 4, event): one per group
-    if (CORR) pbase = dq_permute(event, kp.n_events, kp.perm_bits, dq_mix32((coord0 >> 4) ^ kp.key_perm));
-    const uint32_t cc0 = coord0 + 0x6a09e667u;          // dq_stratum's (coord + C)
-    const uint32_t key_c = kp.key_perm ^ 0xbb67ae85u;   // and key_perm ^ C'
+    // 4-bit one-step: the signed LUT (no sign test, see below)
+    constexpr bool SLUT = (W == 4) && ONESTEP;
+    const char* tab_a = reinterpret_cast<const char*>(sm.ta);
+    const char* tab_b = reinterpret_cast<const char*>(sm.tb);
+    // dq_group_rng(P, group, event): the full hashes once per (group, event),
+    // i.e. once per lane; each element then takes one multiply-xorshift.
+    const uint32_t vbase = event_uniform(group + kp.key_value, Ex);
+    uint32_t sbase = 0u, sigma = 0u;
+    if (CORR) {
+        sbase = mix32(group ^ kp.key_perm ^ 0xbb67ae85u);
+        sigma = dq_permute(event, kp.n_events, kp.perm_bits, mix32(group ^ kp.key_perm));
+    }
     uint32_t cw[W / 2];
 #pragma unroll
     for (int i = 0; i < W / 2; i++) cw[i] = 0u;
 #pragma unroll
     for (int j = 0; j < 16; j++) {
         const float t = x[j] * inv;
-        const float a = fminf(fabsf(t), 1.0f);
-        // (t = -0 takes the t >= 0 entry like the header: a = 0, p = 0, code R)
-        uint32_t off = (W == 2) ? 0u : (uint32_t)sm.lut[(__float_as_uint(__fadd_rz(a, 1.0f)) >> SHIFT) - LUT_ORIGIN];
-        if (t < 0.0f) off += 16u;
+        float a;
+        uint32_t off;
+        if (SLUT) {
+            // tc = clamp(t, -1, 1) (NaN -> 1, like the header's a = 1 on the t >= 0
+            // side); a = |tc|.  The byte 1 of bits(RZ(a + 256)) is floor(a * 128)
+            // (128 for a = 1), and prmt appends the sign of tc: idx = cell - 256 * (tc
+            // has its sign bit).  t = -0 so takes the t < 0 entry k = 0 with a = 0,
+            // whose p = RN(mag[1] * inv_gap[0]) >= 1 (host_build checks it, else the
+            // generic kernel runs): the code is R - 1 + 1 = R, the header's.
+            const float tc = fmaxf(fminf(t, 1.0f), -1.0f);
+            a = fabsf(tc);
+            const int idx = (int)prmt(__float_as_uint(__fadd_rz(a, 256.0f)), __float_as_uint(tc), 0xFFF1u);
+            off = sm.luts[256 + idx];
+        } else {
+            a = fminf(fabsf(t), 1.0f);
+            // (t = -0 takes the t >= 0 entry like the header: a = 0, p = 0, code R)
+            off = (W == 2) ? 0u : (uint32_t)sm.lut[(__float_as_uint(__fadd_rz(a, 1.0f)) >> SHIFT) - LUT_ORIGIN];
+            if (t < 0.0f) off += 8u;
+        }
         if (W != 2) {
             if (ONESTEP) {
-                if (a >= *reinterpret_cast<const float*>(chkb + off)) off += 32u;
+                if (a >= *reinterpret_cast<const float*>(tab_a + off)) off += 16u;
             } else {
-                while (a >= *reinterpret_cast<const float*>(chkb + off)) off += 32u;
+                while (a >= *reinterpret_cast<const float*>(tab_a + off)) off += 16u;
             }
         }
-        const float4 T = *reinterpret_cast<const float4*>(tabb + off);
+        const float2 T = *reinterpret_cast<const float2*>(tab_b + off);
+        const uint32_t code = *reinterpret_cast<const uint32_t*>(tab_a + off + 4);
         float S = fabsf(a - T.x) * T.y;                 // p * 2^32
         if (!ONESTEP) S = S * 4294967296.0f;            // generic tables: T.y = inv_gap
         if (CORR) {
-            const uint32_t pi = stratum(pbase, cc0 + (uint32_t)j, key_c, kp.n_events);
+            // dq_encode_lane: shift = (lane_uniform(shift_base, j) * n) >> 32,
+            // pi = sigma + shift mod n (both < n: one conditional subtraction, as min)
+            const uint32_t sft = __umulhi(lane_uniform(sbase, (uint32_t)j), kp.n_events);
+            const uint32_t s0 = sigma + sft;
+            const uint32_t pi = umin32(s0, s0 - kp.n_events);
             const float np = kp.n_f * S;                 // n p 2^32
             S = np - (float)pi * 4294967296.0f;          // (n p - pi) 2^32
         }
-        const uint32_t g32 = uniform_ck<HASH>(ck0 + (uint32_t)j, Ex);
+        const uint32_t g32 = lane_uniform(vbase, (uint32_t)j);
         const uint32_t lim = __float2uint_rz(S);
-        cw[(j * W) >> 5] += __float_as_uint(T.w) << ((j * W) & 31);
+        cw[(j * W) >> 5] += code << ((j * W) & 31);
         if ((S >= 4294967296.0f) | (g32 < lim)) cw[(j * W) >> 5] += 1u << ((j * W) & 31);
     }
-    if (valid) st_words<2 * W>(out + s * (32 * W) + g * (2 * W), cw);
+    if (valid) {
+        uint8_t* p = out + L.codes;
+        if (A.codes) {
+            if (W == 2) *reinterpret_cast<uint32_t*>(p) = cw[0];
+            else if (W == 4) *reinterpret_cast<uint2*>(p) = make_uint2(cw[0], cw[W / 2 > 1 ? 1 : 0]);
+            else *reinterpret_cast<uint4*>(p) = make_uint4(cw[0], cw[W / 2 > 1 ? 1 : 0],
+                                                           cw[W / 2 > 2 ? 2 : 0], cw[W / 2 > 3 ? 3 : 0]);
+        } else {
+#pragma unroll
+            for (int i = 0; i < W / 2; i++) {
+                p[4 * i] = (uint8_t)cw[i]; p[4 * i + 1] = (uint8_t)(cw[i] >> 8);
+                p[4 * i + 2] = (uint8_t)(cw[i] >> 16); p[4 * i + 3] = (uint8_t)(cw[i] >> 24);
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------- kernels
@@ -406,10 +500,11 @@ struct Fetched {
 // fast: the source rows below full_rows are whole and 16-byte aligned (else 0)
 template <int W, int DT, bool DAR>
 __device__ __forceinline__ void fetch(Fetched<W, DT, DAR>& F, const KParams& kp, const DqSource& src,
-                                      const uint8_t* in, int64_t nsg, int64_t s, int64_t sidx,
-                                      int g, int64_t full_rows) {
-    const int64_t row = source_row(src, sidx);
-    F.mean = src.mean ? __ldg(src.mean + row) : 0.0f;
+                                      bool has_map, bool has_mean,
+                                      const uint8_t* in, const WireLoc<W>& Lin, const WireAlign& Ain,
+                                      int64_t sidx, int g, int64_t full_rows) {
+    const int64_t row = has_map ? __ldg(src.sg_map + sidx) : sidx - src.sg_offset;
+    F.mean = has_mean ? __ldg(src.mean + row) : 0.0f;
     const int64_t k0 = row * DQ_SUPER + g * DQ_GROUP;
     const bool fast = (uint64_t)row < (uint64_t)full_rows;
     if (DT) {
@@ -441,11 +536,13 @@ __device__ __forceinline__ void fetch(Fetched<W, DT, DAR>& F, const KParams& kp,
                 F.raw[j] = (k0 + j < src.length) ? __float_as_uint(__ldg(p + j)) : 0u;
         }
     }
-    if (DAR) read_group<W>(in, nsg, s, g, kp.hierarchical, F.cw, F.scale);
+    if (DAR) read_group<W>(in, Lin, Ain, kp.hierarchical, F.cw, F.scale);
 }
 
-template <int W, int DT, bool CORR, bool DAR, bool ONESTEP, int HASH, int MINB = 0>
-__global__ void __launch_bounds__(kThreads, MINB)
+// MINB: blocks per SM to build for (0: 4 for BF16 sources, whose kernels fit
+// 64 registers without spilling; the float32 ones take what they need).
+template <int W, int DT, bool CORR, bool DAR, bool ONESTEP, int MINB = 0>
+__global__ void __launch_bounds__(kThreads, MINB ? MINB : (DT ? 4 : 1))
 k_encode(const __grid_constant__ KParams kp, const DqSource src, const uint8_t* in, uint8_t* out,
          int64_t nsg, int64_t sg_base, uint32_t event) {
     __shared__ SmemTables<W> sm;
@@ -459,20 +556,26 @@ k_encode(const __grid_constant__ KParams kp, const DqSource src, const uint8_t* 
     int64_t pair = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
     // rows whose 256 values are all inside the source and 16-byte aligned (vector loads)
     const int64_t full_rows = aligned(src.x, 16) ? src.length / DQ_SUPER : 0;
-    const bool units_aligned = aligned(out + nsg * (32 * W + DQ_GROUPS), 2);
+    const bool has_map = src.sg_map != nullptr, has_mean = src.mean != nullptr;
+    const int hier = kp.hierarchical;
+    // this lane's super-group s = 2 pair + half, advanced by ds per step
+    const int64_t ds = 2 * stride;
+    int64_t s = 2 * pair + half;
+    const int64_t d_codes = ds * (32 * W), d_gmeta = ds * (hier ? DQ_GROUPS : 2 * DQ_GROUPS),
+                  d_unit = 2 * ds;
+    // wire offsets of the current step (L) and of the prefetched one (Ln, dar)
+    WireLoc<W> L;
+    L.init(nsg, s, g, hier);
+    WireLoc<W> Ln = L;
+    const WireAlign Aout = wire_align<W>(out, nsg);
+    WireAlign Ain = {};
+    if (DAR) Ain = wire_align<W>(in, nsg);
     Fetched<W, DT, DAR> cur = {};
-    if (pair < npairs && 2 * pair + half < nsg)
-        fetch<W, DT, DAR>(cur, kp, src, in, nsg, 2 * pair + half, sg_base + 2 * pair + half, g,
-                          full_rows);
+    if (pair < npairs && s < nsg)
+        fetch<W, DT, DAR>(cur, kp, src, has_map, has_mean, in, L, Ain, sg_base + s, g, full_rows);
     for (; pair < npairs; pair += stride) {
-        const int64_t s = 2 * pair + half;
         const bool valid = s < nsg;
         const int64_t sidx = sg_base + s;
-        // prefetch the next step's inputs
-        Fetched<W, DT, DAR> nxt;
-        const int64_t s2 = s + 2 * stride;
-        if (pair + stride < npairs && s2 < nsg)
-            fetch<W, DT, DAR>(nxt, kp, src, in, nsg, s2, sg_base + s2, g, full_rows);
         // (a lane of a missing super-group works on whatever it holds and stores nothing)
         float x[16];
         {
@@ -486,7 +589,7 @@ k_encode(const __grid_constant__ KParams kp, const DqSource src, const uint8_t* 
 #pragma unroll
                 for (int j = 0; j < 16; j++) x[j] = __uint_as_float(cur.raw[j]);
             }
-            if (src.mean) {   // dq_source_value: v - mean[row]
+            if (has_mean) {   // dq_source_value: v - mean[row]
 #pragma unroll
                 for (int j = 0; j < 16; j++) x[j] = x[j] - cur.mean;
             }
@@ -496,9 +599,15 @@ k_encode(const __grid_constant__ KParams kp, const DqSource src, const uint8_t* 
                     x[j] = decode_one<W>(sm.level, cur.cw, j, cur.scale) + x[j];
             }
         }
-        encode_group<W, CORR, ONESTEP, HASH>(kp, sm, x, out, nsg, s, sidx, g, valid, event, Ex,
-                                             units_aligned);
-        cur = nxt;
+        // fetch the next step's inputs into the registers just consumed: the
+        // loads are in flight while this step computes, with no copies
+        Ln.advance(d_codes, d_gmeta, d_unit);
+        if (pair + stride < npairs && s + ds < nsg)
+            fetch<W, DT, DAR>(cur, kp, src, has_map, has_mean, in, Ln, Ain, sidx + ds, g, full_rows);
+        encode_group<W, CORR, ONESTEP>(kp, sm, x, out, L, Aout, (uint32_t)(sidx * DQ_GROUPS + g), g,
+                                       valid, event, Ex);
+        L = Ln;
+        s += ds;
     }
 }
 
@@ -835,7 +944,7 @@ int host_build(const DqParams* P, KParams* kp, bool* onestep) {
                 k = 0;
                 while (k < R - 1 && P->mag[k + 1] <= lo) k++;
             }
-            kp->lut[c] = (uint16_t)(32 * k);
+            kp->lut[c] = (uint16_t)(16 * k);
             // a in [c / cells, (c + 1) / cells) (a == 1 for the last cell) moves at
             // most one step past k when mag[k + 2] >= the cell's upper end.
             if (k + 2 <= R - 1) {
@@ -844,6 +953,9 @@ int host_build(const DqParams* P, KParams* kp, bool* onestep) {
             }
         }
     }
+    // The 4-bit one-step kernel sends t = -0 to the t < 0 entry k = 0 (signed LUT):
+    // it gives the header's code R only if p = RN(mag[1] * inv_gap[0]) >= 1 there.
+    if (w == 4 && !(P->mag[1] * P->inv_gap[0] >= 1.0f)) *onestep = false;
     if (w == 2 && !*onestep) return (int)cudaErrorInvalidValue;   // inv_gap = 1: cannot happen
     for (int k = 0; k < R; k++) {
         const float ig32 = *onestep ? P->inv_gap[k] * 4294967296.0f   // exact (power of two)
@@ -866,7 +978,7 @@ int host_build(const DqParams* P, KParams* kp, bool* onestep) {
     return 0;
 }
 
-#ifndef DQ_EMU   // (tools/emu: the kernels run on a host SIMT emulator; no launches)
+#ifndef DQ_EMU   // (DQ_EMU: a host SIMT emulator includes this file to run the kernels; no launches)
 int sm_count() {
     static int cached[64] = {0};
     int dev = 0;
@@ -937,24 +1049,23 @@ struct EncodeArgs {
     cudaStream_t st;
 };
 
-template <int W, int DT, bool CORR, bool DAR, bool ONESTEP, int HASH, int MINB = 0>
+template <int W, int DT, bool CORR, bool DAR, bool ONESTEP, int MINB = 0>
 int launch_encode_k(const KParams& kp, const EncodeArgs& A) {
     const int64_t npairs = (A.nsg + 1) / 2;
-    auto kern = k_encode<W, DT, CORR, DAR, ONESTEP, HASH, MINB>;
+    auto kern = k_encode<W, DT, CORR, DAR, ONESTEP, MINB>;
     kern<<<grid_resident(kern, npairs, kWarps), kThreads, 0, A.st>>>(
         kp, *A.src, A.in, A.out, A.nsg, A.sg_base, A.event);
     return launch_result();
 }
 template <int W, int DT, bool CORR, bool DAR>
 int launch_encode_v(const KParams& kp, const EncodeArgs& A, bool onestep) {
-    if (W == 2) return launch_encode_k<W, DT, CORR, DAR, true, 0>(kp, A);
-    if (!onestep) return launch_encode_k<W, DT, CORR, DAR, false, 0>(kp, A);
-    if (W == 4 && !CORR) {   // timing studies (dq_gpu_set_variant)
-        if (g_variant == 1) return launch_encode_k<W, DT, CORR, DAR, true, 1>(kp, A);
-        if (g_variant == 2) return launch_encode_k<W, DT, CORR, DAR, true, 0, 5>(kp, A);
-        if (g_variant == 3) return launch_encode_k<W, DT, CORR, DAR, true, 0, 6>(kp, A);
+    if (W == 2) return launch_encode_k<W, DT, CORR, DAR, true>(kp, A);
+    if (!onestep) return launch_encode_k<W, DT, CORR, DAR, false>(kp, A);
+    if (W == 4 && !CORR) {   // timing studies (dq_gpu_set_variant): more resident blocks
+        if (g_variant == 2) return launch_encode_k<W, DT, CORR, DAR, true, 5>(kp, A);
+        if (g_variant == 3) return launch_encode_k<W, DT, CORR, DAR, true, 6>(kp, A);
     }
-    return launch_encode_k<W, DT, CORR, DAR, true, 0>(kp, A);
+    return launch_encode_k<W, DT, CORR, DAR, true>(kp, A);
 }
 template <int W, bool DAR>
 int launch_encode_w(const KParams& kp, const EncodeArgs& A, bool corr, bool onestep) {

@@ -17,11 +17,22 @@ position ``c`` and the uniform ``u`` it used, so a test can check that every
 disagreement is an adjacent code with ``u`` within rounding distance of the
 threshold.
 
-Correlated rounding: the stratum of event e at coordinate c is
-``pi = (sigma_G(e) + shift_c) mod n`` (``stratum``): sigma_G a keyed 6-round
-Feistel permutation with cycle walking, seeded per group G = c >> 4 (shared by
-its 16 coordinates, ``perm_base``), and shift_c = floor(h n / 2^32) a per-
-coordinate offset (``coord_shift``).  The uniform is u = (pi + g / 2^32) / n.
+Generator (dq_codec.h, "per event"): the full hash runs once per (group, event),
+the group G = uint32(super-group * 16 + g) (= coordinate >> 4 while the stream
+has < 2^28 groups) and each of its 16 lanes j (= coordinate & 15) derives its
+32-bit uniform with one multiply-xorshift, ``lane_uniform(base, j)``: t = (base ^
+j * 0x9e3779b9) * 0x85ebca6b, t ^ (t >> 16) (a bijection of base for each j).  The
+value-rounding uniform is g = lane_uniform(event_uniform(key_value, G, event), j)
+(``value_uniform``); the group-scale uniform is event_uniform(key_scale, G, event).
+
+Correlated rounding: the stratum of event e at lane j of group G is
+``pi = (sigma_G(e) + shift_{G,j}) mod n`` (``stratum``): sigma_G a keyed 6-round
+Feistel permutation with cycle walking, seeded per group (shared by its 16
+lanes, ``perm_base``), and shift_{G,j} = floor(lane_uniform(mix32(G ^ key_perm ^
+0xbb67ae85), j) n / 2^32) the lane's offset, the same for every event
+(``lane_shift``).  The uniform is u = (pi + g / 2^32) / n.  The 16 lanes of a group
+are NOT independent (their uniforms are fixed functions of one base), each lane
+on its own is exactly uniform.
 
 Non-finite values follow the header: a NaN never wins a group / super-group
 max (``abs_max``), t = x / scale with |t| >= 1 or NaN quantizes as |t| = 1 on
@@ -66,9 +77,10 @@ def mix32(x) -> np.ndarray:
     return x
 
 
-def event_uniform(key, coord, event) -> np.ndarray:
-    """The 32-bit uniform of one (coordinate, event) under a key."""
-    inner = mix32((_u32(coord) + _u32(key)) & MASK32)
+def event_uniform(key, index, event) -> np.ndarray:
+    """The full hash: a 32-bit uniform of one (index, event) under a key (dq_event_uniform;
+    the codec calls it per (group, event): value bases and group-scale uniforms)."""
+    inner = mix32((_u32(index) + _u32(key)) & MASK32)
     salt = (_u32(event) * 0x9E3779B9 + 0x632BE5AB) & MASK32
     return mix32(inner ^ salt)
 
@@ -128,24 +140,46 @@ def group_perm_seed(key_perm, group) -> np.ndarray:
 
 
 def perm_base(key_perm, group, event, n: int) -> np.ndarray:
-    """sigma_G(event): the group's Feistel image of the event (dq_perm_base)."""
+    """sigma_G(event): the group's Feistel image of the event (DqGroupRng.sigma)."""
     return permute(np.uint64(event), n, perm_bits_for(n), group_perm_seed(key_perm, group))
 
 
-def coord_shift(key_perm, coord, n: int) -> np.ndarray:
-    """The coordinate's cyclic offset floor(h n / 2^32), h = mix32((coord + 0x6a09e667)
-    ^ key_perm ^ 0xbb67ae85): uniform on 0..n-1 up to n / 2^32 (dq_stratum)."""
-    h = mix32(((_u32(coord) + 0x6A09E667) & MASK32) ^ _u32(key_perm) ^ 0xBB67AE85)
-    return (h * np.uint64(n)) >> np.uint64(32)
+def lane_uniform(base, lane) -> np.ndarray:
+    """One lane's 32-bit uniform from its group's base (dq_lane_uniform):
+    t = (base ^ lane * 0x9e3779b9) * 0x85ebca6b (mod 2^32), then t ^ (t >> 16)."""
+    t = ((_u32(base) ^ ((_u32(lane) * 0x9E3779B9) & MASK32)) * 0x85EBCA6B) & MASK32
+    return t ^ (t >> 16)
 
 
-def stratum(key_perm, coord, event, n: int) -> np.ndarray:
-    """pi = (sigma_{coord >> 4}(event) + shift_coord) mod n, coord a uint32."""
-    coord = _u32(coord)
+def value_uniform(key_value, group, lane, event) -> np.ndarray:
+    """The value-rounding uniform g32 of lane `lane` of group `group` for one event."""
+    return lane_uniform(event_uniform(key_value, group, event), lane)
+
+
+def shift_base(key_perm, group) -> np.ndarray:
+    """The group's base of the per-lane cyclic offsets (the same for every event)."""
+    return mix32(_u32(group) ^ _u32(key_perm) ^ 0xBB67AE85)
+
+
+def lane_shift(key_perm, group, lane, n: int) -> np.ndarray:
+    """The lane's cyclic offset floor(lane_uniform(shift_base, lane) n / 2^32):
+    uniform on 0..n-1 up to n / 2^32."""
+    return (lane_uniform(shift_base(key_perm, group), lane) * np.uint64(n)) >> np.uint64(32)
+
+
+def stratum(key_perm, group, lane, event, n: int) -> np.ndarray:
+    """pi = (sigma_group(event) + shift_{group,lane}) mod n (group a uint32, lane 0..15)."""
+    group = _u32(group)
     if n <= 1:
-        return np.zeros_like(coord)
-    base = perm_base(key_perm, coord >> np.uint64(4), event, n)
-    return (base + coord_shift(key_perm, coord, n)) % np.uint64(n)
+        return np.zeros(np.broadcast_shapes(group.shape, np.shape(lane)), np.uint64)
+    base = perm_base(key_perm, group, event, n)
+    return (base + lane_shift(key_perm, group, lane, n)) % np.uint64(n)
+
+
+def coord_group_lane(coord):
+    """(group, lane) of 32-bit stream coordinates (valid while the group index < 2^28)."""
+    coord = _u32(coord)
+    return coord >> np.uint64(4), coord & np.uint64(15)
 
 
 # --------------------------------------------------------------------- rounding helpers
@@ -359,12 +393,12 @@ def join_run(codes, meta, width: int, hierarchical: bool) -> bytes:
 
 
 # --------------------------------------------------------------------- quantizer
-def uniforms(m: Model, coord, event):
-    """u in [0, 1) (float64) of each coordinate for this event, plus (g32, pi)."""
-    g32 = event_uniform(m.keys[0], coord, event)
+def uniforms(m: Model, group, lane, event):
+    """u in [0, 1) (float64) of each (group, lane) for this event, plus (g32, pi)."""
+    g32 = value_uniform(m.keys[0], group, lane, event)
     n = m.n
     if m.correlated and n > 1:
-        pi = stratum(m.keys[1], coord, event, n)
+        pi = stratum(m.keys[1], group, lane, event, n)
     else:
         pi = np.zeros_like(g32)
     u = (pi.astype(np.float64) + g32.astype(np.float64) / 2.0 ** 32) / n
@@ -434,8 +468,8 @@ def encode(m: Model, x, event: int, sg_base: int = 0) -> Encoded:
         meta = gs
         norm_scale = bf16_bits_to_f32(gs)
         scale_ratio = None
-    coord = (sg_index[:, None, None] * SUPER + np.arange(SUPER).reshape(1, GROUPS, GROUP)) & MASK32
-    u, _, _ = uniforms(m, coord, event)
+    group = ((sg_index[:, None] * GROUPS + np.arange(GROUPS)[None, :]) & MASK32)[:, :, None]
+    u, _, _ = uniforms(m, group, np.arange(GROUP)[None, None, :], event)
     zero = norm_scale <= 0
     safe = np.where(zero, np.float32(1), norm_scale)[:, :, None]
     codes, lower, p = quantize(m, x, safe, u)
