@@ -121,6 +121,6 @@ else:
         extensions.append(gpu)
 
 setup(
-    ext_modules=cythonize(extensions, language_level=3),
+    ext_modules=cythonize(extensions, language_level=3, include_path=["pyx"]),
     cmdclass={"build_ext": BuildExtNvcc},
 )

@@ -11,28 +11,9 @@ cimport numpy as cnp
 
 cnp.import_array()
 
+from dq_codec cimport DqParams, DqSource
+
 cdef extern from "dq_api.h":
-    ctypedef struct DqParams:
-        int32_t width
-        int32_t radius
-        int32_t hierarchical
-        int32_t correlated
-        uint32_t n_events
-        uint32_t perm_bits
-        uint32_t key_value
-        uint32_t key_perm
-        uint32_t key_scale
-        float mag[128]
-        float inv_gap[128]
-        float level[256]
-        uint8_t lut[4096]
-    ctypedef struct DqSource:
-        const void* x
-        int32_t dtype
-        int64_t length
-        const int64_t* sg_map
-        int64_t sg_offset
-        const float* mean
     int64_t dq_run_bytes(int64_t nsg, int width, int hierarchical)
     int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2) nogil
     void dq_cpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,

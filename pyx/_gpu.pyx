@@ -15,34 +15,15 @@ Importing never needs a GPU or a driver (the CUDA runtime is linked
 statically); ``is_usable()`` says whether kernels can run.
 """
 from libc.stdint cimport int64_t, uint32_t, uint8_t, int32_t, uint16_t, uintptr_t
-from libc.string cimport memcpy, memset
+
 import numpy as np
 cimport numpy as cnp
 
 cnp.import_array()
 
+from dq_codec cimport DqParams, DqSource
+
 cdef extern from "dq_gpu_api.h":
-    ctypedef struct DqParams:
-        int32_t width
-        int32_t radius
-        int32_t hierarchical
-        int32_t correlated
-        uint32_t n_events
-        uint32_t perm_bits
-        uint32_t key_value
-        uint32_t key_perm
-        uint32_t key_scale
-        float mag[128]
-        float inv_gap[128]
-        float level[256]
-        uint8_t lut[4096]
-    ctypedef struct DqSource:
-        const void* x
-        int32_t dtype
-        int64_t length
-        const int64_t* sg_map
-        int64_t sg_offset
-        const float* mean
     int dq_gpu_device_count(int* count) nogil
     const char* dq_gpu_error_string(int code) nogil
     const char* dq_gpu_error_name(int code) nogil
@@ -181,44 +162,8 @@ cdef int _expect(a, dtype, int64_t size, what) except -1:
 
 # ------------------------------------------------------------------ params
 
-def make_params(int width, bint hierarchical, bint correlated, unsigned n_events,
-                unsigned perm_bits, unsigned key_value, unsigned key_perm,
-                unsigned key_scale, mag, inv_gap, level, lut):
-    """Pack a DqParams struct into bytes (identical to ``_cpu.make_params``)."""
-    cdef DqParams p
-    memset(&p, 0, sizeof(DqParams))
-    cdef int radius = (1 << (width - 1)) - 1
-    mag = np.ascontiguousarray(mag, dtype=np.float32)
-    inv_gap = np.ascontiguousarray(inv_gap, dtype=np.float32)
-    level = np.ascontiguousarray(level, dtype=np.float32)
-    lut = np.ascontiguousarray(lut, dtype=np.uint8)
-    if mag.shape[0] != radius + 1 or inv_gap.shape[0] != radius or level.shape[0] != 2 * radius + 1:
-        raise ValueError("level tables do not match width %d" % width)
-    if lut.shape[0] != 4096:
-        raise ValueError("lookup table must have 4096 cells")
-    if n_events < 1 or n_events > (1 << 30):
-        raise ValueError("n_events must be in [1, 2^30], got %d" % n_events)
-    if perm_bits != (n_events - 1).bit_length():
-        raise ValueError("perm_bits must be %d for n_events=%d, got %d"
-                         % ((n_events - 1).bit_length(), n_events, perm_bits))
-    p.width = width
-    p.radius = radius
-    p.hierarchical = 1 if hierarchical else 0
-    p.correlated = 1 if correlated else 0
-    p.n_events = n_events
-    p.perm_bits = perm_bits
-    p.key_value = key_value
-    p.key_perm = key_perm
-    p.key_scale = key_scale
-    cdef float[::1] m = mag
-    cdef float[::1] g = inv_gap
-    cdef float[::1] l = level
-    cdef uint8_t[::1] t = lut
-    memcpy(p.mag, &m[0], (radius + 1) * sizeof(float))
-    memcpy(p.inv_gap, &g[0], radius * sizeof(float))
-    memcpy(p.level, &l[0], (2 * radius + 1) * sizeof(float))
-    memcpy(p.lut, &t[0], 4096)
-    return (<char*>&p)[:sizeof(DqParams)]
+# The DqParams blob is the same struct for both paths: one builder, in _cpu.
+from dynamiq_mpi._cpu import make_params  # noqa: E402
 
 
 cdef const DqParams* _params(const uint8_t[::1] blob) except NULL:
