@@ -1,4 +1,4 @@
-"""Command line: ``python -m dynamiq_mpi {demo,vnmse,schedule}``.
+"""Command line: ``python -m dynamiq_mpi {demo,vnmse,kernels,schedule}``.
 
 Run under ``mpiexec -n N`` for the MPI commands.  An exception on any rank
 prints its traceback and aborts the whole job (no rank is left hanging).
@@ -162,6 +162,10 @@ def cmd_schedule(args):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["kernels"]:   # the GPU kernel benchmark keeps its own options
+        from .bench_kernels import main as bench_main
+        return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m dynamiq_mpi", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="all-reduce gradient-like data with every codec (mpiexec)")

@@ -31,7 +31,7 @@ import numpy as np
 SUPER = 256
 
 
-def _parse():
+def _parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="20,22,24,26,28", help="log2 of element counts")
     ap.add_argument("--widths", default="4,2,8", help="code widths (the first is the main one)")
@@ -43,7 +43,7 @@ def _parse():
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--no-graphs", action="store_true",
                     help="time single launches with events (includes host overhead at small sizes)")
-    return ap.parse_args()
+    return ap.parse_args(argv)
 
 
 class Timer:
@@ -124,8 +124,8 @@ class Timer:
         return (t1 - t0) / calls * 1e6
 
 
-def main():
-    args = _parse()
+def main(argv=None):
+    args = _parse(argv)
     try:
         import cupy as cp
     except Exception as exc:
