@@ -27,9 +27,6 @@ class Backend:
     def zeros(self, shape, dtype):
         return self.xp.zeros(shape, dtype=dtype)
 
-    def asarray(self, host_array):
-        return self.xp.asarray(host_array)
-
     def to_host(self, array):
         if self.name == "cpu":
             return array
@@ -57,16 +54,11 @@ def dtype_name(dtype) -> str:
 
 
 def gpu_backend() -> Backend:
-    """The CUDA backend; a clear error if the kernels were not built or no GPU."""
-    try:
-        from . import _gpu
-    except ImportError as exc:
-        raise RuntimeError("CuPy input, but dynamiq_mpi was built without its CUDA kernels "
-                           f"(nvcc not found at build time?): {exc}") from None
-    if not _gpu.is_usable():
-        raise RuntimeError("CuPy input, but no usable CUDA GPU/driver was found")
+    """The CUDA backend; a clear error (why) if the kernels or a GPU are missing."""
+    from .cuda import gpu_module
+    kernels = gpu_module()
     import cupy
-    return Backend("gpu", cupy, _gpu)
+    return Backend("gpu", cupy, kernels)
 
 
 def bf16_to_float32(x):
