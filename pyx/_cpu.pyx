@@ -11,10 +11,9 @@ cimport numpy as cnp
 
 cnp.import_array()
 
-from dq_codec cimport DqParams, DqSource
+from dq_codec cimport DqParams, DqSource, check_bytes, check_event, wire_bytes
 
 cdef extern from "dq_api.h":
-    int64_t dq_run_bytes(int64_t nsg, int width, int hierarchical)
     int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2) nogil
     void dq_cpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,
                          uint32_t event, uint8_t* out) nogil
@@ -112,7 +111,7 @@ cdef class Source:
 
 
 def run_bytes(int64_t nsg, int width, bint hierarchical):
-    return dq_run_bytes(nsg, width, 1 if hierarchical else 0)
+    return wire_bytes(nsg, width, 1 if hierarchical else 0)
 
 
 def stats(cnp.ndarray x, int64_t nsg, bint centre):
@@ -132,24 +131,11 @@ def stats(cnp.ndarray x, int64_t nsg, bint centre):
     return mean, norm2, bad
 
 
-cdef int _check_event(unsigned event, const DqParams* P) except -1:
-    if P.correlated and event >= P.n_events:
-        raise ValueError("event %d out of range for %d events" % (event, P.n_events))
-    return 0
-
-
-cdef int _check_bytes(int64_t nsg, Py_ssize_t nbytes, const DqParams* P) except -1:
-    need = dq_run_bytes(nsg, P.width, P.hierarchical)
-    if nbytes != need:
-        raise ValueError("expected %d wire bytes, got %d" % (need, nbytes))
-    return 0
-
-
 def compress(const uint8_t[::1] params, Source local, int64_t nsg, int64_t sg_base,
              unsigned event, uint8_t[::1] out):
     cdef const DqParams* P = _params(params)
-    _check_bytes(nsg, out.shape[0], P)
-    _check_event(event, P)
+    check_bytes(nsg, out.shape[0], P)
+    check_event(event, P)
     if nsg:
         with nogil:
             dq_cpu_compress(P, &local.src, nsg, sg_base, event, &out[0])
@@ -158,7 +144,7 @@ def compress(const uint8_t[::1] params, Source local, int64_t nsg, int64_t sg_ba
 def decompress(const uint8_t[::1] params, const uint8_t[::1] inp, int64_t nsg,
                float[::1] out, bint accumulate):
     cdef const DqParams* P = _params(params)
-    _check_bytes(nsg, inp.shape[0], P)
+    check_bytes(nsg, inp.shape[0], P)
     if out.shape[0] != nsg * SUPER:
         raise ValueError("expected %d output values, got %d" % (nsg * SUPER, out.shape[0]))
     if nsg:
@@ -169,9 +155,9 @@ def decompress(const uint8_t[::1] params, const uint8_t[::1] inp, int64_t nsg,
 def dar(const uint8_t[::1] params, const uint8_t[::1] inp, Source local,
         int64_t nsg, int64_t sg_base, unsigned event, uint8_t[::1] out):
     cdef const DqParams* P = _params(params)
-    _check_bytes(nsg, inp.shape[0], P)
-    _check_bytes(nsg, out.shape[0], P)
-    _check_event(event, P)
+    check_bytes(nsg, inp.shape[0], P)
+    check_bytes(nsg, out.shape[0], P)
+    check_event(event, P)
     if nsg:
         with nogil:
             dq_cpu_dar(P, &inp[0], &local.src, nsg, sg_base, event, &out[0])

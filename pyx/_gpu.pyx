@@ -21,7 +21,7 @@ cimport numpy as cnp
 
 cnp.import_array()
 
-from dq_codec cimport DqParams, DqSource
+from dq_codec cimport DqParams, DqSource, check_bytes, check_event, wire_bytes
 
 cdef extern from "dq_gpu_api.h":
     int dq_gpu_device_count(int* count) nogil
@@ -173,20 +173,7 @@ cdef const DqParams* _params(const uint8_t[::1] blob) except NULL:
 
 
 def run_bytes(int64_t nsg, int width, bint hierarchical):
-    return nsg * (32 * width + (16 + 2 if hierarchical else 32))
-
-
-cdef int _check_event(unsigned event, const DqParams* P) except -1:
-    if P.correlated and event >= P.n_events:
-        raise ValueError("event %d out of range for %d events" % (event, P.n_events))
-    return 0
-
-
-cdef int _check_bytes(int64_t nsg, int64_t nbytes, const DqParams* P) except -1:
-    need = run_bytes(nsg, P.width, P.hierarchical)
-    if nbytes != need:
-        raise ValueError("expected %d wire bytes, got %d" % (need, nbytes))
-    return 0
+    return wire_bytes(nsg, width, 1 if hierarchical else 0)
 
 
 # ------------------------------------------------------------------ sources
@@ -253,8 +240,8 @@ def compress(const uint8_t[::1] params, Source local, int64_t nsg, int64_t sg_ba
              unsigned event, out, stream=None):
     cdef const DqParams* P = _params(params)
     _expect(out, np.uint8, -1, "compress out")
-    _check_bytes(nsg, out.size, P)
-    _check_event(event, P)
+    check_bytes(nsg, out.size, P)
+    check_event(event, P)
     if nsg == 0:
         return
     cdef uint8_t* op = <uint8_t*>_dptr(out, "compress out")
@@ -268,7 +255,7 @@ def compress(const uint8_t[::1] params, Source local, int64_t nsg, int64_t sg_ba
 def decompress(const uint8_t[::1] params, inp, int64_t nsg, out, bint accumulate, stream=None):
     cdef const DqParams* P = _params(params)
     _expect(inp, np.uint8, -1, "decompress input")
-    _check_bytes(nsg, inp.size, P)
+    check_bytes(nsg, inp.size, P)
     _expect(out, np.float32, nsg * SUPER, "decompress out")
     if nsg == 0:
         return
@@ -287,9 +274,9 @@ def dar(const uint8_t[::1] params, inp, Source local, int64_t nsg, int64_t sg_ba
     cdef const DqParams* P = _params(params)
     _expect(inp, np.uint8, -1, "dar input")
     _expect(out, np.uint8, -1, "dar out")
-    _check_bytes(nsg, inp.size, P)
-    _check_bytes(nsg, out.size, P)
-    _check_event(event, P)
+    check_bytes(nsg, inp.size, P)
+    check_bytes(nsg, out.size, P)
+    check_event(event, P)
     if nsg == 0:
         return
     cdef const uint8_t* ip = <const uint8_t*>_dptr(inp, "dar input")

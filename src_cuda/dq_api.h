@@ -15,8 +15,6 @@
 extern "C" {
 #endif
 
-int64_t dq_run_bytes(int64_t nsg, int width, int hierarchical);
-
 // Statistics of the nsg input super-groups of S (S->sg_map and S->mean must be
 // NULL): per super-group mean (0 when centre == 0) and squared norm of the
 // centred values, rounded up to float32.  Returns the number of non-finite inputs.

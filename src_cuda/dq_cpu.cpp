@@ -107,10 +107,6 @@ void load_local(const DqSource* S, int64_t stream_sg, float* out) {
 
 extern "C" {
 
-int64_t dq_run_bytes(int64_t nsg, int width, int hierarchical) {
-    return nsg * (int64_t)dq_record_bytes(width, hierarchical);
-}
-
 int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2) {
     int64_t nonfinite = 0;
     float v[DQ_SUPER];
