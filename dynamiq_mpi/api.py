@@ -2,44 +2,164 @@
 :func:`simulate_allreduce`."""
 from __future__ import annotations
 
+import os
 import threading
+import time
 
+from .codecs.base import DEFAULT_TILE_BYTES
 from .codecs.dynamiq import DynamiQ
 from .engine import CallSpec, rank_program
+from .transports import TRANSPORTS
+from .transports.ops import Agree, Route
 from .transports.simulate import SimulatedTransport
+from .workspace import FRESH, Workspace
+
+
+def _check_transport(transport):
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
 
 
 class Collective:
     """A communicator's compressed all-reduce.
 
-    Owns a private duplicate of ``comm`` and the per-communicator call counter
+    Owns a private duplicate of ``comm``, the per-communicator call counter
     that keys the generator (successive calls with the same seed draw fresh
-    randomness).  Calls are serialised by a lock, so DDP hooks on other
-    threads may share it.  Every rank must make the same sequence of calls.
+    randomness), reusable workspace, and - created on the first call that uses
+    it - one NCCL communicator per lane for device arrays.  Calls are
+    serialised by a lock, so DDP hooks on other threads may share it.  Every
+    rank must make the same sequence of calls.
+
+    ``transport``: "auto" (NCCL for device arrays when usable on every rank,
+    else host-staged MPI), "nccl" or "mpi".  ``tile_bytes``: bytes of
+    compressed stream per message (the pipeline's unit).  ``lanes``: NCCL
+    communicators (and streams) one large message is split over
+    (default ``$DYNAMIQ_NCCL_LANES`` or 1).
     """
 
-    def __init__(self, comm=None, transport: str = "mpi"):
+    def __init__(self, comm=None, transport: str = "auto", tile_bytes: int = DEFAULT_TILE_BYTES,
+                 lanes: int | None = None):
         if comm is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD
-        if transport != "mpi":
-            raise ValueError(f"unknown transport {transport!r} (available: 'mpi')")
+        _check_transport(transport)
         from .transports.mpi_host import MPITransport
         self.parent = comm
-        self.transport = MPITransport(comm)
-        self.rank, self.size = self.transport.rank, self.transport.size
+        self.transport = transport
+        self.tile_bytes = int(tile_bytes)
+        self.lanes = int(lanes if lanes is not None else os.environ.get("DYNAMIQ_NCCL_LANES", 1))
+        self._mpi = MPITransport(comm)
+        self.rank, self.size = self._mpi.rank, self._mpi.size
+        self._nccl = {}
         self._counter = 0
         self._lock = threading.Lock()
+        self._workspace = Workspace()
+        self._last_stream = None     # (stream pointer, event at the end of the last call)
 
-    def allreduce(self, x, *, codec=None, topology="ring", op="sum", seed=0,
-                  return_report=False):
+    @property
+    def counter(self) -> int:
+        """Calls made so far (keys the generator); restore it to resume a run."""
+        return self._counter
+
+    @counter.setter
+    def counter(self, value: int):
+        if int(value) < 0:
+            raise ValueError("counter must be non-negative")
+        with self._lock:
+            self._counter = int(value)
+
+    def allreduce(self, x, *, codec=None, topology="ring", op="sum", seed=0, out=None,
+                  transport=None, tile_bytes=None, return_report=False, profile=False):
+        """All-reduce ``x`` (see :func:`allreduce`).  ``profile=True``
+        synchronises at every phase boundary and puts the per-phase times into
+        ``report.phases`` (slower: for breakdowns, not for production)."""
         codec = DynamiQ() if codec is None else codec
         with self._lock:
             counter = self._counter
             self._counter += 1
-            spec = CallSpec(codec, topology, op, seed, counter)
-            out, report = self.transport.run(rank_program(self.rank, self.size, x, spec))
+            spec = CallSpec(codec, topology, op, seed, counter,
+                            self.transport if transport is None else transport,
+                            self.tile_bytes if tile_bytes is None else tile_bytes)
+            program = rank_program(self.rank, self.size, x, spec, out, self._workspace,
+                                   detailed_report=return_report)
+            out, report = self._drive(program, x, profile)
         return (out, report) if return_report else out
+
+    # -- driving one call ------------------------------------------------------
+    def _drive(self, program, x, profile):
+        on_device = type(x).__module__.startswith("cupy")
+        if on_device:
+            self._fence_stream()
+        t0 = time.perf_counter()
+        data, prof = self._mpi, None
+        try:
+            request = program.send(None)
+            while True:
+                if isinstance(request, Agree):
+                    answer = self._mpi.answer(request)
+                elif isinstance(request, Route):
+                    data = self._route(request.transport, x)
+                    answer = data.name
+                    if profile:
+                        data.start_profile(device=on_device)
+                else:
+                    answer = data.answer(request)
+                request = program.send(answer)
+        except StopIteration as done:
+            out, report = done.value
+        finally:
+            if profile and data.profile is not None:
+                prof = data.stop_profile()
+            if on_device:
+                self._record_stream()
+        if prof is not None:
+            report.phases = _phases(prof, t0)
+        return out, report
+
+    def _route(self, transport, x):
+        if transport != "nccl":
+            return self._mpi
+        device = x.device.id
+        if device not in self._nccl:          # every rank gets here in the same call
+            from .transports.nccl import NCCLTransport
+            self._nccl[device] = NCCLTransport(self._mpi.comm, device, self.lanes)
+        return self._nccl[device]
+
+    def _fence_stream(self):
+        """Workspace buffers are reused in stream order: if the caller's stream
+        changed since the last call, wait for the last call's work first."""
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        if self._last_stream is not None and self._last_stream[0] != stream.ptr:
+            stream.wait_event(self._last_stream[1])
+
+    def _record_stream(self):
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        done = cupy.cuda.Event(block=False, disable_timing=True)
+        done.record(stream)
+        self._last_stream = (stream.ptr, done)
+
+    def free(self):
+        """Release the NCCL communicators and the MPI duplicate."""
+        with self._lock:
+            for t in self._nccl.values():
+                t.free()
+            self._nccl.clear()
+            self._workspace.clear()
+            self._mpi.free()
+
+
+def _phases(prof, t0) -> dict:
+    """Per-phase seconds from the marks of a profiled call (phases are
+    serialised by the profiling), plus kernel and wire time where measured."""
+    marks = [("agreement", t0)] + list(prof.marks)
+    phases = {}
+    for (name, a), (_, b) in zip(marks, marks[1:]):
+        phases[name] = phases.get(name, 0.0) + (b - a)
+    phases.pop("done", None)
+    phases.update({k: v / 1e3 for k, v in prof.summary().items()})
+    return phases
 
 
 _collectives = {}
@@ -58,27 +178,30 @@ def collective_for(comm=None) -> Collective:
         return entry
 
 
-def allreduce(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0,
-              return_report=False):
+def allreduce(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0, out=None,
+              transport="auto", return_report=False):
     """Compressed all-reduce of ``x`` over ``comm`` (default ``MPI.COMM_WORLD``).
 
-    Every rank passes an array of the same length and dtype (float32 or
-    bfloat16, NumPy or CuPy, any C-contiguous shape) and gets back a new array
-    of that shape and dtype holding the same estimate of the sum (or mean) on
-    every rank, bit for bit.  With ``return_report=True`` returns
-    ``(result, Report)``.
+    Every rank passes an array of the same length and dtype (float32, bfloat16,
+    float16 or float64; NumPy or CuPy; any C-contiguous shape) and gets back an
+    array of that shape and dtype holding the same estimate of the sum (or
+    mean) on every rank, bit for bit: a new one, or ``out`` (which may be ``x``
+    itself).  CuPy arrays run on the current CuPy stream and the result is
+    valid in its order.  With ``return_report=True`` returns ``(result, Report)``.
     """
     return collective_for(comm).allreduce(x, codec=codec, topology=topology, op=op, seed=seed,
+                                          out=out, transport=transport,
                                           return_report=return_report)
 
 
 def simulate_allreduce(xs, *, codec=None, topology="ring", op="sum", seed=0, counter=0,
-                       return_reports=False):
+                       tile_bytes=DEFAULT_TILE_BYTES, return_reports=False):
     """Run the all-reduce of ``len(xs)`` ranks in this process (rank r passes
     ``xs[r]``).  Returns the list of every rank's output (and reports)."""
     codec = DynamiQ() if codec is None else codec
     n = len(xs)
-    spec = CallSpec(codec, topology, op, seed, counter)
-    results = SimulatedTransport(n).run([rank_program(r, n, xs[r], spec) for r in range(n)])
+    spec = CallSpec(codec, topology, op, seed, counter, "auto", tile_bytes)
+    results = SimulatedTransport(n).run(
+        [rank_program(r, n, xs[r], spec, None, FRESH, return_reports) for r in range(n)])
     outs = [r[0] for r in results]
     return (outs, [r[1] for r in results]) if return_reports else outs

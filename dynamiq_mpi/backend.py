@@ -12,7 +12,9 @@ import ml_dtypes
 import numpy as np
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-SUPPORTED_DTYPES = (np.dtype(np.float32), BFLOAT16)
+# The codecs read float32 and bfloat16 directly; float16 and float64 inputs are
+# converted to float32 first and the result comes back in the caller's dtype.
+SUPPORTED_DTYPES = (np.dtype(np.float32), BFLOAT16, np.dtype(np.float16), np.dtype(np.float64))
 
 
 @dataclass(frozen=True)

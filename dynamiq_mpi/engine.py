@@ -1,18 +1,26 @@
-"""The engine: runs one all-reduce for one rank, as a generator of
-communication requests that a transport drives (see transports/).
+"""The engine: runs one all-reduce for one rank, as a generator of requests
+that a transport answers (see transports/ops.py).
 
 Order of one call:
 1. agreement: every rank contributes (length, dtype, codec, topology, op,
-   seed, call counter, its local input error); any error or disagreement makes
-   every rank raise the same exception before any data byte moves;
+   seed, call counter, transport, its local input error); any error or
+   disagreement makes every rank raise the same exception before any data
+   byte moves; the transport that runs is chosen from the agreed records;
 2. statistics phase (codecs that ask for it): an exact float32 all-reduce of a
-   small vector over the same schedule, so all ranks hold bit-identical values;
-3. the codec plans the call from the reduced statistics (widths, order, chunks);
-4. reduce-scatter: a leaf compresses; a rank that has received partial sums
-   decompresses-accumulates all but the last, then runs the fused
+   small vector, so all ranks hold bit-identical values;
+3. the codec plans the call from the reduced statistics (widths, order,
+   chunks of whole records, tiles);
+4. reduce-scatter, tile by tile: a leaf compresses; a rank that has received
+   partial sums decompress-accumulates all but the last, then runs the fused
    decompress-accumulate-recompress on the last; the sink of a chunk
    recompresses and decodes its own bytes, exactly like everybody else will;
-5. all-gather: compressed bytes are forwarded unchanged and decoded locally.
+5. all-gather: compressed bytes are forwarded unchanged and decoded locally;
+6. finish: the result in the caller's layout and dtype, into ``out``.
+
+The engine posts every exchange as soon as its payload is computed and
+claims a received buffer only right before a kernel reads it, so a transport
+that works asynchronously (NCCL on its own stream) overlaps the kernel of one
+tile with the transfer of another.  The engine itself never waits or syncs.
 """
 from __future__ import annotations
 
@@ -24,14 +32,18 @@ import numpy as np
 
 from . import schedules
 from .backend import SUPPORTED_DTYPES, backend_for, dtype_name
-from .codecs.base import Codec
-from .codecs.plain import _ExactPlan
+from .codecs.base import DEFAULT_TILE_BYTES, Codec
+from .codecs.plain import ElementwisePlan
 from .errors import InputMismatchError, InvalidInputError
 from .report import Report
 from .rng import call_keys
-from .transports.ops import AllgatherObject, Exchange
+from .transports import TRANSPORTS, choose_transport, transport_capabilities
+from .transports.ops import Agree, Claim, Exchange, Mark, Route
+from .workspace import FRESH
 
 OPS = ("sum", "mean")
+# Input dtypes the codecs read directly; others are converted to float32 first.
+NATIVE_DTYPES = SUPPORTED_DTYPES[:2]
 
 
 @dataclass(frozen=True)
@@ -41,23 +53,42 @@ class CallSpec:
     op: str
     seed: int
     counter: int
+    transport: str = "auto"
+    tile_bytes: int = DEFAULT_TILE_BYTES
 
 
-def _check_local(x, spec: CallSpec, n: int):
-    """(flat input, backend) or raises; never communicates."""
+def _check_local(x, out, spec: CallSpec, n: int):
+    """(flat input, flat out or None, backend) or raises; never communicates."""
     if not isinstance(spec.codec, Codec):
         raise TypeError(f"codec must be a dynamiq_mpi codec instance, got {spec.codec!r}")
     if spec.op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {spec.op!r}")
     if not isinstance(spec.seed, (int, np.integer)) or spec.seed < 0:
         raise ValueError(f"seed must be a non-negative integer, got {spec.seed!r}")
+    if not isinstance(spec.tile_bytes, (int, np.integer)) or spec.tile_bytes < 1:
+        raise ValueError(f"tile_bytes must be a positive integer, got {spec.tile_bytes!r}")
+    if spec.transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {spec.transport!r}")
     schedules.check_topology(spec.topology, n)
     backend = backend_for(x)
     if x.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"unsupported dtype {x.dtype}: pass float32 or bfloat16")
+        raise TypeError(f"unsupported dtype {x.dtype}: pass float32, bfloat16, float16 or float64")
     if not x.flags.c_contiguous:
         raise ValueError("input must be C-contiguous")
-    return x.reshape(-1), backend
+    flat_out = None
+    if out is not None:
+        if type(out) is not type(x):
+            raise TypeError(f"out must be a {type(x).__name__} like the input, "
+                            f"got {type(out).__name__}")
+        if out.shape != x.shape or out.dtype != x.dtype:
+            raise ValueError(f"out must have the input's shape {x.shape} and dtype {x.dtype}, "
+                             f"got {out.shape} {out.dtype}")
+        if not out.flags.c_contiguous:
+            raise ValueError("out must be C-contiguous")
+        if backend.name == "gpu" and out.device.id != x.device.id:
+            raise ValueError(f"out is on device {out.device.id}, the input on {x.device.id}")
+        flat_out = out.reshape(-1)
+    return x.reshape(-1), flat_out, backend
 
 
 def _agree(metas: list) -> None:
@@ -65,64 +96,104 @@ def _agree(metas: list) -> None:
     if bad:
         detail = "; ".join(f"rank {r}: {e}" for r, e in bad)
         raise InvalidInputError(f"invalid all-reduce input ({detail})")
-    for key in ("length", "dtype", "backend", "codec", "topology", "op", "seed", "counter"):
+    for key in ("length", "dtype", "backend", "codec", "topology", "op", "seed", "counter",
+                "transport", "tile_bytes"):
         values = [m[key] for m in metas]
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
             raise InputMismatchError(f"ranks disagree on {key} ({per_rank})")
 
 
-def _reduce_chunk(plan, chunk, received, event):
-    """Compressed partial sum of this rank's subtree for ``chunk``."""
+def _reduce_tile(plan, tile, received, event):
+    """Generator: the compressed partial sum of this rank's subtree for ``tile``."""
     if not received:
-        return plan.compress(chunk, event)
+        return plan.compress(tile, event)
     acc = None
-    for payload in received[:-1]:
-        acc = plan.accumulate(chunk, payload, acc)
-    return plan.dar(chunk, received[-1], acc, event)
+    for handle in received[:-1]:
+        buf = yield Claim(handle)
+        acc = plan.accumulate(tile, buf, acc)
+    buf = yield Claim(received[-1])
+    return plan.dar(tile, buf, acc, event)
 
 
 def run_schedule(plan, schedule, rank):
-    """Reduce-scatter then all-gather of one plan; returns bytes this rank sent."""
-    pending = defaultdict(list)
-    held = {}
+    """Generator: reduce-scatter then all-gather of one plan, tile by tile.
+    Returns the bytes this rank sent."""
+    steps = schedule.steps[rank]
+    reduce_recv = sum(plan.chunk_nbytes[s.recv_chunk] for s in steps if s.phase == schedules.REDUCE)
+    arena = plan.scratch(reduce_recv)
+    arena_used = 0
+    pending = defaultdict(list)     # tile -> receive handles of partial sums
+    held = {}                       # tile -> final compressed bytes (array or handle)
     sent = 0
+    own = schedule.owned_chunk(rank)
     finalised = False
 
     def finalise():
-        own = schedule.owned_chunk(rank)
-        final = _reduce_chunk(plan, own, pending.pop(own, []), schedule.event(rank, own))
-        plan.decode(own, final)       # the sink adopts its own decoded bytes
-        held[own] = final
+        event = schedule.event(rank, own)
+        for tile in plan.chunk_tiles[own]:
+            final = yield from _reduce_tile(plan, tile, pending.pop(tile, []), event)
+            plan.decode(tile, final)        # the sink adopts its own decoded bytes
+            held[tile] = final
 
-    for step in schedule.steps[rank]:
-        if step.phase == schedules.REDUCE:
-            payload = _reduce_chunk(plan, step.send_chunk, pending.pop(step.send_chunk, []),
-                                    schedule.event(rank, step.send_chunk))
-        else:
-            if not finalised:
-                finalise()
-                finalised = True
-            payload = held[step.send_chunk]
-        received = yield Exchange(payload, step.dest, plan.chunk_nbytes[step.recv_chunk],
-                                  step.source)
-        sent += int(payload.nbytes)
-        if step.phase == schedules.REDUCE:
-            pending[step.recv_chunk].append(received)
-        else:
-            held[step.recv_chunk] = received
-            plan.decode(step.recv_chunk, received)
+    for step in steps:
+        if step.phase == schedules.GATHER and not finalised:
+            yield Mark("all-gather")
+            yield from finalise()
+            finalised = True
+        event = schedule.event(rank, step.send_chunk)
+        for send_tile, recv_tile in zip(plan.chunk_tiles[step.send_chunk],
+                                        plan.chunk_tiles[step.recv_chunk]):
+            nbytes = plan.tile_nbytes(recv_tile)
+            if step.phase == schedules.REDUCE:
+                payload = yield from _reduce_tile(plan, send_tile, pending.pop(send_tile, []),
+                                                  event)
+                recv = arena[arena_used:arena_used + nbytes]
+                arena_used += nbytes
+            else:
+                payload = held[send_tile]
+                recv = plan.wire_slot(recv_tile)
+            handle = yield Exchange(payload, step.dest, recv, step.source)
+            sent += plan.tile_nbytes(send_tile)
+            if step.phase == schedules.REDUCE:
+                pending[recv_tile].append(handle)
+            else:
+                held[recv_tile] = handle
+                buf = yield Claim(handle)
+                plan.decode(recv_tile, buf)
     if not finalised:
-        finalise()
+        yield from finalise()
     return sent
 
 
-def rank_program(rank: int, n: int, x, spec: CallSpec):
+def _reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
+    """Generator: the exact float32 sum of every rank's statistics vector,
+    bit-identical on every rank.  Returns (reduced, bytes sent, bytes sent by
+    all ranks)."""
+    xp = backend.xp
+    if n == 2:
+        # One exchange of the whole vector instead of the ring's two steps:
+        # the same bytes in one latency, and a + b == b + a in IEEE, so both
+        # ranks hold the same bits (the ring computes the same sums).
+        peer = 1 - rank
+        other = workspace.take(xp, "stats.peer", stats.shape[0], np.float32)
+        handle = yield Exchange(stats.view(np.uint8), peer, other.view(np.uint8), peer)
+        received = (yield Claim(handle)).view(np.float32)
+        reduced = workspace.take(xp, "stats.sum", stats.shape[0], np.float32)
+        xp.add(stats, received, out=reduced)
+        return reduced, stats.nbytes, 2 * stats.nbytes
+    plan = ElementwisePlan(stats, n, backend, workspace, tile_bytes, prefix="stats")
+    sent = yield from run_schedule(plan, schedule, rank)
+    return plan.reduced_values(), sent, 2 * (n - 1) * sum(plan.chunk_nbytes)
+
+
+def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH,
+                 detailed_report: bool = True):
     """Generator: one rank's all-reduce.  Returns (output, Report)."""
     t0 = time.perf_counter()
-    error, flat, backend = None, None, None
+    error, flat, flat_out, backend = None, None, None, None
     try:
-        flat, backend = _check_local(x, spec, n)
+        flat, flat_out, backend = _check_local(x, out, spec, n)
     except Exception as exc:  # reported to every rank, raised after agreement
         error = f"{type(exc).__name__}: {exc}"
     meta = {
@@ -133,37 +204,57 @@ def rank_program(rank: int, n: int, x, spec: CallSpec):
         "codec": spec.codec.signature() if isinstance(spec.codec, Codec) else repr(spec.codec),
         "topology": spec.topology, "op": spec.op, "seed": int(spec.seed) if
         isinstance(spec.seed, (int, np.integer)) else repr(spec.seed),
-        "counter": spec.counter,
+        "counter": spec.counter, "transport": spec.transport,
+        "tile_bytes": spec.tile_bytes,
+        "can": transport_capabilities(backend),
     }
-    metas = yield AllgatherObject(meta)
+    metas = yield Agree(meta)
     _agree(metas)
+    transport = yield Route(choose_transport(spec.transport, metas))
 
-    report = Report(codec=spec.codec.name, topology=spec.topology, world_size=n,
-                    length=int(flat.shape[0]), dtype=dtype_name(flat.dtype), op=spec.op,
-                    seed=int(spec.seed), call_counter=spec.counter)
-    if n == 1 or flat.shape[0] == 0:
-        out = flat.copy()
+    length = int(flat.shape[0])
+    report = Report(codec=spec.codec.name, topology=spec.topology, world_size=n, length=length,
+                    dtype=dtype_name(flat.dtype), op=spec.op, seed=int(spec.seed),
+                    call_counter=spec.counter, transport=transport)
+    xp = backend.xp
+    result = flat_out if flat_out is not None else backend.empty(length, flat.dtype)
+    if n == 1 or length == 0:
+        result[...] = flat
         report.seconds = time.perf_counter() - t0
-        return out.reshape(x.shape), report
+        return result.reshape(x.shape), report
 
+    values = flat if flat.dtype in NATIVE_DTYPES else flat.astype(np.float32)
+    codec = spec.codec.for_length(length)
     schedule = schedules.build(spec.topology, n)
     keys = call_keys(int(spec.seed), spec.counter)
-    stats, local_state = spec.codec.local_stats(flat, backend)
-    reduced = None
-    stats_total = 0
-    sent = 0
+    yield Mark("statistics")
+    stats, local_state = codec.local_stats(values, backend, workspace)
+    reduced, sent, stats_total = None, 0, 0
     if stats is not None:
-        stats_plan = _ExactPlan(stats, n, backend)
-        sent += yield from run_schedule(stats_plan, schedule, rank)
-        reduced = stats_plan.finish(1)
-        stats_total = 2 * (n - 1) * sum(stats_plan.chunk_nbytes)
-    plan = spec.codec.plan(flat, reduced, n, keys, backend, local_state)
+        reduced, sent, stats_total = yield from _reduce_stats(
+            stats, n, rank, schedule, backend, workspace, spec.tile_bytes)
+    yield Mark("plan")
+    plan = codec.plan(values, reduced, n, keys, backend, local_state, workspace, spec.tile_bytes)
+    yield Mark("reduce-scatter")
     sent += yield from run_schedule(plan, schedule, rank)
-    out = plan.finish(n if spec.op == "mean" else 1)
+    yield Mark("finish")
+    divisor = n if spec.op == "mean" else 1
+    if result.dtype in NATIVE_DTYPES:
+        plan.finish(divisor, result)
+    else:
+        staged = workspace.take(xp, "finish.f32", length, np.float32)
+        plan.finish(divisor, staged)
+        result[...] = staged.astype(result.dtype)
+    yield Mark("done")
 
     report.wire_bytes_total = stats_total + 2 * (n - 1) * sum(plan.chunk_nbytes)
     report.stats_bytes_total = stats_total
     report.bytes_sent = sent
-    report.codec_info = plan.report()
+    report.tiles_per_chunk = len(plan.chunk_tiles[0])
+    info = plan.report(detailed_report)
+    if codec is not spec.codec:
+        info["fallback"] = (f"{codec.name}: {length} elements < small_input="
+                            f"{getattr(spec.codec, 'small_input', '?')}")
+    report.codec_info = info
     report.seconds = time.perf_counter() - t0
-    return out.reshape(x.shape), report
+    return result.reshape(x.shape), report

@@ -14,11 +14,14 @@ class Report:
     op: str
     seed: int
     call_counter: int
+    transport: str = ""           # the transport that carried the data: "nccl", "mpi", "simulate"
     wire_bytes_total: int = 0     # bytes sent by all ranks, statistics included
     stats_bytes_total: int = 0    # of which the statistics phase
     bytes_sent: int = 0           # bytes this rank sent
-    seconds: float = 0.0
+    tiles_per_chunk: int = 0      # messages per chunk and step (the pipeline depth)
+    seconds: float = 0.0          # host time of the call on this rank
     codec_info: dict = field(default_factory=dict)
+    phases: dict = field(default_factory=dict)    # seconds per phase, when profiled
 
     @property
     def bits_per_coord(self) -> float:

@@ -14,7 +14,8 @@ cnp.import_array()
 from dq_codec cimport DqParams, DqSource, check_bytes, check_event, wire_bytes
 
 cdef extern from "dq_api.h":
-    int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2) nogil
+    int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
+                         float* tail) nogil
     void dq_cpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,
                          uint32_t event, uint8_t* out) nogil
     void dq_cpu_decompress(const DqParams* P, const uint8_t* inp, int64_t nsg,
@@ -127,8 +128,32 @@ def stats(cnp.ndarray x, int64_t nsg, bint centre):
     cdef int64_t bad = 0
     if nsg:
         with nogil:
-            bad = dq_cpu_stats(&s.src, nsg, 1 if centre else 0, &mv[0], &nv[0])
+            bad = dq_cpu_stats(&s.src, nsg, 1 if centre else 0, &mv[0], &nv[0], NULL)
     return mean, norm2, bad
+
+
+def stats_into(cnp.ndarray x, int64_t nsg, bint centre, mean, float[::1] norm2, float[::1] tail):
+    """stats() written into caller buffers: ``mean`` (float32[nsg], or None when
+    not centring), ``norm2`` (float32[nsg]) and ``tail`` (float32[2]: 1 if any
+    input is non-finite else 0, and max |x|)."""
+    cdef Source s = Source(x)
+    if nsg * SUPER < x.shape[0]:
+        raise ValueError("stats: %d super-groups do not cover %d values" % (nsg, x.shape[0]))
+    if norm2.shape[0] != nsg or tail.shape[0] != 2:
+        raise ValueError("stats_into: norm2 needs %d values and tail 2" % nsg)
+    cdef float[::1] mv
+    cdef float* mp = NULL
+    if mean is not None:
+        mv = mean
+        if mv.shape[0] != nsg:
+            raise ValueError("stats_into: mean needs %d values" % nsg)
+        if nsg:
+            mp = &mv[0]
+    elif centre:
+        raise ValueError("stats_into: centring needs a mean buffer")
+    cdef float* np_ = &norm2[0] if nsg else NULL
+    with nogil:
+        dq_cpu_stats(&s.src, nsg, 1 if centre else 0, mp, np_, &tail[0])
 
 
 def compress(const uint8_t[::1] params, Source local, int64_t nsg, int64_t sg_base,

@@ -33,7 +33,7 @@ cdef extern from "dq_gpu_api.h":
     int dq_gpu_last_error() nogil
     void dq_gpu_set_variant(int variant) nogil
     int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
-                     int64_t* nonfinite, uintptr_t stream) nogil
+                     int64_t* nonfinite, float* tail, uintptr_t stream) nogil
     int dq_gpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,
                         uint32_t event, uint8_t* out, uintptr_t stream) nogil
     int dq_gpu_decompress(const DqParams* P, const uint8_t* inp, int64_t nsg, float* out,
@@ -43,18 +43,18 @@ cdef extern from "dq_gpu_api.h":
     int dq_gpu_finish(const float* stream_values, const int64_t* stream_of_sg,
                       const float* mean_sum, int64_t nsg, float divisor, void* out, int dtype,
                       int64_t length, uintptr_t stream) nogil
-    int dq_gpu_bf16_compress(const DqSource* local, int64_t nsg, uint16_t* out,
+    int dq_gpu_bf16_compress(const DqSource* local, int64_t nsg, int64_t n, uint16_t* out,
                              uintptr_t stream) nogil
     int dq_gpu_bf16_decompress(const uint16_t* inp, int64_t n, float* out, int accumulate,
                                uintptr_t stream) nogil
-    int dq_gpu_bf16_dar(const uint16_t* inp, const DqSource* local, int64_t nsg, uint16_t* out,
-                        uintptr_t stream) nogil
-    int dq_gpu_exact_compress(const DqSource* local, int64_t nsg, float* out,
+    int dq_gpu_bf16_dar(const uint16_t* inp, const DqSource* local, int64_t nsg, int64_t n,
+                        uint16_t* out, uintptr_t stream) nogil
+    int dq_gpu_exact_compress(const DqSource* local, int64_t nsg, int64_t n, float* out,
                               uintptr_t stream) nogil
     int dq_gpu_exact_decompress(const float* inp, int64_t n, float* out, int accumulate,
                                 uintptr_t stream) nogil
-    int dq_gpu_exact_dar(const float* inp, const DqSource* local, int64_t nsg, float* out,
-                         uintptr_t stream) nogil
+    int dq_gpu_exact_dar(const float* inp, const DqSource* local, int64_t nsg, int64_t n,
+                         float* out, uintptr_t stream) nogil
 
 SUPER = 256
 PARAMS_SIZE = sizeof(DqParams)
@@ -231,9 +231,35 @@ def stats(x, int64_t nsg, bint centre, stream=None):
     cdef int64_t* bp = <int64_t*>(<uintptr_t>bad.data.ptr)
     cdef int rc
     with nogil:
-        rc = dq_gpu_stats(&s.src, nsg, 1 if centre else 0, mp, np_, bp, st)
+        rc = dq_gpu_stats(&s.src, nsg, 1 if centre else 0, mp, np_, bp, NULL, st)
     _check(rc, "stats")
     return mean, norm2, bad
+
+
+def stats_into(x, int64_t nsg, bint centre, mean, norm2, tail, scratch, stream=None):
+    """stats() written into caller CuPy buffers (see _cpu.stats_into); ``scratch``
+    is one int64 device word for the non-finite count."""
+    cdef Source s = Source(x)
+    if nsg * SUPER < x.size:
+        raise ValueError("stats: %d super-groups do not cover %d values" % (nsg, x.size))
+    _expect(norm2, np.float32, nsg, "stats norm2")
+    _expect(tail, np.float32, 2, "stats tail")
+    _expect(scratch, np.int64, 1, "stats scratch")
+    cdef float* mp = NULL
+    if mean is not None:
+        _expect(mean, np.float32, nsg, "stats mean")
+        if nsg:
+            mp = <float*>_dptr(mean, "stats mean")
+    elif centre:
+        raise ValueError("stats_into: centring needs a mean buffer")
+    cdef float* np_ = <float*>_dptr(norm2, "stats norm2") if nsg else NULL
+    cdef float* tp = <float*>_dptr(tail, "stats tail")
+    cdef int64_t* bp = <int64_t*>_dptr(scratch, "stats scratch")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_stats(&s.src, nsg, 1 if centre else 0, mp, np_, bp, tp, st)
+    _check(rc, "stats")
 
 
 def compress(const uint8_t[::1] params, Source local, int64_t nsg, int64_t sg_base,
@@ -314,22 +340,30 @@ def finish(stream_values, stream_of_sg, mean_sum, float divisor, out, stream=Non
 
 
 # ------------------------------------------------------------------ baselines
-# Stream element e < nsg * 256 reads the Source like the DynamiQ kernels
-# (super-group map, centring, zero padding beyond the source's length).
+# Stream element e < n reads the Source like the DynamiQ kernels (super-group
+# map, centring, zero padding beyond the source's length); n = out.size, with
+# (nsg - 1) * 256 < n <= nsg * 256 (the last super-group may be partial).
+
+cdef int64_t _plain_count(int64_t nsg, out, what) except -1:
+    cdef int64_t n = out.size
+    if n > nsg * SUPER or n <= (nsg - 1) * SUPER:
+        raise ValueError("%s: %d elements do not end in the last of %d super-groups"
+                         % (what, n, nsg))
+    return n
+
 
 def bf16_compress(Source local, int64_t nsg, out, stream=None):
     """out[e] = bfloat16(local(e)) (round to nearest even); out is uint16 or bfloat16."""
     if out.dtype.itemsize != 2:
         raise TypeError("bf16_compress out must be uint16 or bfloat16")
-    if out.size != nsg * SUPER:
-        raise ValueError("bf16_compress: expected %d elements, got %d" % (nsg * SUPER, out.size))
     if nsg == 0:
         return
+    cdef int64_t n = _plain_count(nsg, out, "bf16_compress")
     cdef uint16_t* op = <uint16_t*>_dptr(out, "bf16_compress out")
     cdef uintptr_t st = _stream(stream)
     cdef int rc
     with nogil:
-        rc = dq_gpu_bf16_compress(&local.src, nsg, op, st)
+        rc = dq_gpu_bf16_compress(&local.src, nsg, n, op, st)
     _check(rc, "bf16_compress")
 
 
@@ -354,29 +388,31 @@ def bf16_dar(inp, Source local, int64_t nsg, out, stream=None):
     """out[e] = bfloat16(float32(inp[e]) + local(e))."""
     if inp.dtype.itemsize != 2 or out.dtype.itemsize != 2:
         raise TypeError("bf16_dar buffers must be uint16 or bfloat16")
-    if inp.size != nsg * SUPER or out.size != nsg * SUPER:
-        raise ValueError("bf16_dar: expected %d elements" % (nsg * SUPER))
     if nsg == 0:
         return
+    cdef int64_t n = _plain_count(nsg, out, "bf16_dar")
+    if inp.size != n:
+        raise ValueError("bf16_dar: input has %d elements, out %d" % (inp.size, n))
     cdef const uint16_t* ip = <const uint16_t*>_dptr(inp, "bf16_dar input")
     cdef uint16_t* op = <uint16_t*>_dptr(out, "bf16_dar out")
     cdef uintptr_t st = _stream(stream)
     cdef int rc
     with nogil:
-        rc = dq_gpu_bf16_dar(ip, &local.src, nsg, op, st)
+        rc = dq_gpu_bf16_dar(ip, &local.src, nsg, n, op, st)
     _check(rc, "bf16_dar")
 
 
 def exact_compress(Source local, int64_t nsg, out, stream=None):
     """out[e] = local(e) (float32)."""
-    _expect(out, np.float32, nsg * SUPER, "exact_compress out")
+    _expect(out, np.float32, -1, "exact_compress out")
     if nsg == 0:
         return
+    cdef int64_t n = _plain_count(nsg, out, "exact_compress")
     cdef float* op = <float*>_dptr(out, "exact_compress out")
     cdef uintptr_t st = _stream(stream)
     cdef int rc
     with nogil:
-        rc = dq_gpu_exact_compress(&local.src, nsg, op, st)
+        rc = dq_gpu_exact_compress(&local.src, nsg, n, op, st)
     _check(rc, "exact_compress")
 
 
@@ -398,14 +434,17 @@ def exact_decompress(inp, out, bint accumulate, stream=None):
 
 def exact_dar(inp, Source local, int64_t nsg, out, stream=None):
     """out[e] = inp[e] + local(e) (float32)."""
-    _expect(inp, np.float32, nsg * SUPER, "exact_dar input")
-    _expect(out, np.float32, nsg * SUPER, "exact_dar out")
+    _expect(inp, np.float32, -1, "exact_dar input")
+    _expect(out, np.float32, -1, "exact_dar out")
     if nsg == 0:
         return
+    cdef int64_t n = _plain_count(nsg, out, "exact_dar")
+    if inp.size != n:
+        raise ValueError("exact_dar: input has %d elements, out %d" % (inp.size, n))
     cdef const float* ip = <const float*>_dptr(inp, "exact_dar input")
     cdef float* op = <float*>_dptr(out, "exact_dar out")
     cdef uintptr_t st = _stream(stream)
     cdef int rc
     with nogil:
-        rc = dq_gpu_exact_dar(ip, &local.src, nsg, op, st)
+        rc = dq_gpu_exact_dar(ip, &local.src, nsg, n, op, st)
     _check(rc, "exact_dar")

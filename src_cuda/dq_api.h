@@ -16,9 +16,13 @@ extern "C" {
 #endif
 
 // Statistics of the nsg input super-groups of S (S->sg_map and S->mean must be
-// NULL): per super-group mean (0 when centre == 0) and squared norm of the
-// centred values, rounded up to float32.  Returns the number of non-finite inputs.
-int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2);
+// NULL): per super-group mean (0 when centre == 0; `mean` may be NULL then) and
+// squared norm of the centred values, rounded up to float32.  Returns the number
+// of non-finite inputs.  `tail` (may be NULL) receives the per-call pair that
+// rides the statistics reduction: tail[0] = 1 if any input is non-finite else 0,
+// tail[1] = max |x| over the input (NaN ignored).
+int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
+                     float* tail);
 
 // out = compress(local values of stream super-groups sg_base .. sg_base + nsg)
 void dq_cpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,

@@ -107,8 +107,10 @@ void load_local(const DqSource* S, int64_t stream_sg, float* out) {
 
 extern "C" {
 
-int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2) {
+int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
+                     float* tail) {
     int64_t nonfinite = 0;
+    float total_absmax = 0.0f;
     float v[DQ_SUPER];
     double buf[DQ_SUPER];
     for (int64_t s = 0; s < nsg; s++) {
@@ -120,14 +122,19 @@ int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, fl
             float a = fabsf(v[i]);
             absmax = a > absmax ? a : absmax;
         }
+        total_absmax = absmax > total_absmax ? absmax : total_absmax;
         float mu = 0.0f;
         if (centre) mu = dq_mean_from_sum(dq_tree_sum256(buf), absmax);
         for (int i = 0; i < DQ_SUPER; i++) {
             double c = (double)(v[i] - mu);
             buf[i] = c * c;
         }
-        mean[s] = mu;
+        if (mean) mean[s] = mu;
         norm2[s] = dq_norm2_to_f32(dq_tree_sum256(buf));
+    }
+    if (tail) {
+        tail[0] = nonfinite ? 1.0f : 0.0f;
+        tail[1] = total_absmax;
     }
     return nonfinite;
 }

@@ -32,9 +32,10 @@ int dq_gpu_last_error(void);                    // cudaGetLastError (clears it)
 
 // -------------------------------------------------------------- DynamiQ codec
 // Statistics (see dq_cpu_stats).  `nonfinite` is one device int64 that receives
-// the count of non-finite inputs (it is zeroed first, on the same stream).
+// the count of non-finite inputs; `tail` (2 device floats, may be NULL) the
+// non-finite flag and max |x| of dq_cpu_stats (both zeroed first, same stream).
 int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
-                 int64_t* nonfinite, uintptr_t stream);
+                 int64_t* nonfinite, float* tail, uintptr_t stream);
 
 int dq_gpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,
                     uint32_t event, uint8_t* out, uintptr_t stream);
@@ -49,23 +50,26 @@ int dq_gpu_finish(const float* stream_values, const int64_t* stream_of_sg, const
                   uintptr_t stream);
 
 // -------------------------------------------------------------- baselines
-// Stream element e (0 <= e < nsg * 256) is the source value of stream
-// super-group e / 256 (sg_map / sg_offset / mean / zero padding as DqSource).
+// Stream element e (0 <= e < n, n <= nsg * 256: the last super-group may be
+// partial) is the source value of stream super-group e / 256 (sg_map /
+// sg_offset / mean / zero padding as DqSource).
 // bf16:  compress  out[e] = bf16_rne(local(e))
-//        decompress out[e] (+)= float(in[e])                  (n elements)
+//        decompress out[e] (+)= float(in[e])
 //        dar       out[e] = bf16_rne(float(in[e]) + local(e))
 // exact: compress  out[e] = local(e)
-//        decompress out[e] (+)= in[e]                         (n elements)
+//        decompress out[e] (+)= in[e]
 //        dar       out[e] = in[e] + local(e)
-int dq_gpu_bf16_compress(const DqSource* local, int64_t nsg, uint16_t* out, uintptr_t stream);
+int dq_gpu_bf16_compress(const DqSource* local, int64_t nsg, int64_t n, uint16_t* out,
+                         uintptr_t stream);
 int dq_gpu_bf16_decompress(const uint16_t* in, int64_t n, float* out, int accumulate,
                            uintptr_t stream);
-int dq_gpu_bf16_dar(const uint16_t* in, const DqSource* local, int64_t nsg, uint16_t* out,
-                    uintptr_t stream);
-int dq_gpu_exact_compress(const DqSource* local, int64_t nsg, float* out, uintptr_t stream);
+int dq_gpu_bf16_dar(const uint16_t* in, const DqSource* local, int64_t nsg, int64_t n,
+                    uint16_t* out, uintptr_t stream);
+int dq_gpu_exact_compress(const DqSource* local, int64_t nsg, int64_t n, float* out,
+                          uintptr_t stream);
 int dq_gpu_exact_decompress(const float* in, int64_t n, float* out, int accumulate,
                             uintptr_t stream);
-int dq_gpu_exact_dar(const float* in, const DqSource* local, int64_t nsg, float* out,
+int dq_gpu_exact_dar(const float* in, const DqSource* local, int64_t nsg, int64_t n, float* out,
                      uintptr_t stream);
 
 // -------------------------------------------------------------- benchmarking

@@ -682,9 +682,10 @@ __device__ __forceinline__ double tree_sum_warp(double (&b)[8]) {
 }
 __global__ void __launch_bounds__(kThreads)
 k_stats(const DqSource S, int64_t nsg, int centre, float* mean, float* norm2,
-        unsigned long long* nonfinite) {
+        unsigned long long* nonfinite, float* tail) {
     const int lane = threadIdx.x & 31;
     unsigned long long bad = 0;
+    float warp_absmax = 0.0f;
     for (int64_t s = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5); s < nsg;
          s += (int64_t)gridDim.x * kWarps) {
         float v[8];
@@ -704,6 +705,7 @@ k_stats(const DqSource S, int64_t nsg, int centre, float* mean, float* norm2,
         }
 #pragma unroll
         for (int h = 16; h >= 1; h >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, h));
+        warp_absmax = fmaxf(warp_absmax, amax);
         float mu = 0.0f;
         if (centre) mu = dq_mean_from_sum(tree_sum_warp(b), amax);
 #pragma unroll
@@ -712,12 +714,22 @@ k_stats(const DqSource S, int64_t nsg, int centre, float* mean, float* norm2,
             b[k] = c * c;
         }
         const float f = dq_norm2_to_f32(tree_sum_warp(b));
-        if (lane == 0) { mean[s] = mu; norm2[s] = f; }
+        if (lane == 0) {
+            if (mean) mean[s] = mu;
+            norm2[s] = f;
+        }
     }
     // one atomic per warp that saw a non-finite value
 #pragma unroll
     for (int h = 16; h >= 1; h >>= 1) bad += __shfl_xor_sync(kFull, bad, h);
     if (lane == 0 && bad) atomicAdd(nonfinite, bad);
+    if (tail && lane == 0) {
+        // tail[0]: 1 if any input is non-finite (every writer stores the same 1);
+        // tail[1]: max |x|, an atomic max on the bits (monotone for floats >= 0).
+        if (bad) tail[0] = 1.0f;
+        if (warp_absmax > 0.0f)
+            atomicMax(reinterpret_cast<unsigned int*>(tail + 1), __float_as_uint(warp_absmax));
+    }
 }
 
 // Final scatter: 8 entries per thread step (one input super-group each).
@@ -785,10 +797,11 @@ k_finish(const float* stream, const int64_t* stream_of_sg, const float* mean_sum
 
 // ---------------------------------------------------------------- baselines
 // OP 0: bf16 compress, 1: bf16 dar, 2: exact compress, 3: exact dar.
+// Writes stream elements [0, n), n <= nsg * 256 (the last super-group may be partial).
 template <int OP>
 __global__ void __launch_bounds__(kThreads)
-k_plain_encode(const DqSource src, int64_t nsg, const void* in, void* out) {
-    const int64_t nchunks = nsg * (DQ_SUPER / 8);
+k_plain_encode(const DqSource src, int64_t nsg, int64_t n, const void* in, void* out) {
+    const int64_t nchunks = (n + 7) >> 3;
     for (int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x; c < nchunks;
          c += (int64_t)gridDim.x * kThreads) {
         const int64_t s = c >> 5;
@@ -796,9 +809,10 @@ k_plain_encode(const DqSource src, int64_t nsg, const void* in, void* out) {
         float v[8];
         load_source<8>(src, source_row(src, s), i0, v);
         const int64_t e0 = s * DQ_SUPER + i0;
+        const bool full = e0 + 8 <= n;
         if (OP == 1) {
             const uint16_t* p = static_cast<const uint16_t*>(in) + e0;
-            if (aligned(p, 16)) {
+            if (full && aligned(p, 16)) {
                 uint4 q = *reinterpret_cast<const uint4*>(p);
                 uint32_t w[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
@@ -808,18 +822,20 @@ k_plain_encode(const DqSource src, int64_t nsg, const void* in, void* out) {
                 }
             } else {
 #pragma unroll
-                for (int j = 0; j < 8; j++) v[j] = dq_bf16_to_f32(p[j]) + v[j];
+                for (int j = 0; j < 8; j++)
+                    if (e0 + j < n) v[j] = dq_bf16_to_f32(p[j]) + v[j];
             }
         } else if (OP == 3) {
             const float* p = static_cast<const float*>(in) + e0;
-            if (aligned(p, 16)) {
+            if (full && aligned(p, 16)) {
                 float4 a = reinterpret_cast<const float4*>(p)[0];
                 float4 b = reinterpret_cast<const float4*>(p)[1];
                 v[0] = a.x + v[0]; v[1] = a.y + v[1]; v[2] = a.z + v[2]; v[3] = a.w + v[3];
                 v[4] = b.x + v[4]; v[5] = b.y + v[5]; v[6] = b.z + v[6]; v[7] = b.w + v[7];
             } else {
 #pragma unroll
-                for (int j = 0; j < 8; j++) v[j] = p[j] + v[j];
+                for (int j = 0; j < 8; j++)
+                    if (e0 + j < n) v[j] = p[j] + v[j];
             }
         }
         if (OP <= 1) {
@@ -827,22 +843,24 @@ k_plain_encode(const DqSource src, int64_t nsg, const void* in, void* out) {
             uint16_t h[8];
 #pragma unroll
             for (int j = 0; j < 8; j++) h[j] = dq_f32_to_bf16_rne(v[j]);
-            if (aligned(o, 16)) {
+            if (full && aligned(o, 16)) {
                 *reinterpret_cast<uint4*>(o) = make_uint4(
                     h[0] | ((uint32_t)h[1] << 16), h[2] | ((uint32_t)h[3] << 16),
                     h[4] | ((uint32_t)h[5] << 16), h[6] | ((uint32_t)h[7] << 16));
             } else {
 #pragma unroll
-                for (int j = 0; j < 8; j++) o[j] = h[j];
+                for (int j = 0; j < 8; j++)
+                    if (e0 + j < n) o[j] = h[j];
             }
         } else {
             float* o = static_cast<float*>(out) + e0;
-            if (aligned(o, 16)) {
+            if (full && aligned(o, 16)) {
                 reinterpret_cast<float4*>(o)[0] = make_float4(v[0], v[1], v[2], v[3]);
                 reinterpret_cast<float4*>(o)[1] = make_float4(v[4], v[5], v[6], v[7]);
             } else {
 #pragma unroll
-                for (int j = 0; j < 8; j++) o[j] = v[j];
+                for (int j = 0; j < 8; j++)
+                    if (e0 + j < n) o[j] = v[j];
             }
         }
     }
@@ -1096,6 +1114,17 @@ int launch_encode(const DqParams* P, const DqSource* local, const uint8_t* in, i
     }
 }
 
+// n: elements to write, (nsg - 1) * 256 < n <= nsg * 256.
+template <int OP>
+int launch_plain_encode(const DqSource* local, int64_t nsg, int64_t n, const void* in,
+                        void* out, uintptr_t stream) {
+    if (nsg <= 0 || n <= 0) return 0;
+    if (!local || !out || ((OP == 1 || OP == 3) && !in)) return (int)cudaErrorInvalidValue;
+    if (n > nsg * DQ_SUPER || n <= (nsg - 1) * DQ_SUPER) return (int)cudaErrorInvalidValue;
+    k_plain_encode<OP><<<grid_for((n + 7) / 8, kThreads), kThreads, 0,
+                         reinterpret_cast<cudaStream_t>(stream)>>>(*local, nsg, n, in, out);
+    return launch_result();
+}
 #endif  // DQ_EMU
 }  // namespace
 #ifndef DQ_EMU
@@ -1135,15 +1164,16 @@ int dq_gpu_last_error(void) { return (int)cudaGetLastError(); }
 void dq_gpu_set_variant(int variant) { g_variant = variant; }
 
 int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
-                 int64_t* nonfinite, uintptr_t stream) {
+                 int64_t* nonfinite, float* tail, uintptr_t stream) {
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-    if (!S || !nonfinite) return (int)cudaErrorInvalidValue;
+    if (!S || !nonfinite || (!mean && centre)) return (int)cudaErrorInvalidValue;
     if (S->sg_map || S->mean) return (int)cudaErrorInvalidValue;
     cudaError_t e = cudaMemsetAsync(nonfinite, 0, sizeof(int64_t), st);
     if (e != cudaSuccess) return (int)e;
+    if (tail && (e = cudaMemsetAsync(tail, 0, 2 * sizeof(float), st)) != cudaSuccess) return (int)e;
     if (nsg <= 0) return 0;
     k_stats<<<grid_for(nsg, kWarps), kThreads, 0, st>>>(
-        *S, nsg, centre, mean, norm2, reinterpret_cast<unsigned long long*>(nonfinite));
+        *S, nsg, centre, mean, norm2, reinterpret_cast<unsigned long long*>(nonfinite), tail);
     return launch_result();
 }
 
@@ -1187,35 +1217,21 @@ int dq_gpu_finish(const float* stream_values, const int64_t* stream_of_sg, const
     return launch_result();
 }
 
-int dq_gpu_bf16_compress(const DqSource* local, int64_t nsg, uint16_t* out, uintptr_t stream) {
-    if (nsg <= 0) return 0;
-    if (!local || !out) return (int)cudaErrorInvalidValue;
-    k_plain_encode<0><<<grid_for(nsg * 32, kThreads), kThreads, 0,
-                        reinterpret_cast<cudaStream_t>(stream)>>>(*local, nsg, nullptr, out);
-    return launch_result();
+int dq_gpu_bf16_compress(const DqSource* local, int64_t nsg, int64_t n, uint16_t* out,
+                         uintptr_t stream) {
+    return launch_plain_encode<0>(local, nsg, n, nullptr, out, stream);
 }
-int dq_gpu_bf16_dar(const uint16_t* in, const DqSource* local, int64_t nsg, uint16_t* out,
-                    uintptr_t stream) {
-    if (nsg <= 0) return 0;
-    if (!local || !out || !in) return (int)cudaErrorInvalidValue;
-    k_plain_encode<1><<<grid_for(nsg * 32, kThreads), kThreads, 0,
-                        reinterpret_cast<cudaStream_t>(stream)>>>(*local, nsg, in, out);
-    return launch_result();
+int dq_gpu_bf16_dar(const uint16_t* in, const DqSource* local, int64_t nsg, int64_t n,
+                    uint16_t* out, uintptr_t stream) {
+    return launch_plain_encode<1>(local, nsg, n, in, out, stream);
 }
-int dq_gpu_exact_compress(const DqSource* local, int64_t nsg, float* out, uintptr_t stream) {
-    if (nsg <= 0) return 0;
-    if (!local || !out) return (int)cudaErrorInvalidValue;
-    k_plain_encode<2><<<grid_for(nsg * 32, kThreads), kThreads, 0,
-                        reinterpret_cast<cudaStream_t>(stream)>>>(*local, nsg, nullptr, out);
-    return launch_result();
+int dq_gpu_exact_compress(const DqSource* local, int64_t nsg, int64_t n, float* out,
+                          uintptr_t stream) {
+    return launch_plain_encode<2>(local, nsg, n, nullptr, out, stream);
 }
-int dq_gpu_exact_dar(const float* in, const DqSource* local, int64_t nsg, float* out,
+int dq_gpu_exact_dar(const float* in, const DqSource* local, int64_t nsg, int64_t n, float* out,
                      uintptr_t stream) {
-    if (nsg <= 0) return 0;
-    if (!local || !out || !in) return (int)cudaErrorInvalidValue;
-    k_plain_encode<3><<<grid_for(nsg * 32, kThreads), kThreads, 0,
-                        reinterpret_cast<cudaStream_t>(stream)>>>(*local, nsg, in, out);
-    return launch_result();
+    return launch_plain_encode<3>(local, nsg, n, in, out, stream);
 }
 int dq_gpu_bf16_decompress(const uint16_t* in, int64_t n, float* out, int accumulate,
                            uintptr_t stream) {

@@ -6,7 +6,7 @@ from mpi4py import MPI
 import dynamiq_mpi as dq
 from helpers import BF16, digest, exact_sum, fresh_seed, rank_inputs, vnmse
 
-CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(bits=5), dq.DynamiQ(bits=3)]
+CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(small_input=0, bits=5), dq.DynamiQ(small_input=0, bits=3)]
 
 
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: c.name)
@@ -21,7 +21,7 @@ def test_single_rank_returns_the_input_exactly(codec, dtype):
 
 def test_report_counts_every_byte():
     xs = rank_inputs(fresh_seed(), 4, 256 * 1000)
-    outs, reps = dq.simulate_allreduce(xs, codec=dq.DynamiQ(bits=5), return_reports=True)
+    outs, reps = dq.simulate_allreduce(xs, codec=dq.DynamiQ(small_input=0, bits=5), return_reports=True)
     r = reps[0]
     # every rank sends the same amount in ring (equal-byte chunks, +- one super-group)
     assert sum(rep.bytes_sent for rep in reps) == r.wire_bytes_total
@@ -35,31 +35,34 @@ def test_report_counts_every_byte():
 
 def test_successive_calls_draw_fresh_randomness_and_seed_reproduces():
     xs = rank_inputs(fresh_seed(), 2, 4096)
-    a = dq.simulate_allreduce(xs, seed=1, counter=0)[0]
-    b = dq.simulate_allreduce(xs, seed=1, counter=1)[0]
-    c = dq.simulate_allreduce(xs, seed=1, counter=0)[0]
-    d = dq.simulate_allreduce(xs, seed=2, counter=0)[0]
+    codec = dq.DynamiQ(small_input=0)
+    a = dq.simulate_allreduce(xs, codec=codec, seed=1, counter=0)[0]
+    b = dq.simulate_allreduce(xs, codec=codec, seed=1, counter=1)[0]
+    c = dq.simulate_allreduce(xs, codec=codec, seed=1, counter=0)[0]
+    d = dq.simulate_allreduce(xs, codec=codec, seed=2, counter=0)[0]
     assert digest(a) == digest(c)
     assert digest(a) != digest(b) and digest(a) != digest(d)
 
 
 def test_codec_configuration_errors():
     with pytest.raises(ValueError, match="smallest achievable budget 2.8125"):
-        dq.DynamiQ(bits=2.5)
-    dq.DynamiQ(bits=2.8125)
+        dq.DynamiQ(small_input=0, bits=2.5)
+    dq.DynamiQ(small_input=0, bits=2.8125)
     with pytest.raises(ValueError, match="fixed_width"):
-        dq.DynamiQ(fixed_width=3)
+        dq.DynamiQ(small_input=0, fixed_width=3)
     with pytest.raises(ValueError, match="eps"):
-        dq.DynamiQ(eps=(0.2, 0.2, 1.5))
+        dq.DynamiQ(small_input=0, eps=(0.2, 0.2, 1.5))
     with pytest.raises(ValueError, match="smallest achievable budget 3.25"):
-        dq.DynamiQ(bits=3, hierarchical=False)
+        dq.DynamiQ(small_input=0, bits=3, hierarchical=False)
 
 
 def test_bad_input_in_simulation():
     xs = rank_inputs(fresh_seed(), 2, 300)
     with pytest.raises(dq.InputMismatchError, match="disagree on length"):
         dq.simulate_allreduce([xs[0], xs[1][:299]])
-    with pytest.raises(dq.InvalidInputError, match="unsupported dtype float64"):
+    with pytest.raises(dq.InvalidInputError, match="unsupported dtype int32"):
+        dq.simulate_allreduce([xs[0], xs[1].astype(np.int32)])
+    with pytest.raises(dq.InputMismatchError, match="disagree on dtype"):
         dq.simulate_allreduce([xs[0], xs[1].astype(np.float64)])
     with pytest.raises(dq.InvalidInputError, match="op must be one of"):
         dq.simulate_allreduce(xs, op="max")
@@ -72,8 +75,8 @@ def test_bad_input_in_simulation():
 @pytest.mark.parametrize("switch", ["uniform", "hierarchical", "correlated", "centring",
                                     "zero_class", "variable_width"])
 def test_every_switch_runs_and_stays_identical(switch):
-    default = dq.DynamiQ(bits=5)
-    flipped = dq.DynamiQ(bits=5, **{switch: not getattr(default, switch)})
+    default = dq.DynamiQ(small_input=0, bits=5)
+    flipped = dq.DynamiQ(small_input=0, bits=5, **{switch: not getattr(default, switch)})
     xs = rank_inputs(fresh_seed(), 3, 256 * 64 + 5)
     for x in xs:
         x[:512] = 0
@@ -95,7 +98,7 @@ def test_large_world_in_simulation():
     xs = rank_inputs(fresh_seed(), 64, 256 * 32, kind="normal")
     errs = {}
     for topo in ("ring", "butterfly"):
-        outs = dq.simulate_allreduce(xs, codec=dq.DynamiQ(bits=9), topology=topo)
+        outs = dq.simulate_allreduce(xs, codec=dq.DynamiQ(small_input=0, bits=9), topology=topo)
         assert len({digest(o) for o in outs}) == 1
         errs[topo] = vnmse(outs[0], exact_sum(xs))
     # 64 quantizations per coordinate on the ring, 7 on the butterfly

@@ -34,7 +34,7 @@ def test_unbiased_without_correlated_rounding(topology):
     give coordinates whose error is a rare large jump, far from normal at T = 400."""
     seed = fresh_seed()
     xs = rank_inputs(seed, 4, 256 * 5 + 37)
-    errs = errors_over_calls(xs, dq.DynamiQ(bits=4, correlated=False), topology, 400)
+    errs = errors_over_calls(xs, dq.DynamiQ(small_input=0, bits=4, correlated=False), topology, 400)
     calls, length = errs.shape
     ratio = np.sum(errs.mean(axis=0) ** 2) / np.sum(errs.var(axis=0, ddof=1) / calls)
     assert abs(ratio - 1.0) < 0.35, f"seed {seed}: R = {ratio:.3f}"
@@ -51,8 +51,8 @@ def test_correlated_rounding_bias_is_small_and_error_lower():
     lower than with independent rounding (measured: ~35 %)."""
     seed = fresh_seed()
     xs = rank_inputs(seed, 8, 256 * 8, kind="normal")
-    on = errors_over_calls(xs, dq.DynamiQ(bits=9, fixed_width=4), "ring", 200)
-    off = errors_over_calls(xs, dq.DynamiQ(bits=9, fixed_width=4, correlated=False), "ring", 200)
+    on = errors_over_calls(xs, dq.DynamiQ(small_input=0, bits=9, fixed_width=4), "ring", 200)
+    off = errors_over_calls(xs, dq.DynamiQ(small_input=0, bits=9, fixed_width=4, correlated=False), "ring", 200)
     mse_on = np.mean(np.sum(on ** 2, axis=1))
     mse_off = np.mean(np.sum(off ** 2, axis=1))
     bias2 = np.sum(on.mean(axis=0) ** 2)
@@ -102,7 +102,7 @@ def test_vnmse_at_5_bits_within_derived_bound(correlated):
     seed = fresh_seed()
     xs = rank_inputs(seed, 8, 256 * 512 + 100)
     ref = exact_sum(xs)
-    codec = dq.DynamiQ(bits=5, correlated=correlated)
+    codec = dq.DynamiQ(small_input=0, bits=5, correlated=correlated)
     errs, bounds = [], []
     for t in range(3):
         outs, reps = dq.simulate_allreduce(xs, codec=codec, seed=seed % 997, counter=t,
@@ -111,7 +111,7 @@ def test_vnmse_at_5_bits_within_derived_bound(correlated):
         bounds.append(ring_error_bound(xs, codec, reps[0].codec_info["supergroup_widths"])
                       / np.sum(ref ** 2))
     assert 0 < np.mean(errs) <= np.mean(bounds), f"seed {seed}: {errs} vs bound {bounds}"
-    three = vnmse(dq.simulate_allreduce(xs, codec=dq.DynamiQ(bits=3), seed=1)[0], ref)
+    three = vnmse(dq.simulate_allreduce(xs, codec=dq.DynamiQ(small_input=0, bits=3), seed=1)[0], ref)
     assert np.mean(errs) < three, f"seed {seed}: 5 bits {np.mean(errs)} vs 3 bits {three}"
 
 
@@ -119,7 +119,7 @@ def test_error_falls_with_bits():
     seed = fresh_seed()
     xs = rank_inputs(seed, 4, 256 * 256)
     ref = exact_sum(xs)
-    errs = [vnmse(dq.simulate_allreduce(xs, codec=dq.DynamiQ(bits=b), seed=3)[0], ref)
+    errs = [vnmse(dq.simulate_allreduce(xs, codec=dq.DynamiQ(small_input=0, bits=b), seed=3)[0], ref)
             for b in (3, 4, 5, 6, 8)]
     assert all(a > b for a, b in zip(errs, errs[1:])), f"seed {seed}: {errs}"
 

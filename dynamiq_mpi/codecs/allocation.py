@@ -1,13 +1,25 @@
 """Variable bit-width allocation (paper Appendix A), as a pure function of the
 globally reduced squared norms, so every rank computes the same allocation.
 
-Super-group j gets width 2, 4 or 8 from ``z_j = SLOPE * log2(F_j) + u``
-(``z < 4`` -> 2, ``4 <= z < 8`` -> 4, ``z >= 8`` -> 8); a super-group that is
-exactly zero on every rank gets the 0-bit class.  ``u`` is chosen every call:
-the largest total cost (statistics + scales + codes) that fits the budget.
-Instead of bisecting ``u`` we sort the 2m break points ``4 - a_j`` and
-``8 - a_j`` (``a_j = SLOPE * log2 F_j``), where the cost steps up, and take the
-largest one that fits: the exact optimum of the same one-parameter family.
+The paper's rule gives super-group j width 2, 4 or 8 from
+``z_j = SLOPE * log2(F_j) + u`` (``z < 4`` -> 2, ``4 <= z < 8`` -> 4,
+``z >= 8`` -> 8) with ``SLOPE = 4 / log2(512/17)``.  Since
+``4 / SLOPE = log2(512/17)``, that is one threshold ``T`` on the norms:
+width >= 4 iff ``F_j >= T`` and width 8 iff ``F_j >= (512/17) T``.  With
+``theta = 512 T``: width >= 4 iff ``512 F_j >= theta`` and width 8 iff
+``17 F_j >= theta``.  Both products of a float32 norm are exact in float64, so
+the comparisons never depend on a ``log2`` implementation, and the CPU
+(NumPy) and the GPU (CuPy) give bit-identical allocations by construction.
+
+Every call picks the smallest candidate ``theta`` (a value ``512 F_j`` or
+``17 F_j``, where the cost steps up) whose total cost - statistics, scales
+and codes, zero super-groups costing only their statistics - fits the budget:
+the largest allocation of the paper's one-parameter family that fits.  The
+search sorts the norms once and counts with binary searches; it runs on the
+device for CuPy inputs and leaves every result there (no host round trip).
+
+A super-group that is exactly zero on every rank (``F_j == 0`` after the exact
+reduction) gets the 0-bit class and sends nothing.
 """
 from __future__ import annotations
 
@@ -19,19 +31,9 @@ import numpy as np
 # one consistent with the threshold ratios T24 = 17/512 T48 (paper-notes 3.2).
 SLOPE = 4.0 / np.log2(512.0 / 17.0)
 WIDTHS = (2, 4, 8)
-
-
-@dataclass(frozen=True)
-class Allocation:
-    widths: np.ndarray       # int8 per super-group: 0, 2, 4 or 8
-    u: float                 # threshold offset chosen (-inf: all at 2 bits, +inf: all at 8)
-    total_bits: int          # statistics + records of the non-zero super-groups
-    budget_bits: float
-    binds: bool              # True if the budget kept some super-group below 8 bits
-    exceeded: bool           # True if even all-2-bit does not fit (tiny inputs)
-
-    def counts(self) -> dict:
-        return {w: int(np.count_nonzero(self.widths == w)) for w in (0,) + WIDTHS}
+# Column order of the class counts: 0-bit class last in the stream
+# (it is not in the stream at all), widths in stream order before it.
+CLASSES = (2, 4, 8, 0)
 
 
 def record_bits(width: int, hierarchical: bool) -> int:
@@ -40,49 +42,121 @@ def record_bits(width: int, hierarchical: bool) -> int:
     return 256 * width + scales
 
 
-def allocate(norm2: np.ndarray, budget_bits: float, stats_bits: int, hierarchical: bool,
-             zero_class: bool = True, variable: bool = True, fixed_width=None) -> Allocation:
-    """Widths for the super-groups with reduced squared norms ``norm2``."""
-    norm2 = np.asarray(norm2, dtype=np.float32)
-    m = norm2.shape[0]
-    zero = (norm2 == 0) if zero_class else np.zeros(m, dtype=bool)
-    live = np.flatnonzero(~zero)
+@dataclass
+class DeviceAllocation:
+    """An allocation whose arrays live with the norms (NumPy or CuPy)."""
+    widths: object        # int8[m]: 0, 2, 4 or 8
+    theta: object         # float64 scalar: +inf when every live super-group stays at 2 bits
+    counts: object        # int64[4]: super-groups per class, in CLASSES order
+    total_bits: object    # int64 scalar: statistics + records of the live super-groups
+    exceeded: object      # bool scalar: the total is over budget_bits (tiny inputs)
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """Host summary of an allocation (for reports and tests)."""
+    widths: np.ndarray
+    u: float              # the paper's threshold offset equivalent to theta (nan: fixed width)
+    total_bits: int
+    budget_bits: float
+    binds: bool           # True if the budget kept some live super-group below 8 bits
+    exceeded: bool
+
+    def counts(self) -> dict:
+        return {w: int(np.count_nonzero(self.widths == w)) for w in (0,) + WIDTHS}
+
+
+def theta_to_u(theta: float) -> float:
+    """u of the paper's rule at the threshold theta (z = 4 exactly at F = theta / 512)."""
+    if theta == np.inf:
+        return float("-inf")
+    return float(4.0 - SLOPE * np.log2(theta / 512.0))
+
+
+def allocate_xp(xp, norm2, budget_bits: float, padded_budget_bits: float, stats_bits: int,
+                hierarchical: bool, zero_class: bool = True, variable: bool = True,
+                fixed_width=None) -> DeviceAllocation:
+    """The allocation on the array module of ``norm2`` (float32[m], finite).
+
+    ``padded_budget_bits`` is used instead of ``budget_bits`` when even every
+    live super-group at 2 bits exceeds the budget (inputs so short that the
+    statistics and scales outweigh it): the codes then get the budget of the
+    padded super-groups rather than starving, and ``exceeded`` says so.
+    """
     rec = {w: record_bits(w, hierarchical) for w in WIDTHS}
-    base = stats_bits + len(live) * rec[2]
-    widths = np.zeros(m, dtype=np.int8)
+    F = norm2.astype(np.float64)
+    m = F.shape[0]
+    live = F > 0 if zero_class else xp.ones(m, dtype=bool)
+    n_live = xp.sum(live, dtype=np.int64)
+    base = stats_bits + n_live * rec[2]
+    budget = xp.where(base > budget_bits, padded_budget_bits, budget_bits)
 
     if fixed_width is not None or not variable:
-        if fixed_width is None:   # the widest single width that fits the budget
-            fits = [w for w in WIDTHS if stats_bits + len(live) * rec[w] <= budget_bits]
-            fixed_width = fits[-1] if fits else 2
-        widths[live] = fixed_width
-        total = stats_bits + len(live) * rec[fixed_width]
-        return Allocation(widths, float("nan"), total, budget_bits,
-                          binds=fixed_width != 8, exceeded=total > budget_bits)
+        if fixed_width is None:      # the widest single width that fits the budget
+            chosen = xp.where(stats_bits + n_live * rec[8] <= budget, 8,
+                              xp.where(stats_bits + n_live * rec[4] <= budget, 4, 2))
+        else:
+            chosen = xp.asarray(fixed_width)
+        widths = xp.where(live, chosen, 0).astype(np.int8)
+        theta = xp.asarray(np.nan)
+    else:
+        # Candidates: theta = 512 F_i and 17 F_i over the live, positive norms.
+        key = xp.where(live, F, -1.0)          # non-live never reach a positive theta
+        asc = xp.sort(key)
+        at_least = m - xp.searchsorted(asc, asc, side="left")          # #{F >= asc[i]}
+        eights_at4 = m - xp.searchsorted(17.0 * asc, 512.0 * asc, side="left")
+        fours_at8 = m - xp.searchsorted(512.0 * asc, 17.0 * asc, side="left")
+        d4, d8 = rec[4] - rec[2], rec[8] - rec[4]
+        cost4 = base + d4 * at_least + d8 * eights_at4      # at theta = 512 asc[i]
+        cost8 = base + d4 * fours_at8 + d8 * at_least       # at theta = 17 asc[i]
+        positive = asc > 0
+        inf = xp.asarray(np.inf)
+        theta = xp.minimum(xp.min(xp.where(positive & (cost4 <= budget), 512.0 * asc, inf)),
+                           xp.min(xp.where(positive & (cost8 <= budget), 17.0 * asc, inf)))
+        widths = xp.where(~live, 0, xp.where(17.0 * F >= theta, 8,
+                                             xp.where(512.0 * F >= theta, 4, 2))).astype(np.int8)
+    counts = xp.stack([xp.sum(widths == w, dtype=np.int64) for w in CLASSES])
+    total = stats_bits + counts[0] * rec[2] + counts[1] * rec[4] + counts[2] * rec[8]
+    return DeviceAllocation(widths, theta, counts, total, total > budget_bits)
 
-    if len(live) == 0:
-        return Allocation(widths, float("inf"), stats_bits, budget_bits, False,
-                          stats_bits > budget_bits)
-    with np.errstate(divide="ignore"):
-        # F == 0 without the 0-bit class: log2 = -inf, always 2 bits.
-        a = SLOPE * np.log2(norm2[live].astype(np.float64))
-    up4, up8 = 4.0 - a, 8.0 - a               # u at which the width reaches 4, 8
-    points = np.concatenate([up4, up8])
-    steps = np.concatenate([np.full(len(live), rec[4] - rec[2], np.int64),
-                            np.full(len(live), rec[8] - rec[4], np.int64)])
-    order = np.argsort(points, kind="stable")
-    points, steps = points[order], steps[order]
-    cost = base + np.cumsum(steps)            # cost once u >= points[i] (and all before)
-    # a tie group only counts at its last member
-    last_of_tie = np.ones(len(points), dtype=bool)
-    last_of_tie[:-1] = points[1:] != points[:-1]
-    ok = np.flatnonzero(last_of_tie & (cost <= budget_bits) & np.isfinite(points))
-    u = float(points[ok[-1]]) if len(ok) else float("-inf")
-    w = np.full(len(live), 2, dtype=np.int8)
-    w[up4 <= u] = 4
-    w[up8 <= u] = 8
-    widths[live] = w
-    total = base + int(np.count_nonzero(w >= 4)) * (rec[4] - rec[2]) \
-        + int(np.count_nonzero(w == 8)) * (rec[8] - rec[4])
-    binds = bool(np.any(w < 8))
-    return Allocation(widths, u, int(total), budget_bits, binds, total > budget_bits)
+
+def stream_positions(xp, widths):
+    """Stable reorder into runs of 2-, 4- then 8-bit super-groups.
+
+    Returns ``(order, stream_of_sg)``: ``order[s]`` is the input super-group at
+    stream position s (the 0-bit class fills the positions after the live
+    ones), ``stream_of_sg[g]`` the stream position of input super-group g, or
+    -1 for the 0-bit class.  Integer scans only: the same on NumPy and CuPy.
+    """
+    m = widths.shape[0]
+    cls = xp.where(widths == 2, 0, xp.where(widths == 4, 1, xp.where(widths == 8, 2, 3)))
+    onehot = (cls[None, :] == xp.arange(4)[:, None]).astype(np.int64)
+    running = xp.cumsum(onehot, axis=1)                       # (4, m)
+    counts = running[:, -1] if m else xp.zeros(4, np.int64)
+    starts = xp.cumsum(counts) - counts
+    idx = xp.arange(m)
+    pos = starts[cls] + running[cls, idx] - 1
+    order = xp.empty(m, dtype=np.int64)
+    order[pos] = idx
+    stream_of_sg = xp.where(cls == 3, -1, pos).astype(np.int64)
+    return order, stream_of_sg
+
+
+def allocate(norm2, budget_bits: float, stats_bits: int, hierarchical: bool,
+             zero_class: bool = True, variable: bool = True, fixed_width=None,
+             padded_budget_bits: float | None = None) -> Allocation:
+    """Host (NumPy) allocation with a summary, for tests and tools."""
+    norm2 = np.asarray(norm2, dtype=np.float32)
+    a = allocate_xp(np, norm2, budget_bits,
+                    budget_bits if padded_budget_bits is None else padded_budget_bits,
+                    stats_bits, hierarchical, zero_class, variable, fixed_width)
+    return summarise(a.widths, float(a.theta), int(a.total_bits), budget_bits,
+                     bool(a.exceeded), variable and fixed_width is None)
+
+
+def summarise(widths, theta: float, total_bits: int, budget_bits: float, exceeded: bool,
+              variable: bool) -> Allocation:
+    widths = np.asarray(widths)
+    u = theta_to_u(theta) if variable else float("nan")
+    binds = bool(np.any((widths > 0) & (widths < 8)))
+    return Allocation(widths, u, int(total_bits), float(budget_bits), binds, bool(exceeded))

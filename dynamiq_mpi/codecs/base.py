@@ -3,13 +3,26 @@
 A :class:`Codec` is an immutable configuration.  Per call it may ask for a
 small statistics vector to be all-reduced exactly first (``local_stats``), then
 builds a :class:`Plan` from the reduced statistics: the per-call state that
-knows how the stream is cut into ``n`` chunks and how to (re)compress, decode
-and accumulate each chunk.  Codecs know nothing about ranks, schedules or
-transports; the engine knows nothing about wire formats.
+knows how the compressed stream is cut into ``n`` chunks of whole records and
+each chunk into tiles, and how to (re)compress, decode and accumulate a tile.
+Codecs know nothing about ranks, schedules or transports; the engine knows
+nothing about wire formats.
+
+The compressed stream of one call lives in one buffer (``wire``): tile ``t``
+occupies ``wire[offset[t] : offset[t] + nbytes[t]]``.  Compression writes a
+tile's slot, the all-gather receives into it, so the final compressed sum is
+forwarded and decoded from where it landed.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+# Default tile size (bytes of compressed stream per message).  Tiles let the
+# kernel of one tile overlap the transfer of the previous one; each costs a
+# kernel launch and a message, so small tiles only pay on slow links.
+DEFAULT_TILE_BYTES = 8 << 20
 
 
 class Codec:
@@ -19,61 +32,147 @@ class Codec:
         """Hashable description every rank must agree on before any byte moves."""
         raise NotImplementedError
 
-    def local_stats(self, x, backend):
+    def for_length(self, length: int) -> "Codec":
+        """The codec that actually runs for an input of ``length`` elements
+        (a codec may hand tiny inputs to an uncompressed one)."""
+        return self
+
+    def local_stats(self, x, backend, workspace):
         """(local statistics to all-reduce exactly before planning, or None;
         local state handed to ``plan``)."""
         return None, None
 
-    def plan(self, x, reduced_stats, n, keys, backend, local_state=None) -> "Plan":
+    def plan(self, x, reduced_stats, n, keys, backend, local_state, workspace,
+             tile_bytes=DEFAULT_TILE_BYTES) -> "Plan":
         raise NotImplementedError
+
+
+class StreamLayout:
+    """Byte offsets of a stream of units (records) made of runs of equal-size
+    units: ``runs = [(count, unit_bytes), ...]``.  Cuts are computed from the
+    runs (O(number of runs)), never per unit."""
+
+    def __init__(self, runs):
+        self.runs = [(int(c), int(b)) for c, b in runs]
+        self.starts = [0]           # unit index where each run starts
+        self.byte_starts = [0]
+        for c, b in self.runs:
+            self.starts.append(self.starts[-1] + c)
+            self.byte_starts.append(self.byte_starts[-1] + c * b)
+        self.count = self.starts[-1]
+        self.nbytes = self.byte_starts[-1]
+
+    def offset(self, s: int) -> int:
+        """Byte offset of unit ``s`` (``s == count``: the total)."""
+        for k, (c, b) in enumerate(self.runs):
+            if s <= self.starts[k + 1]:
+                return self.byte_starts[k] + (s - self.starts[k]) * b
+        return self.nbytes
+
+    def cut(self, t: int) -> int:
+        """The smallest unit index s with offset(s) >= t: the boundary after
+        the unit whose end first reaches byte t."""
+        if t <= 0:
+            return 0
+        for k, (c, b) in enumerate(self.runs):
+            end = self.byte_starts[k + 1]
+            if c and end >= t:
+                return self.starts[k] + -(-(t - self.byte_starts[k]) // b)
+        return self.count
+
+    def split(self, lo: int, hi: int, parts: int) -> list:
+        """Cut units [lo, hi) into ``parts`` contiguous ranges of (nearly) equal bytes."""
+        b0, b1 = self.offset(lo), self.offset(hi)
+        bounds = [lo]
+        for k in range(1, parts):
+            target = b0 + (k * (b1 - b0)) // parts
+            bounds.append(min(max(self.cut(target), bounds[-1]), hi))
+        bounds.append(hi)
+        return [(bounds[k], bounds[k + 1]) for k in range(parts)]
+
+
+@dataclass
+class Tiling:
+    """Chunks and tiles of one call's compressed stream (units: records)."""
+    layout: StreamLayout
+    chunks: list        # chunk -> (first unit, end unit)
+    chunk_tiles: list   # chunk -> tile ids, the same number for every chunk
+    units: list         # tile -> (first unit, end unit)
+    offsets: list       # tile -> byte offset in the stream
+    nbytes: list        # tile -> bytes
+
+    @property
+    def chunk_nbytes(self):
+        return [sum(self.nbytes[t] for t in tiles) for tiles in self.chunk_tiles]
+
+
+def tile_stream(layout: StreamLayout, n: int, tile_bytes: int) -> Tiling:
+    """Cut the stream into ``n`` chunks of (nearly) equal bytes - a ring step
+    lasts as long as its largest message - and every chunk into the same
+    number of tiles of at most about ``tile_bytes``, so that the tiles of one
+    step pair up send for receive."""
+    chunks = layout.split(0, layout.count, n)
+    largest = max(layout.offset(b) - layout.offset(a) for a, b in chunks)
+    per_chunk = max(1, -(-largest // max(1, int(tile_bytes))))
+    units, chunk_tiles = [], []
+    for a, b in chunks:
+        ids = []
+        for lo, hi in layout.split(a, b, per_chunk):
+            ids.append(len(units))
+            units.append((lo, hi))
+        chunk_tiles.append(ids)
+    offsets = [layout.offset(a) for a, _ in units]
+    nbytes = [layout.offset(b) - layout.offset(a) for a, b in units]
+    return Tiling(layout, chunks, chunk_tiles, units, offsets, nbytes)
 
 
 class Plan:
-    """Per-call state of a codec on one rank (see module docstring)."""
+    """Per-call state of a codec on one rank (see the module docstring)."""
 
-    chunk_nbytes: list
+    tiling: Tiling
+    wire: object        # uint8 array holding the whole compressed stream
 
-    def compress(self, chunk: int, event: int):
-        """Compress this rank's local values of ``chunk`` (a leaf of the tree)."""
+    @property
+    def chunk_tiles(self):
+        return self.tiling.chunk_tiles
+
+    @property
+    def chunk_nbytes(self):
+        return self.tiling.chunk_nbytes
+
+    def tile_nbytes(self, tile: int) -> int:
+        return self.tiling.nbytes[tile]
+
+    def wire_slot(self, tile: int):
+        off = self.tiling.offsets[tile]
+        return self.wire[off:off + self.tiling.nbytes[tile]]
+
+    def scratch(self, nbytes: int):
+        """A uint8 buffer of ``nbytes`` for the receives of the reduce phase."""
         raise NotImplementedError
 
-    def accumulate(self, chunk: int, payload, acc):
+    def compress(self, tile: int, event: int):
+        """Compress this rank's local values of ``tile`` into its wire slot."""
+        raise NotImplementedError
+
+    def accumulate(self, tile: int, payload, acc):
         """acc (None: the local values) + decode(payload), in float32."""
         raise NotImplementedError
 
-    def dar(self, chunk: int, payload, acc, event: int):
-        """compress(decode(payload) + (acc or the local values)), fused."""
+    def dar(self, tile: int, payload, acc, event: int):
+        """compress(decode(payload) + (acc or the local values)) into the
+        tile's wire slot, fused."""
         raise NotImplementedError
 
-    def decode(self, chunk: int, payload) -> None:
-        """Decode the final compressed sum of ``chunk`` into the result."""
+    def decode(self, tile: int, payload) -> None:
+        """Decode the final compressed sum of ``tile`` into the result."""
         raise NotImplementedError
 
-    def finish(self, divisor: float):
-        """The result in the caller's dtype, flat, divided by ``divisor``."""
+    def finish(self, divisor: float, out):
+        """Write the result, divided by ``divisor``, into ``out`` (flat, the
+        caller's dtype) and return it."""
         raise NotImplementedError
 
-    def report(self) -> dict:
+    def report(self, detailed: bool = True) -> dict:
+        """What the codec decided (``detailed``: also per super-group data)."""
         return {}
-
-
-def split_even(count: int, n: int) -> list:
-    """Cut ``count`` units into n contiguous ranges of (nearly) equal size."""
-    return [(c * count // n, (c + 1) * count // n) for c in range(n)]
-
-
-def split_by_bytes(unit_bytes: np.ndarray, n: int) -> list:
-    """Cut a stream of units into n contiguous ranges of whole units with
-    (nearly) equal total bytes: a ring step lasts as long as its largest message."""
-    count = len(unit_bytes)
-    if count == 0:
-        return [(0, 0)] * n
-    ends = np.cumsum(unit_bytes, dtype=np.int64)
-    total = int(ends[-1])
-    targets = [(c * total) // n for c in range(1, n)]
-    # boundary after the unit whose cumulative bytes first reach the target
-    cuts = [int(np.searchsorted(ends, t, side="left")) + 1 if t > 0 else 0 for t in targets]
-    bounds = [0] + [min(max(cut, 0), count) for cut in cuts] + [count]
-    for i in range(1, len(bounds)):           # keep the bounds monotone
-        bounds[i] = max(bounds[i], bounds[i - 1])
-    return [(bounds[c], bounds[c + 1]) for c in range(n)]

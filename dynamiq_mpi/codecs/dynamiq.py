@@ -1,16 +1,19 @@
 """The DynamiQ codec (spec section 2).
 
 Per call: local statistics (per super-group mean and squared norm of the
-centred values) are all-reduced exactly; from the reduced norms every rank
-computes the same width per super-group (0, 2, 4 or 8 bits), the same stable
-reordering into width-homogeneous runs, and the same cut into n chunks of
-nearly equal wire bytes.  The compiled kernels then read the caller's buffer
-through that permutation, centre it on the fly, and quantize with
-non-uniform levels, value-space stochastic rounding, hierarchical scales and
-(optionally) correlated rounding.
+centred values, plus a non-finite flag and max |x|) are all-reduced exactly;
+from the reduced norms every rank computes the same width per super-group (0,
+2, 4 or 8 bits), the same stable reordering into width-homogeneous runs, and
+the same cut into n chunks of nearly equal wire bytes.  For CuPy inputs all of
+that planning runs on the device; the host learns a handful of numbers (the
+class counts, the threshold, the flags) in one small device-to-host copy.
+The compiled kernels then read the caller's buffer through the permutation,
+centre it on the fly, and quantize with non-uniform levels, value-space
+stochastic rounding, hierarchical scales and (optionally) correlated rounding.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
@@ -18,9 +21,11 @@ import numpy as np
 
 from ..backend import as_float32
 from ..errors import NonFiniteInputError, SumOverflowError
-from .allocation import WIDTHS, Allocation, allocate, record_bits
-from .base import Codec, Plan, split_by_bytes
+from .allocation import (CLASSES, WIDTHS, allocate_xp, record_bits, stream_positions,
+                         summarise, theta_to_u)
+from .base import DEFAULT_TILE_BYTES, Codec, Plan, StreamLayout, tile_stream
 from .levels import build_tables
+from .plain import BF16
 
 SUPER = 256
 FLT_MAX = np.float32(np.finfo(np.float32).max)
@@ -33,16 +38,28 @@ PARTIAL_SUM_LIMIT = np.float32(0.98) * FLT_MAX
 # have a single non-zero magnitude, so eps does not matter there.
 DEFAULT_EPS = {2: 0.27, 4: 0.20, 8: 0.08}
 
+# Inputs shorter than this (elements) are sent as BF16 instead: the per-call
+# latency dominates there and the statistics and scales eat the budget of a
+# handful of super-groups (255 elements at 5 bits would get 2-bit codes).
+# Measured crossovers per link are in docs/benchmarks.md.
+DEFAULT_SMALL_INPUT = 1 << 16
+
 
 def metadata_bits_per_coord(hierarchical: bool, centring: bool) -> float:
     stats = 64 if centring else 32
     return (stats + record_bits(2, hierarchical) - 2 * SUPER) / SUPER
 
 
+@functools.lru_cache(maxsize=64)
+def _tables(width: int, eps: float):
+    return build_tables(width, eps)
+
+
 @dataclass(frozen=True)
 class DynamiQ(Codec):
     """DynamiQ with a per-call budget of ``bits`` per coordinate, all metadata
-    counted.  The switches turn off each technique for ablations."""
+    counted.  The switches turn off each technique for ablations.  Inputs
+    shorter than ``small_input`` elements go as BF16 (the report says so)."""
     bits: float = 5.0
     eps: tuple = field(default=(DEFAULT_EPS[2], DEFAULT_EPS[4], DEFAULT_EPS[8]))
     uniform: bool = False           # True: uniform levels (eps = 0)
@@ -52,6 +69,7 @@ class DynamiQ(Codec):
     correlated: bool = True         # stratified uniforms across the n events
     centring: bool = True           # subtract per-super-group means first
     zero_class: bool = True         # super-groups zero on every rank send nothing
+    small_input: int = DEFAULT_SMALL_INPUT
 
     name = "dynamiq"
 
@@ -62,6 +80,8 @@ class DynamiQ(Codec):
             raise ValueError("eps must give one value per width (2, 4, 8)")
         if self.fixed_width is not None and self.fixed_width not in WIDTHS:
             raise ValueError(f"fixed_width must be one of {WIDTHS}, got {self.fixed_width}")
+        if not isinstance(self.small_input, (int, np.integer)) or self.small_input < 0:
+            raise ValueError(f"small_input must be a non-negative integer, got {self.small_input!r}")
         floor = self.min_bits()
         if not (self.bits >= floor):
             raise ValueError(
@@ -73,84 +93,102 @@ class DynamiQ(Codec):
         return 2.0 + metadata_bits_per_coord(self.hierarchical, self.centring)
 
     def tables(self):
-        return {w: build_tables(w, 0.0 if self.uniform else e) for w, e in zip(WIDTHS, self.eps)}
+        return {w: _tables(w, 0.0 if self.uniform else float(e)) for w, e in zip(WIDTHS, self.eps)}
 
     def signature(self):
         return ("dynamiq", float(self.bits), tuple(float(e) for e in self.eps), self.uniform,
                 self.variable_width, self.fixed_width, self.hierarchical, self.correlated,
-                self.centring, self.zero_class)
+                self.centring, self.zero_class, int(self.small_input))
+
+    def for_length(self, length):
+        return _SMALL_INPUT_CODEC if length < self.small_input else self
 
     # -- statistics phase ------------------------------------------------------
-    def local_stats(self, x, backend):
-        nsg = -(-x.shape[0] // SUPER)
-        mean, norm2, nonfinite = backend.kernels.stats(x, nsg, self.centring)
-        # Two floats per call ride the same exact reduction: a flag for
-        # non-finite input, and max |x| (summed over ranks: a bound on every
-        # partial sum, so overflow is refused before any byte moves).
+    def local_stats(self, x, backend, workspace):
+        """The statistics vector of this rank: [means | norms | flag, max|x|]
+        (means only when centring), written by one kernel pass; the two floats
+        at the end ride the same exact reduction: a non-finite flag, and max
+        |x| (summed over ranks: a bound on every partial sum, so overflow is
+        refused before any byte moves)."""
         xp = backend.xp
-        bad = int(nonfinite)
-        absmax = float(xp.max(xp.abs(as_float32(x)))) if not bad else 0.0
-        tail = xp.asarray([1.0 if bad else 0.0, absmax], dtype=np.float32)
-        parts = ([mean] if self.centring else []) + [norm2, tail]
-        return backend.xp.concatenate(parts).astype(np.float32), mean
+        nsg = -(-x.shape[0] // SUPER)
+        head = 2 * nsg if self.centring else nsg
+        stats = workspace.take(xp, "dq.stats", head + 2, np.float32)
+        mean = stats[:nsg] if self.centring else None
+        norm2 = stats[head - nsg:head]
+        tail = stats[head:]
+        if backend.name == "gpu":
+            scratch = workspace.take(xp, "dq.stats_scratch", 1, np.int64)
+            backend.kernels.stats_into(x, nsg, self.centring, mean, norm2, tail, scratch)
+        else:
+            backend.kernels.stats_into(x, nsg, self.centring, mean, norm2, tail)
+        return stats, mean
 
-    def plan(self, x, reduced_stats, n, keys, backend, local_state=None):
-        return _DynamiQPlan(self, x, reduced_stats, n, keys, backend, local_state)
+    def plan(self, x, reduced_stats, n, keys, backend, local_state, workspace,
+             tile_bytes=DEFAULT_TILE_BYTES):
+        return _DynamiQPlan(self, x, reduced_stats, n, keys, backend, local_state, workspace,
+                            tile_bytes)
+
+
+# What DynamiQ hands inputs below ``small_input`` to.
+_SMALL_INPUT_CODEC = BF16()
 
 
 class _DynamiQPlan(Plan):
-    def __init__(self, codec, x, reduced, n, keys, backend, local_mean):
-        self.codec, self.backend, self.xp = codec, backend, backend.xp
+    def __init__(self, codec, x, reduced, n, keys, backend, local_mean, ws, tile_bytes):
+        self.codec, self.backend, self.xp, self.ws = codec, backend, backend.xp, ws
         self.k = backend.kernels
+        xp = self.xp
         self.x = x
         self.length = x.shape[0]
         self.nsg = nsg = -(-self.length // SUPER)
-        stats = backend.to_host(reduced)
-        if stats[-2] > 0:
-            raise NonFiniteInputError("input holds NaN or Inf on at least one rank "
-                                      f"({int(stats[-2])} of {n} ranks)")
-        with np.errstate(over="ignore"):
-            if not stats[-1] <= PARTIAL_SUM_LIMIT:
-                raise SumOverflowError(
-                    "the inputs' max |x| summed over ranks exceeds the float32 range "
-                    f"({PARTIAL_SUM_LIMIT:.3g}): partial sums could overflow")
-        if codec.centring:
-            self.mean_sum, norm2 = stats[:nsg], stats[nsg:2 * nsg]
-        else:
-            self.mean_sum, norm2 = np.zeros(nsg, np.float32), stats[:nsg]
-        if not np.all(np.isfinite(self.mean_sum)):
-            raise SumOverflowError("the sum of the inputs' super-group means exceeds the float32 range")
+        head = 2 * nsg if codec.centring else nsg
+        self.mean_sum = reduced[:nsg] if codec.centring else self._zeros("mean_sum", nsg)
         # The sum of n finite norms can overflow: saturate, F stays finite.
-        norm2 = np.where(np.isinf(norm2), FLT_MAX, norm2).astype(np.float32)
-        self.norm2 = norm2
-        stats_bits = 32 * int(stats.shape[0])
-        def plan_widths(budget):
-            return allocate(norm2, budget, stats_bits, codec.hierarchical,
+        norm2 = xp.minimum(reduced[head - nsg:head], FLT_MAX)
+        stats_bits = 32 * (head + 2)
+        hier = codec.hierarchical
+        alloc = allocate_xp(xp, norm2, codec.bits * self.length,
+                            codec.bits * nsg * SUPER + stats_bits, stats_bits, hier,
                             zero_class=codec.zero_class, variable=codec.variable_width,
                             fixed_width=codec.fixed_width)
-        self.alloc = plan_widths(codec.bits * self.length)
-        if self.alloc.exceeded:
-            # Tiny inputs: statistics and scales alone outweigh the budget of the
-            # true length.  Give the codes and scales the budget of the padded
-            # super-groups instead (reported as exceeded) rather than starving
-            # them at 2 bits.
-            padded = plan_widths(codec.bits * nsg * SUPER + stats_bits)
-            self.alloc = Allocation(padded.widths, padded.u, padded.total_bits,
-                                    self.alloc.budget_bits, padded.binds, True)
-        widths = self.alloc.widths
-        # Stable reorder into runs of 2-, 4- then 8-bit super-groups.
-        self.order = np.concatenate([np.flatnonzero(widths == w) for w in WIDTHS]).astype(np.int64)
-        if self.order.shape[0] * SUPER >= 2 ** 32:
+        order, stream_of_sg = stream_positions(xp, alloc.widths)
+        # The one device-to-host copy of the call: flags, class counts, threshold.
+        means_ok = xp.all(xp.isfinite(self.mean_sum)) if codec.centring else xp.asarray(True)
+        header = xp.concatenate([reduced[head:head + 2].astype(np.float64),
+                                 xp.stack([means_ok, alloc.exceeded]).astype(np.float64),
+                                 alloc.counts.astype(np.float64),
+                                 xp.stack([alloc.theta, alloc.total_bits]).astype(np.float64)])
+        h = backend.to_host(header)
+        nonfinite_ranks, absmax_sum, means_ok, exceeded = h[0], h[1], h[2], h[3]
+        counts = {w: int(c) for w, c in zip(CLASSES, h[4:8])}
+        theta, total_bits = float(h[8]), int(h[9])
+        if nonfinite_ranks > 0:
+            raise NonFiniteInputError("input holds NaN or Inf on at least one rank "
+                                      f"({int(nonfinite_ranks)} of {n} ranks)")
+        if not absmax_sum <= PARTIAL_SUM_LIMIT:
+            raise SumOverflowError(
+                "the inputs' max |x| summed over ranks exceeds the float32 range "
+                f"({PARTIAL_SUM_LIMIT:.3g}): partial sums could overflow")
+        if not means_ok:
+            raise SumOverflowError("the sum of the inputs' super-group means exceeds the float32 range")
+
+        self.alloc_widths = alloc.widths           # device/host int8 per super-group
+        self.counts, self.theta, self.total_bits = counts, theta, total_bits
+        self.budget_bits = codec.bits * self.length
+        self.exceeded = bool(exceeded)
+        self.norm2 = norm2
+        n_live = counts[2] + counts[4] + counts[8]
+        if n_live * SUPER >= 2 ** 32:
             raise ValueError("too many coordinates for one call (2^32 limit of the generator)")
-        self.stream_of_sg = np.full(nsg, -1, dtype=np.int64)
-        self.stream_of_sg[self.order] = np.arange(self.order.shape[0], dtype=np.int64)
-        run_lengths = [int(np.count_nonzero(widths == w)) for w in WIDTHS]
-        self.run_starts = np.cumsum([0] + run_lengths)       # stream index where each width starts
-        unit_bytes = np.concatenate([np.full(c, record_bits(w, codec.hierarchical) // 8, np.int64)
-                                     for c, w in zip(run_lengths, WIDTHS)])
-        self.chunks = split_by_bytes(unit_bytes, n)
-        self.pieces = [self._pieces(a, b) for a, b in self.chunks]
-        self.chunk_nbytes = [sum(p[4] for p in pieces) for pieces in self.pieces]
+        self.stream_of_sg = stream_of_sg
+        self.order = order[:n_live]
+        self.runs = [(w, counts[w]) for w in WIDTHS]
+        rec_bytes = {w: record_bits(w, hier) // 8 for w in WIDTHS}
+        layout = StreamLayout([(c, rec_bytes[w]) for w, c in self.runs])
+        self.tiling = tile_stream(layout, n, tile_bytes)
+        self.pieces = [self._pieces(a, b, layout) for a, b in self.tiling.units]
+        self.wire = ws.take(xp, "dq.wire", layout.nbytes, np.uint8)
 
         # Kernel parameters per width, keyed by this call's generator keys.
         correlated = codec.correlated and n > 1
@@ -159,94 +197,105 @@ class _DynamiQPlan(Plan):
         tables = codec.tables()
         self.params = {
             w: np.frombuffer(self.k.make_params(
-                w, codec.hierarchical, correlated, n_events, perm_bits,
-                keys.value, keys.perm, keys.scale,
+                w, hier, correlated, n_events, perm_bits, keys.value, keys.perm, keys.scale,
                 tables[w].mag, tables[w].inv_gap, tables[w].level, tables[w].lut), dtype=np.uint8)
             for w in WIDTHS}
-        dev = self.xp
-        self.d_order = dev.asarray(self.order)
-        self.d_local_mean = dev.asarray(local_mean) if codec.centring else None
-        self.source = self.k.Source(x, self.d_order, 0, self.d_local_mean)
-        self.result = backend.zeros(self.order.shape[0] * SUPER, np.float32)
+        self.local_mean = local_mean
+        self.source = self.k.Source(x, self.order, 0, local_mean)
+        self.result = ws.take(xp, "dq.result", n_live * SUPER, np.float32)
+        self._padded = None
 
-    def _pieces(self, a, b):
+    def _zeros(self, name, count):
+        z = self.ws.take(self.xp, f"dq.{name}", count, np.float32)
+        z[:] = 0
+        return z
+
+    def _pieces(self, a, b, layout):
         """Width-homogeneous pieces of stream range [a, b):
-        (width, first stream sg, count, byte offset in the chunk message, bytes)."""
-        pieces, offset = [], 0
-        for i, w in enumerate(WIDTHS):
-            s0, s1 = max(a, self.run_starts[i]), min(b, self.run_starts[i + 1])
+        (width, first stream sg, count, byte offset in the tile, bytes)."""
+        pieces, base = [], layout.offset(a)
+        for k, (w, count) in enumerate(self.runs):
+            s0, s1 = max(a, layout.starts[k]), min(b, layout.starts[k + 1])
             if s1 > s0:
-                nbytes = (s1 - s0) * record_bits(w, self.codec.hierarchical) // 8
-                pieces.append((w, int(s0), int(s1 - s0), offset, nbytes))
-                offset += nbytes
+                pieces.append((w, s0, s1 - s0, layout.offset(s0) - base,
+                               layout.offset(s1) - layout.offset(s0)))
         return pieces
 
-    def _local_values(self, chunk):
-        """float32 copy of this rank's centred local values of a chunk."""
-        a, b = self.chunks[chunk]
+    def scratch(self, nbytes):
+        return self.ws.take(self.xp, "dq.recv", nbytes, np.uint8)
+
+    def _local_values(self, tile):
+        """float32 copy of this rank's centred local values of a tile."""
+        a, b = self.tiling.units[tile]
         xp = self.xp
         if self.backend.name == "gpu":   # the kernels read the source as compress does
             out = xp.empty((b - a) * SUPER, dtype=np.float32)
-            src = self.k.Source(self.x, self.d_order[a:b], 0, self.d_local_mean)
+            src = self.k.Source(self.x, self.order[a:b], 0, self.local_mean)
             self.k.exact_compress(src, b - a, out)
             return out
-        if getattr(self, "_padded", None) is None:
+        if self._padded is None:
             self._padded = np.zeros((self.nsg, SUPER), dtype=np.float32)
             self._padded.reshape(-1)[:self.length] = as_float32(self.x)
-        rows = self.d_order[a:b]
+        rows = self.order[a:b]
         vals = self._padded[rows]
-        if self.d_local_mean is not None:
-            vals = vals - self.d_local_mean[rows][:, None]
+        if self.local_mean is not None:
+            vals = vals - self.local_mean[rows][:, None]
         return np.ascontiguousarray(vals.reshape(-1), dtype=np.float32)
 
-    def _acc_source(self, chunk, acc):
-        a, _ = self.chunks[chunk]
-        return self.k.Source(acc, None, a, None)
-
-    def compress(self, chunk, event):
-        out = self.backend.empty(self.chunk_nbytes[chunk], np.uint8)
-        for w, s0, cnt, off, nb in self.pieces[chunk]:
+    def compress(self, tile, event):
+        out = self.wire_slot(tile)
+        for w, s0, cnt, off, nb in self.pieces[tile]:
             self.k.compress(self.params[w], self.source, cnt, s0, event, out[off:off + nb])
         return out
 
-    def accumulate(self, chunk, payload, acc):
+    def accumulate(self, tile, payload, acc):
         if acc is None:
-            acc = self._local_values(chunk)
-        a, _ = self.chunks[chunk]
-        for w, s0, cnt, off, nb in self.pieces[chunk]:
+            acc = self._local_values(tile)
+        a, _ = self.tiling.units[tile]
+        for w, s0, cnt, off, nb in self.pieces[tile]:
             r0 = (s0 - a) * SUPER
             self.k.decompress(self.params[w], payload[off:off + nb], cnt,
                               acc[r0:r0 + cnt * SUPER], True)
         return acc
 
-    def dar(self, chunk, payload, acc, event):
-        src = self.source if acc is None else self._acc_source(chunk, acc)
-        out = self.backend.empty(self.chunk_nbytes[chunk], np.uint8)
-        for w, s0, cnt, off, nb in self.pieces[chunk]:
+    def dar(self, tile, payload, acc, event):
+        a, _ = self.tiling.units[tile]
+        src = self.source if acc is None else self.k.Source(acc, None, a, None)
+        out = self.wire_slot(tile)
+        for w, s0, cnt, off, nb in self.pieces[tile]:
             self.k.dar(self.params[w], payload[off:off + nb], src, cnt, s0, event,
                        out[off:off + nb])
         return out
 
-    def decode(self, chunk, payload):
-        for w, s0, cnt, off, nb in self.pieces[chunk]:
+    def decode(self, tile, payload):
+        for w, s0, cnt, off, nb in self.pieces[tile]:
             self.k.decompress(self.params[w], payload[off:off + nb], cnt,
                               self.result[s0 * SUPER:(s0 + cnt) * SUPER], False)
 
-    def finish(self, divisor):
-        out = self.backend.empty(self.length, self.x.dtype)
-        xp = self.xp
-        self.k.finish(self.result, xp.asarray(self.stream_of_sg), xp.asarray(self.mean_sum),
-                      float(divisor), out)
+    def finish(self, divisor, out):
+        self.k.finish(self.result, self.stream_of_sg, self.mean_sum, float(divisor), out)
         return out
 
-    def report(self):
-        a = self.alloc
-        digest = hashlib.sha256(self.mean_sum.tobytes() + self.norm2.tobytes()).hexdigest()
-        positive = self.norm2[self.norm2 > 0]
-        return {"widths": a.counts(), "threshold_u": a.u, "budget_bits": a.budget_bits,
-                "budget_binds": a.binds, "budget_exceeded": a.exceeded,
-                "supergroup_widths": a.widths,
-                # the reduced statistics that decided the allocation, for checks
-                "stats_digest": digest,
-                "norm2_min_positive": float(positive.min()) if positive.size else 0.0,
-                "norm2_max": float(self.norm2.max()) if self.norm2.size else 0.0}
+    def report(self, detailed=True):
+        c = self.counts
+        variable = self.codec.variable_width and self.codec.fixed_width is None
+        info = {"widths": {w: c[w] for w in (0,) + WIDTHS},
+                "threshold_u": theta_to_u(self.theta) if variable else float("nan"),
+                "threshold_theta": self.theta, "budget_bits": self.budget_bits,
+                "budget_binds": c[2] + c[4] > 0, "budget_exceeded": self.exceeded}
+        if not detailed:
+            return info
+        widths = self.backend.to_host(self.alloc_widths)
+        a = summarise(widths, self.theta, self.total_bits, self.budget_bits, self.exceeded,
+                      variable)
+        norm2 = self.backend.to_host(self.norm2)
+        mean_sum = self.backend.to_host(self.mean_sum)
+        digest = hashlib.sha256(mean_sum.tobytes() + norm2.tobytes()).hexdigest()
+        positive = norm2[norm2 > 0]
+        assert a.counts() == info["widths"] and a.binds == info["budget_binds"]
+        info.update({"supergroup_widths": a.widths,
+                     # the reduced statistics that decided the allocation, for checks
+                     "stats_digest": digest,
+                     "norm2_min_positive": float(positive.min()) if positive.size else 0.0,
+                     "norm2_max": float(norm2.max()) if norm2.size else 0.0})
+        return info

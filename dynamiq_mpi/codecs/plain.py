@@ -2,7 +2,10 @@
 
 Both accumulate in float32 at every hop; ``bf16`` rounds each partial sum to
 BF16 (nearest-even) before it goes on the wire.  ``exact`` also carries the
-statistics phase of the compressed codecs.
+statistics phase of the compressed codecs.  Chunks and tiles are whole
+super-groups of 256 elements (the last one partial: the wire carries exactly
+``length`` values), so the GPU kernels (``_gpu.exact_*`` / ``_gpu.bf16_*``)
+and the NumPy path cut the stream alike.
 """
 from __future__ import annotations
 
@@ -11,73 +14,129 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend import BFLOAT16, as_float32, bf16_to_float32, float32_to_bf16
-from .base import Codec, Plan, split_even
+from .base import DEFAULT_TILE_BYTES, Codec, Plan, StreamLayout, tile_stream
+
+SUPER = 256
 
 
-class _ElementwisePlan(Plan):
-    """Chunks are even ranges of elements; the wire holds one value each."""
+class ElementwisePlan(Plan):
+    """One wire value per element; ``bf16`` selects BF16 on the wire."""
 
-    wire_dtype = np.dtype(np.float32)
-
-    def __init__(self, x, n, backend):
-        self.backend = backend
-        self.xp = backend.xp
+    def __init__(self, x, n, backend, workspace, tile_bytes=DEFAULT_TILE_BYTES, bf16=False,
+                 prefix="plain"):
+        self.backend, self.xp, self.k = backend, backend.xp, backend.kernels
+        self.ws, self.prefix = workspace, prefix
+        self.bf16 = bf16
+        self.wire_dtype = BFLOAT16 if bf16 else np.dtype(np.float32)
+        self.x = x
         self.length = x.shape[0]
-        self.dtype = x.dtype
-        self.local = as_float32(x)
-        self.ranges = split_even(self.length, n)
-        self.chunk_nbytes = [(b - a) * self.wire_dtype.itemsize for a, b in self.ranges]
-        self.result = backend.empty(self.length, np.float32)
+        self.nsg = -(-self.length // SUPER)
+        last = self.length - (self.nsg - 1) * SUPER if self.nsg else 0
+        item = self.wire_dtype.itemsize
+        layout = StreamLayout([(max(self.nsg - 1, 0), SUPER * item), (1 if self.nsg else 0, last * item)])
+        self.tiling = tile_stream(layout, n, tile_bytes)
+        self.wire = self._take("wire", layout.nbytes, np.uint8)
+        self.result = self._take("result", self.nsg * SUPER, np.float32)
+        self._padded = None
 
-    # encode/decode between float32 values and wire bytes
-    def _encode(self, values):
-        raise NotImplementedError
+    def _take(self, name, count, dtype):
+        return self.ws.take(self.xp, f"{self.prefix}.{name}", count, dtype)
 
-    def _decode(self, payload):
-        raise NotImplementedError
+    def scratch(self, nbytes):
+        return self._take("recv", nbytes, np.uint8)
 
-    def _local(self, chunk):
-        a, b = self.ranges[chunk]
-        return self.local[a:b]
+    def _units(self, tile):
+        return self.tiling.units[tile]
 
-    def compress(self, chunk, event):
-        return self._encode(self._local(chunk))
+    def _elems(self, tile):
+        s0, s1 = self.tiling.units[tile]
+        return s0 * SUPER, min(s1 * SUPER, self.length)
 
-    def accumulate(self, chunk, payload, acc):
-        base = self._local(chunk) if acc is None else acc
+    def _wire_values(self, payload):
+        return payload.view(np.uint16 if self.bf16 else np.float32)
+
+    # -- the local values of a tile -------------------------------------------
+    def _source(self, tile):
+        s0, _ = self._units(tile)
+        return self.k.Source(self.x, None, -s0, None)     # stream sg s reads row s0 + s
+
+    def _local(self, tile):
+        """float32 local values of a tile (zero-padded), host path."""
+        if self._padded is None:
+            self._padded = as_float32(self.x)
+        e0, e1 = self._elems(tile)
+        return self._padded[e0:e1]
+
+    def _encode_host(self, values, slot):
+        if self.bf16:
+            slot.view(BFLOAT16)[:] = float32_to_bf16(values)
+        else:
+            slot.view(np.float32)[:] = values
+
+    def _decode_host(self, payload):
+        return bf16_to_float32(payload.view(BFLOAT16)) if self.bf16 else payload.view(np.float32)
+
+    # -- the four operations ----------------------------------------------------
+    def compress(self, tile, event):
+        slot = self.wire_slot(tile)
+        s0, s1 = self._units(tile)
+        if self.backend.name == "gpu":
+            op = self.k.bf16_compress if self.bf16 else self.k.exact_compress
+            op(self._source(tile), s1 - s0, self._wire_values(slot))
+        else:
+            self._encode_host(self._local(tile), slot)
+        return slot
+
+    def accumulate(self, tile, payload, acc):
+        s0, s1 = self._units(tile)
+        if self.backend.name == "gpu":
+            if acc is None:
+                e0, e1 = self._elems(tile)
+                acc = self.xp.empty(e1 - e0, dtype=np.float32)
+                self.k.exact_compress(self._source(tile), s1 - s0, acc)
+            op = self.k.bf16_decompress if self.bf16 else self.k.exact_decompress
+            op(self._wire_values(payload), acc, True)
+            return acc
+        base = self._local(tile) if acc is None else acc
         with np.errstate(over="ignore"):   # an overflowing sum is inf, as in IEEE
-            return base + self._decode(payload)
+            return base + self._decode_host(payload)
 
-    def dar(self, chunk, payload, acc, event):
-        base = self._local(chunk) if acc is None else acc
+    def dar(self, tile, payload, acc, event):
+        slot = self.wire_slot(tile)
+        s0, s1 = self._units(tile)
+        if self.backend.name == "gpu":
+            src = self._source(tile) if acc is None else self.k.Source(acc, None, 0, None)
+            op = self.k.bf16_dar if self.bf16 else self.k.exact_dar
+            op(self._wire_values(payload), src, s1 - s0, self._wire_values(slot))
+            return slot
+        base = self._local(tile) if acc is None else acc
         with np.errstate(over="ignore"):
-            return self._encode(base + self._decode(payload))
+            self._encode_host(base + self._decode_host(payload), slot)
+        return slot
 
-    def decode(self, chunk, payload):
-        a, b = self.ranges[chunk]
-        self.result[a:b] = self._decode(payload)
+    def decode(self, tile, payload):
+        e0, e1 = self._elems(tile)
+        dest = self.result[e0:e1]
+        if self.backend.name == "gpu":
+            op = self.k.bf16_decompress if self.bf16 else self.k.exact_decompress
+            op(self._wire_values(payload), dest, False)
+        else:
+            dest[:] = self._decode_host(payload)
 
-    def finish(self, divisor):
-        out = self.result if divisor == 1 else self.result / np.float32(divisor)
-        return out if self.dtype == np.float32 else float32_to_bf16(out)
+    def finish(self, divisor, out):
+        # The same scatter kernel as DynamiQ's (identity map, zero means): one
+        # definition of the final rounding on CPU and GPU.
+        xp = self.xp
+        identity = self._take("identity", self.nsg, np.int64)
+        identity[:] = xp.arange(self.nsg, dtype=np.int64)
+        zeros = self._take("zeros", self.nsg, np.float32)
+        zeros[:] = 0
+        self.k.finish(self.result, identity, zeros, float(divisor), out)
+        return out
 
-
-class _ExactPlan(_ElementwisePlan):
-    def _encode(self, values):
-        return self.xp.ascontiguousarray(values, dtype=np.float32).view(np.uint8).copy()
-
-    def _decode(self, payload):
-        return payload.view(np.float32)
-
-
-class _BF16Plan(_ElementwisePlan):
-    wire_dtype = BFLOAT16
-
-    def _encode(self, values):
-        return float32_to_bf16(values).view(np.uint8)
-
-    def _decode(self, payload):
-        return bf16_to_float32(payload)
+    def reduced_values(self):
+        """The float32 result itself (the statistics phase reads it as is)."""
+        return self.result[:self.length]
 
 
 @dataclass(frozen=True)
@@ -88,8 +147,9 @@ class Exact(Codec):
     def signature(self):
         return ("exact",)
 
-    def plan(self, x, reduced_stats, n, keys, backend, local_state=None):
-        return _ExactPlan(x, n, backend)
+    def plan(self, x, reduced_stats, n, keys, backend, local_state, workspace,
+             tile_bytes=DEFAULT_TILE_BYTES):
+        return ElementwisePlan(x, n, backend, workspace, tile_bytes, bf16=False)
 
 
 @dataclass(frozen=True)
@@ -100,5 +160,6 @@ class BF16(Codec):
     def signature(self):
         return ("bf16",)
 
-    def plan(self, x, reduced_stats, n, keys, backend, local_state=None):
-        return _BF16Plan(x, n, backend)
+    def plan(self, x, reduced_stats, n, keys, backend, local_state, workspace,
+             tile_bytes=DEFAULT_TILE_BYTES):
+        return ElementwisePlan(x, n, backend, workspace, tile_bytes, bf16=True)

@@ -1,16 +1,53 @@
-"""Host-staged MPI transport over mpi4py.
+"""Host-staged MPI transport over mpi4py, and the MPI agreement every transport uses.
 
 NumPy buffers go to MPI as they are.  Device (CuPy) buffers are staged through
-pinned host buffers that are reused across calls (see ``dynamiq_mpi.cuda``);
-the CUDA stream is synchronised before a buffer reaches MPI.
+pinned host buffers that are reused across calls (see ``staging``); the CUDA
+stream is synchronised before a buffer reaches MPI.  Every exchange completes
+before the answer, so a :class:`Claim` returns at once.
 """
 from __future__ import annotations
 
+import hashlib
+import pickle
+import sys
+import time
+
 import numpy as np
 
-from .ops import AllgatherObject, Exchange, drive
+from .ops import Agree, Claim, Exchange, Mark, Received, payload_array
 
 _TAG = 0x5D17
+
+
+def agree(comm, value):
+    """Every rank's ``value`` (a small picklable object), as a list.
+
+    Fast path: ranks compare a 64-bit digest of the pickled value in one
+    fixed-size Allgather and, when all digests match, nobody sends the values.
+    Only a disagreement pays for the pickled allgather that says who differs.
+    """
+    digest = hashlib.blake2b(pickle.dumps(value, protocol=4), digest_size=8).digest()
+    mine = np.frombuffer(digest, dtype=np.int64)
+    everyone = np.empty(comm.Get_size(), dtype=np.int64)
+    comm.Allgather(mine, everyone)
+    if np.all(everyone == everyone[0]):
+        return [value] * comm.Get_size()
+    return comm.allgather(value)
+
+
+class Timeline:
+    """Host timestamps of the phase marks of one call (profiling only); the
+    host transport is synchronous, so these are the phases' real durations."""
+
+    def __init__(self, device=False):
+        self.marks = []
+        self.device = device
+
+    def mark(self, name):
+        self.marks.append((name, time.perf_counter()))
+
+    def summary(self):
+        return {}
 
 
 class MPITransport:
@@ -23,33 +60,60 @@ class MPITransport:
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self._stager = None
+        self.profile = None      # a Timeline while profiling
 
-    def _execute(self, request):
+    def _stage_out(self, payload):
+        if isinstance(payload, np.ndarray):
+            return payload
+        if self._stager is None:
+            from .staging import HostStager
+            self._stager = HostStager()
+        return self._stager.to_host(payload)          # synchronises the stream
+
+    def _exchange(self, req):
         from mpi4py import MPI
 
-        if isinstance(request, AllgatherObject):
-            return self.comm.allgather(request.value)
+        send = payload_array(req.send) if req.send is not None else None
+        recv = req.recv
+        on_device = recv is not None and not isinstance(recv, np.ndarray)
+        send_host = self._stage_out(send) if send is not None else None
+        recv_host = None
+        if recv is not None:
+            recv_host = self._stager.recv_buffer(recv.nbytes) if on_device else recv
+        if send_host is not None and recv_host is not None:
+            self.comm.Sendrecv([send_host, MPI.BYTE], req.dest, _TAG,
+                               [recv_host, MPI.BYTE], req.source, _TAG)
+        elif send_host is not None:
+            self.comm.Send([send_host, MPI.BYTE], req.dest, _TAG)
+        elif recv_host is not None:
+            self.comm.Recv([recv_host, MPI.BYTE], req.source, _TAG)
+        if recv is None:
+            return None
+        if on_device:
+            self._stager.to_device(recv_host, recv)
+        return Received(recv)
+
+    def answer(self, request):
         if isinstance(request, Exchange):
-            payload = request.payload
-            on_device = not isinstance(payload, np.ndarray)
-            if on_device:
-                if self._stager is None:
-                    from .staging import HostStager
-                    self._stager = HostStager()
-                send_host = self._stager.to_host(payload)          # synchronises the stream
-                recv_host = self._stager.recv_buffer(request.recv_nbytes)
-            else:
-                send_host = payload
-                recv_host = np.empty(request.recv_nbytes, dtype=np.uint8)
-            self.comm.Sendrecv([send_host, MPI.BYTE], request.dest, _TAG,
-                               [recv_host, MPI.BYTE], request.source, _TAG)
-            if on_device:
-                return self._stager.to_device(recv_host)
-            return recv_host
+            return self._exchange(request)
+        if isinstance(request, Claim):
+            return request.handle.buffer
+        if isinstance(request, Agree):
+            return agree(self.comm, request.value)
+        if isinstance(request, Mark):
+            if self.profile is not None:
+                if self.profile.device:      # device kernels are asynchronous
+                    sys.modules["cupy"].cuda.get_current_stream().synchronize()
+                self.profile.mark(request.name)
+            return None
         raise RuntimeError(f"unknown request {request!r}")
 
-    def run(self, program):
-        return drive(program, self._execute)
+    def start_profile(self, device=False):
+        self.profile = Timeline(device)
+
+    def stop_profile(self):
+        prof, self.profile = self.profile, None
+        return prof
 
     def free(self):
         if self.comm is not None:

@@ -1,4 +1,23 @@
-"""The two communication requests a rank program can make."""
+"""The requests a rank program makes of its transport.
+
+The engine is one generator per rank; it yields these and a transport answers:
+
+* :class:`Agree` - every rank contributes a small picklable value and gets the
+  list of all (the agreement before any data byte moves);
+* :class:`Exchange` - post a send and a receive of packed bytes; the answer is
+  a :class:`Received` handle, not the data: a transport may still be moving it;
+* :class:`Claim` - the engine is about to read a received buffer; the answer is
+  the buffer, valid in the order of the caller's computation (for the NCCL
+  transport: the compute stream now waits for the receive);
+* :class:`Route` - after agreement, the transport the data of this call goes
+  over (chosen from the agreed records, the same on every rank); the answer is
+  the name of the transport that carries it;
+* :class:`Mark` - a phase boundary, for the per-phase breakdown (a no-op unless
+  the transport profiles).
+
+A payload that is a :class:`Received` handle is forwarded unchanged: it needs
+no wait for the computation, only for its own receive.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,26 +25,55 @@ from typing import Any
 
 
 @dataclass
-class AllgatherObject:
-    """Every rank contributes a small picklable value and gets the list of all."""
+class Agree:
     value: Any
 
 
 @dataclass
 class Exchange:
-    """Send ``payload`` (uint8 array) to ``dest`` while receiving exactly
-    ``recv_nbytes`` bytes from ``source``.  The answer is the received uint8 array."""
-    payload: Any
+    """Send ``send`` (a uint8 array or a :class:`Received`) to ``dest`` while
+    receiving exactly ``recv.nbytes`` bytes from ``source`` into ``recv``.
+    ``send`` or ``recv`` may be None (nothing that way)."""
+    send: Any
     dest: int
-    recv_nbytes: int
+    recv: Any
     source: int
 
 
-def drive(program, execute):
-    """Run a rank program, answering each request with ``execute(request)``."""
+@dataclass
+class Claim:
+    handle: "Received"
+
+
+@dataclass
+class Route:
+    transport: str
+
+
+@dataclass
+class Mark:
+    name: str
+
+
+class Received:
+    """A receive posted by :class:`Exchange`; ``buffer`` is where the bytes land."""
+    __slots__ = ("buffer", "token")
+
+    def __init__(self, buffer, token=None):
+        self.buffer = buffer
+        self.token = token
+
+
+def payload_array(payload):
+    """The array behind a payload (an array or a :class:`Received`)."""
+    return payload.buffer if isinstance(payload, Received) else payload
+
+
+def drive(program, answer):
+    """Run a rank program, answering each request with ``answer(request)``."""
     try:
         request = program.send(None)
         while True:
-            request = program.send(execute(request))
+            request = program.send(answer(request))
     except StopIteration as done:
         return done.value

@@ -1,17 +1,29 @@
-"""All ranks of a collective in one process, in lockstep.
+"""All ranks of a collective in one process.
 
 Used for statistical studies over many seeds and for error studies at large
-world sizes without mpiexec.  Every rank program must issue the same kind of
-request at the same time (the schedules guarantee it); messages are matched by
-(source, destination) in order, and a size mismatch is an error, as it would be
-on a real transport.
+world sizes without mpiexec.  Each rank program runs until it must wait: on a
+:class:`Claim` whose message has not been sent yet, or on an :class:`Agree`
+that not every rank has reached.  Messages are matched per (source,
+destination) pair in the order they were posted, as MPI and NCCL match them;
+a size mismatch is an error, as it would be on a real transport, and so is a
+state where no rank can move (a deadlock of the schedule).
 """
 from __future__ import annotations
 
 from collections import defaultdict, deque
 
+from .ops import Agree, Claim, Exchange, Mark, Received, Route, payload_array
 
-from .ops import AllgatherObject, Exchange
+
+class _Rank:
+    __slots__ = ("program", "answer", "waiting", "done", "result")
+
+    def __init__(self, program):
+        self.program = program
+        self.answer = None
+        self.waiting = None      # the Agree or Claim this rank is blocked on
+        self.done = False
+        self.result = None
 
 
 class SimulatedTransport:
@@ -26,42 +38,72 @@ class SimulatedTransport:
         """Drive one program per rank to completion; returns their results."""
         if len(programs) != self.size:
             raise ValueError(f"expected {self.size} rank programs, got {len(programs)}")
-        answers = [None] * self.size
-        results = [None] * self.size
-        live = list(range(self.size))
-        while live:
-            requests = {}
-            for r in live:
+        ranks = [_Rank(p) for p in programs]
+        sent = defaultdict(deque)        # (src, dst) -> payload copies not yet received
+        posted = defaultdict(deque)      # (src, dst) -> Received handles not yet filled
+
+        def deliver(src, dst):
+            while sent[(src, dst)] and posted[(src, dst)]:
+                msg, handle = sent[(src, dst)].popleft(), posted[(src, dst)].popleft()
+                if msg.nbytes != handle.buffer.nbytes:
+                    raise RuntimeError(f"rank {dst} expected {handle.buffer.nbytes} bytes from "
+                                       f"{src}, got {msg.nbytes}")
+                handle.buffer[...] = msg
+                handle.token = True      # filled
+
+        def step(r, state):
+            """Advance rank r until it blocks or ends; True if it moved."""
+            moved = False
+            while not state.done:
+                if state.waiting is not None:
+                    req = state.waiting
+                    if isinstance(req, Claim):
+                        if not req.handle.token:
+                            return moved
+                        state.answer, state.waiting = req.handle.buffer, None
+                    else:
+                        return moved     # Agree: resolved by the caller of step()
                 try:
-                    requests[r] = programs[r].send(answers[r])
-                except StopIteration as done:
-                    results[r] = done.value
-            finished = [r for r in live if r not in requests]
-            if finished and len(finished) != len(live):
-                raise RuntimeError(f"ranks {finished} finished while others still communicate")
-            live = [r for r in live if r in requests]
-            if not live:
-                break
-            kinds = {type(q) for q in requests.values()}
-            if len(kinds) != 1:
-                raise RuntimeError(f"ranks issued different requests at the same step: {kinds}")
-            kind = kinds.pop()
-            if kind is AllgatherObject:
-                values = [requests[r].value for r in range(self.size)]
-                for r in live:
-                    answers[r] = list(values)
-            elif kind is Exchange:
-                mailbox = defaultdict(deque)
-                for r in live:
-                    q = requests[r]
-                    mailbox[(r, q.dest)].append(q.payload.copy())
-                for r in live:
-                    q = requests[r]
-                    msg = mailbox[(q.source, r)].popleft()
-                    if msg.nbytes != q.recv_nbytes:
-                        raise RuntimeError(f"rank {r} expected {q.recv_nbytes} bytes from "
-                                           f"{q.source}, got {msg.nbytes}")
-                    answers[r] = msg
-            else:
-                raise RuntimeError(f"unknown request {kind}")
-        return results
+                    req = state.program.send(state.answer)
+                except StopIteration as fin:
+                    state.done, state.result = True, fin.value
+                    return True
+                moved = True
+                state.answer = None
+                if isinstance(req, Exchange):
+                    if req.send is not None:
+                        sent[(r, req.dest)].append(payload_array(req.send).copy())
+                        deliver(r, req.dest)
+                    handle = None
+                    if req.recv is not None:
+                        handle = Received(req.recv, False)
+                        posted[(req.source, r)].append(handle)
+                        deliver(req.source, r)
+                    state.answer = handle
+                elif isinstance(req, (Claim, Agree)):
+                    state.waiting = req
+                elif isinstance(req, Route):
+                    state.answer = self.name
+                elif isinstance(req, Mark):
+                    pass
+                else:
+                    raise RuntimeError(f"unknown request {req!r}")
+            return moved
+
+        while not all(s.done for s in ranks):
+            moved = False
+            for r, s in enumerate(ranks):
+                moved |= step(r, s)
+            agreeing = [s for s in ranks if isinstance(s.waiting, Agree)]
+            if agreeing and len(agreeing) == len(ranks):
+                values = [s.waiting.value for s in ranks]
+                for s in ranks:
+                    s.answer, s.waiting = list(values), None
+                moved = True
+            if not moved:
+                finished = [r for r, s in enumerate(ranks) if s.done]
+                if agreeing and finished:
+                    raise RuntimeError(f"ranks {finished} finished while others wait to agree")
+                raise RuntimeError("simulated ranks deadlocked: every rank waits for a message "
+                                   "that no rank will send")
+        return [s.result for s in ranks]

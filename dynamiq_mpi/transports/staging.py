@@ -36,11 +36,10 @@ class HostStager:
     def recv_buffer(self, nbytes: int) -> np.ndarray:
         return self._buffer("recv", nbytes)
 
-    def to_device(self, host: np.ndarray):
+    def to_device(self, host: np.ndarray, device_array) -> None:
+        """Copy ``host`` into ``device_array`` (same byte size) and wait for it."""
         import cupy
 
-        dev = cupy.empty(host.nbytes, dtype=cupy.uint8)
         stream = cupy.cuda.get_current_stream()
-        dev.set(host, stream=stream)
+        device_array.set(host.view(device_array.dtype).reshape(device_array.shape), stream=stream)
         stream.synchronize()
-        return dev

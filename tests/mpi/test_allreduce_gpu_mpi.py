@@ -15,8 +15,8 @@ N = comm.size
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not dq.has_cuda(), reason="needs the CUDA kernels and a GPU")]
 TOPOLOGIES = ["ring"] + (["butterfly"] if N & (N - 1) == 0 else [])
-CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(bits=5), dq.DynamiQ(bits=3),
-          dq.DynamiQ(bits=6, correlated=False, hierarchical=False, uniform=True)]
+CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(small_input=0, bits=5), dq.DynamiQ(small_input=0, bits=3),
+          dq.DynamiQ(small_input=0, bits=6, correlated=False, hierarchical=False, uniform=True)]
 
 
 @pytest.fixture(scope="module")
@@ -59,4 +59,4 @@ def test_gpu_bad_input_raises_everywhere(cp):
     if comm.rank == N - 1:
         x[3] = cp.nan
     with pytest.raises(dq.NonFiniteInputError):
-        dq.allreduce(x, codec=dq.DynamiQ())
+        dq.allreduce(x, codec=dq.DynamiQ(small_input=0))

@@ -14,8 +14,8 @@ from helpers import BF16, digest, exact_sum, fresh_seed, rank_inputs, vnmse
 comm = MPI.COMM_WORLD
 N = comm.size
 TOPOLOGIES = ["ring"] + (["butterfly"] if N & (N - 1) == 0 else [])
-CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(bits=5), dq.DynamiQ(bits=3),
-          dq.DynamiQ(bits=5, correlated=False, hierarchical=False, uniform=True)]
+CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(small_input=0, bits=5), dq.DynamiQ(small_input=0, bits=3),
+          dq.DynamiQ(small_input=0, bits=5, correlated=False, hierarchical=False, uniform=True)]
 
 
 def shared_seed():
@@ -68,7 +68,7 @@ def test_uncompressed_codecs_within_rounding_bounds(codec, topology):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("codec", [dq.Exact(), dq.BF16(), dq.DynamiQ(bits=5)],
+@pytest.mark.parametrize("codec", [dq.Exact(), dq.BF16(), dq.DynamiQ(small_input=0, bits=5)],
                          ids=lambda c: c.name)
 def test_bfloat16_inputs(codec):
     seed = shared_seed()
@@ -86,8 +86,8 @@ def test_lengths(length, topology):
     seed = shared_seed()
     xs = rank_inputs(seed, N, length)
     # bits=12: every super-group at 8-bit codes, whatever the padding costs
-    for codec, bound in ((dq.Exact(), None), (dq.DynamiQ(bits=12), 0.05),
-                         (dq.DynamiQ(bits=5), None)):
+    for codec, bound in ((dq.Exact(), None), (dq.DynamiQ(small_input=0, bits=12), 0.05),
+                         (dq.DynamiQ(small_input=0, bits=5), None)):
         out = dq.allreduce(xs[comm.rank], codec=codec, topology=topology)
         assert out.shape == (length,) and np.all(np.isfinite(out))
         assert_identical_everywhere(out)
@@ -117,7 +117,7 @@ def test_zero_supergroups_come_back_exactly_zero_and_cost_nothing():
     for x in xs:
         x[256 * 3:256 * 20] = 0.0        # zero on every rank
     xs[0][256 * 25:256 * 26] = 0.0       # zero on one rank only: not the 0-bit class
-    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(bits=5), return_report=True)
+    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0, bits=5), return_report=True)
     assert np.all(out[256 * 3:256 * 20] == 0.0)
     assert rep.codec_info["widths"][0] == 17
     assert_identical_everywhere(out)
@@ -127,7 +127,7 @@ def test_zero_supergroups_come_back_exactly_zero_and_cost_nothing():
 def test_statistics_identical_on_every_rank():
     seed = shared_seed()
     xs = rank_inputs(seed, N, 256 * 300 + 17)
-    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(bits=5), return_report=True)
+    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0, bits=5), return_report=True)
     info = rep.codec_info
     everyone = comm.allgather((info["stats_digest"], digest(info["supergroup_widths"]),
                                info["threshold_u"]))
@@ -147,7 +147,7 @@ def test_extreme_values_do_not_raise():
         x[512:768] *= np.float32(1e-30)
         x[520] = np.float32(1e30)                     # huge range inside one group
         xs.append(x)
-    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(bits=5), return_report=True)
+    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0, bits=5), return_report=True)
     assert np.all(np.isfinite(out))
     assert_identical_everywhere(out)
     info = rep.codec_info
@@ -160,10 +160,10 @@ def test_budget_binds_within_005_bit():
     seed = shared_seed()
     xs = rank_inputs(seed, N, 256 * 4096)
     for bits in (4.0, 5.0, 6.5):
-        out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(bits=bits), return_report=True)
+        out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0, bits=bits), return_report=True)
         assert rep.codec_info["budget_binds"]
         assert bits - 0.05 <= rep.bits_per_coord <= bits, (bits, rep.bits_per_coord)
-    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(bits=12), return_report=True)
+    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0, bits=12), return_report=True)
     assert not rep.codec_info["budget_binds"]
     assert rep.codec_info["widths"][8] == 4096
     assert rep.bits_per_coord < 12 - 2

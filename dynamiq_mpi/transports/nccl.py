@@ -1,0 +1,210 @@
+"""NCCL point-to-point transport through CuPy's NCCL bindings.
+
+Everything is stream-ordered; the host never waits:
+
+* the caller's current CuPy stream is the *compute* stream (our kernels run
+  there, so the result is valid in the caller's stream order);
+* messages go on private *lane* streams, each with its own NCCL communicator;
+  a message larger than ``lane_bytes`` is split over several lanes (several
+  communicators move one exchange in parallel, which raises the throughput of
+  NCCL's socket transport);
+* a send of a computed payload first makes the lanes wait for an event on the
+  compute stream; a forwarded payload (a buffer this transport received) is
+  already ordered on its lane;
+* :class:`~.ops.Claim` makes the compute stream wait for the receive's events
+  only when a kernel is about to read it, so the kernel of one tile overlaps
+  the transfer of the previous one.
+
+The NCCL unique ids are broadcast over the Collective's MPI communicator; the
+communicators are created once per Collective and device.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+from .mpi_host import agree
+from .ops import Agree, Claim, Exchange, Mark, Received, payload_array
+
+_status_lock = threading.Lock()
+_status = None
+
+# Smallest slice worth a lane of its own.
+MIN_LANE_BYTES = 1 << 20
+
+
+def nccl_status():
+    """(usable, reason): CuPy imports, was built with NCCL, and NCCL loads."""
+    global _status
+    with _status_lock:
+        if _status is None:
+            try:
+                from cupy.cuda import nccl
+                if not getattr(nccl, "available", True):
+                    _status = (False, "CuPy's NCCL library could not be loaded")
+                else:
+                    nccl.get_version()
+                    _status = (True, "")
+            except Exception as exc:  # ImportError, CUDA errors
+                _status = (False, f"NCCL is not available through CuPy: {exc}")
+        return _status
+
+
+class _Profile:
+    """CUDA events of one call (compute stream and lanes), for the breakdown."""
+
+    def __init__(self, cupy, compute):
+        self.cupy = cupy
+        self.ref = self._event(compute)
+        self.compute = []        # (kind, event): kind of the request that recorded it
+        self.wire = []           # (start event, end event) per lane message
+        self.marks = []          # (name, host time) after synchronising
+
+    def _event(self, stream):
+        e = self.cupy.cuda.Event()
+        e.record(stream)
+        return e
+
+    def at(self, kind, stream):
+        self.compute.append((kind, self._event(stream)))
+
+    def ms(self, event):
+        return self.cupy.cuda.get_elapsed_time(self.ref, event)
+
+    def summary(self):
+        """Kernel time (compute-stream intervals that hold no wait), wire
+        time (union of lane message intervals), their overlap, in ms."""
+        kernels, busy = 0.0, []
+        times = [(kind, self.ms(e)) for kind, e in self.compute]
+        for (_, t0), (kind, t1) in zip(times, times[1:]):
+            if kind != "claim" and t1 > t0:      # a claim's interval ends with a wait
+                kernels += t1 - t0
+                busy.append((t0, t1))
+        wire_iv = sorted((self.ms(a), self.ms(b)) for a, b in self.wire)
+        wire = _union(wire_iv)
+        both = _union(sorted(busy + wire_iv))
+        return {"kernels_ms": kernels, "wire_ms": wire, "kernels_or_wire_ms": both}
+
+
+def _union(intervals):
+    total, end = 0.0, float("-inf")
+    for a, b in intervals:
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+class NCCLTransport:
+    name = "nccl"
+
+    def __init__(self, mpi_comm, device_id: int, lanes: int = 1, lane_bytes: int = MIN_LANE_BYTES):
+        import cupy
+        from cupy.cuda import nccl
+
+        self.cupy, self.nccl = cupy, nccl
+        self.mpi = mpi_comm
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.device_id = int(device_id)
+        self.lanes = max(1, int(lanes))
+        self.lane_bytes = max(1, int(lane_bytes))
+        ids = [nccl.get_unique_id() for _ in range(self.lanes)] if self.rank == 0 else None
+        ids = mpi_comm.bcast(ids, root=0)
+        with cupy.cuda.Device(self.device_id):
+            self.comms = [nccl.NcclCommunicator(self.size, uid, self.rank) for uid in ids]
+            self.streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(self.lanes)]
+        self.profile = None
+
+    # -- requests --------------------------------------------------------------
+    def _slices(self, nbytes):
+        """Byte ranges of a message per lane: a pure function of its size, so
+        sender and receiver cut it alike."""
+        k = min(self.lanes, max(1, nbytes // self.lane_bytes))
+        return [(i * nbytes // k, (i + 1) * nbytes // k) for i in range(k)]
+
+    def _exchange(self, req):
+        cupy, nccl = self.cupy, self.nccl
+        compute = cupy.cuda.get_current_stream()
+        if req.send is not None and not isinstance(req.send, Received):
+            ready = cupy.cuda.Event(block=False, disable_timing=True)
+            ready.record(compute)
+            for lane in self.streams:
+                lane.wait_event(ready)
+        if self.profile is not None:
+            self.profile.at("exchange", compute)
+        send = payload_array(req.send) if req.send is not None else None
+        sends = self._slices(send.nbytes) if send is not None else []
+        recvs = self._slices(req.recv.nbytes) if req.recv is not None else []
+        used = range(max(len(sends), len(recvs)))
+        starts = []
+        if self.profile is not None:
+            starts = [self._record(self.streams[i]) for i in used]
+        nccl.groupStart()
+        try:
+            for i, (a, b) in enumerate(sends):
+                if b > a:
+                    self.comms[i].send(send.data.ptr + a, b - a, nccl.NCCL_UINT8, req.dest,
+                                       self.streams[i].ptr)
+            for i, (a, b) in enumerate(recvs):
+                if b > a:
+                    self.comms[i].recv(req.recv.data.ptr + a, b - a, nccl.NCCL_UINT8,
+                                       req.source, self.streams[i].ptr)
+        finally:
+            nccl.groupEnd()
+        if self.profile is not None:
+            for i, start in zip(used, starts):
+                self.profile.wire.append((start, self._record(self.streams[i])))
+        if req.recv is None:
+            return None
+        done = [self._record(self.streams[i], timing=False) for i in range(len(recvs))]
+        return Received(req.recv, done)
+
+    def _record(self, stream, timing=True):
+        e = self.cupy.cuda.Event(block=False, disable_timing=not timing)
+        e.record(stream)
+        return e
+
+    def _claim(self, handle):
+        compute = self.cupy.cuda.get_current_stream()
+        for e in handle.token or ():
+            compute.wait_event(e)
+        if self.profile is not None:
+            self.profile.at("claim", compute)
+        return handle.buffer
+
+    def _mark(self, name):
+        if self.profile is None:
+            return
+        compute = self.cupy.cuda.get_current_stream()
+        self.profile.at("mark", compute)
+        compute.synchronize()            # profiling serialises the phases
+        for lane in self.streams:
+            lane.synchronize()
+        self.profile.marks.append((name, time.perf_counter()))
+
+    def answer(self, request):
+        if isinstance(request, Exchange):
+            return self._exchange(request)
+        if isinstance(request, Claim):
+            return self._claim(request.handle)
+        if isinstance(request, Agree):
+            return agree(self.mpi, request.value)
+        if isinstance(request, Mark):
+            return self._mark(request.name)
+        raise RuntimeError(f"unknown request {request!r}")
+
+    def start_profile(self, device=True):
+        self.profile = _Profile(self.cupy, self.cupy.cuda.get_current_stream())
+
+    def stop_profile(self):
+        prof, self.profile = self.profile, None
+        return prof
+
+    def free(self):
+        for c in getattr(self, "comms", ()):
+            try:
+                c.destroy()
+            except Exception:
+                pass
+        self.comms = []
