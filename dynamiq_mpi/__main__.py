@@ -1,4 +1,4 @@
-"""Command line: ``python -m dynamiq_mpi {demo,vnmse,kernels,schedule}``.
+"""Command line: ``python -m dynamiq_mpi {demo,bench,vnmse,kernels,schedule}``.
 
 Run under ``mpiexec -n N`` for the MPI commands.  An exception on any rank
 prints its traceback and aborts the whole job (no rank is left hanging).
@@ -184,6 +184,11 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
     p.set_defaults(func=cmd_vnmse, mpi=False)
+    p = sub.add_parser("bench", help="nccl-tests-style benchmark against the uncompressed "
+                                     "all-reduce (mpiexec)")
+    from .bench import add_arguments, run as bench_run
+    add_arguments(p)
+    p.set_defaults(func=bench_run, mpi=True)
     p = sub.add_parser("schedule", help="print a ring or butterfly schedule")
     p.add_argument("topology", choices=["ring", "butterfly"])
     p.add_argument("n", type=int)

@@ -158,7 +158,7 @@ def _phases(prof, t0) -> dict:
     for (name, a), (_, b) in zip(marks, marks[1:]):
         phases[name] = phases.get(name, 0.0) + (b - a)
     phases.pop("done", None)
-    phases.update({k: v / 1e3 for k, v in prof.summary().items()})
+    phases.update(prof.summary())
     return phases
 
 

@@ -44,3 +44,32 @@ def gradient_like(length: int, rank: int, seed: int = 0, dtype=np.float32,
         sg_scale = np.repeat(np.exp(rng.normal(0, 1.0, nsg)), SUPER)[: b - a]
         g[a:b] = rng.standard_t(3, b - a) * s * sg_scale
     return g.astype(dtype)
+
+
+def gradient_like_xp(xp, length: int, rank: int, seed: int = 0, dtype=np.float32,
+                     with_embedding: bool = True):
+    """A fast gradient-like array made directly by ``xp`` (NumPy or CuPy), for
+    benchmarks at up to 2^28 elements: the shared layout of
+    :func:`gradient_like` (layer scales over five decades, an embedding table
+    whose rows are zero on every rank but 10 %) with normal entries times a
+    log-normal scale per super-group.  Not bit-equal across NumPy and CuPy."""
+    emb, active_rows, bounds, scales = layer_layout(length)
+    nsg = -(-length // SUPER)
+    host = np.random.default_rng([seed, rank, 1])
+    sg_scale = np.zeros(nsg, dtype=np.float32)
+    emb_rows = emb // SUPER
+    if with_embedding:
+        sg_scale[:emb_rows] = np.where(active_rows, 1e-2, 0.0)
+    else:
+        sg_scale[:emb_rows] = 1e-2
+    first = emb_rows
+    for i, s in enumerate(scales):
+        last = -(-int(bounds[i + 1]) // SUPER)
+        sg_scale[first:last] = s * np.exp(host.normal(0.0, 1.0, last - first))
+        first = last
+    if xp is np:
+        noise = np.random.default_rng([seed, rank, 2]).standard_normal(length, dtype=np.float32)
+    else:
+        noise = xp.random.RandomState(seed * 1_000_003 + rank).standard_normal(length, dtype=np.float32)
+    scale = xp.repeat(xp.asarray(sg_scale), SUPER)[:length]
+    return (noise * scale).astype(dtype)

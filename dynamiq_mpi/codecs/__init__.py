@@ -2,4 +2,41 @@
 from .dynamiq import DynamiQ
 from .plain import BF16, Exact
 
-__all__ = ["DynamiQ", "Exact", "BF16"]
+__all__ = ["DynamiQ", "Exact", "BF16", "codec_from_string"]
+
+
+def _value(text: str):
+    low = text.lower()
+    if low in ("true", "yes", "on"):
+        return True
+    if low in ("false", "no", "off"):
+        return False
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def codec_from_string(spec: str):
+    """A codec from a command-line spelling: ``exact``, ``bf16``, ``dynamiq``,
+    ``dynamiq:5`` (bits), ``dynamiq:5:correlated=0:small_input=0`` (fields)."""
+    name, *rest = spec.strip().split(":")
+    name = name.lower()
+    kwargs = {}
+    positional = []
+    for item in rest:
+        if "=" in item:
+            key, val = item.split("=", 1)
+            kwargs[key.strip()] = _value(val.strip())
+        elif item:
+            positional.append(_value(item))
+    registry = {"exact": (Exact, []), "bf16": (BF16, []), "dynamiq": (DynamiQ, ["bits"])}
+    if name not in registry:
+        raise ValueError(f"unknown codec {name!r} in {spec!r}; known: {sorted(registry)}")
+    cls, names = registry[name]
+    if len(positional) > len(names):
+        raise ValueError(f"codec {spec!r}: too many ':' arguments (takes {names})")
+    kwargs.update(zip(names, positional))
+    return cls(**kwargs)

@@ -72,6 +72,7 @@ class DynamiQ(Codec):
     small_input: int = DEFAULT_SMALL_INPUT
 
     name = "dynamiq"
+    rejects_nonfinite = True        # NaN/Inf input raises NonFiniteInputError on every rank
 
     def __post_init__(self):
         if isinstance(self.eps, dict):

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend import BFLOAT16, as_float32, bf16_to_float32, float32_to_bf16
+from ..errors import NonFiniteInputError
 from .base import DEFAULT_TILE_BYTES, Codec, Plan, StreamLayout, tile_stream
 
 SUPER = 256
@@ -133,6 +134,13 @@ class ElementwisePlan(Plan):
         zeros[:] = 0
         self.k.finish(self.result, identity, zeros, float(divisor), out)
         return out
+
+    def check_finite(self):
+        """NonFiniteInputError unless the decoded sum is finite (it is the same on
+        every rank, so every rank decides alike)."""
+        if not bool(self.xp.isfinite(self.result[:self.length]).all()):
+            raise NonFiniteInputError("input holds NaN or Inf on at least one rank, or the sum "
+                                      "overflows float32")
 
     def reduced_values(self):
         """The float32 result itself (the statistics phase reads it as is)."""

@@ -72,18 +72,27 @@ class _Profile:
         return self.cupy.cuda.get_elapsed_time(self.ref, event)
 
     def summary(self):
-        """Kernel time (compute-stream intervals that hold no wait), wire
-        time (union of lane message intervals), their overlap, in ms."""
-        kernels, busy = 0.0, []
+        """Seconds, inside the data phases (from the reduce-scatter mark on):
+        kernel time (compute-stream intervals that hold no wait), wire time
+        (union of the lanes' message intervals), and the union of both."""
         times = [(kind, self.ms(e)) for kind, e in self.compute]
+        start = next((t for kind, t in times if kind == "mark:reduce-scatter"), 0.0)
+        kernels, busy = 0.0, []
         for (_, t0), (kind, t1) in zip(times, times[1:]):
-            if kind != "claim" and t1 > t0:      # a claim's interval ends with a wait
+            # a claim's interval ends with a wait for a receive: not kernel time
+            if t0 >= start and kind != "claim" and t1 > t0:
                 kernels += t1 - t0
                 busy.append((t0, t1))
-        wire_iv = sorted((self.ms(a), self.ms(b)) for a, b in self.wire)
-        wire = _union(wire_iv)
-        both = _union(sorted(busy + wire_iv))
-        return {"kernels_ms": kernels, "wire_ms": wire, "kernels_or_wire_ms": both}
+        wire_iv = sorted(iv for iv in ((self.ms(a), self.ms(b)) for a, b in self.wire)
+                         if iv[0] >= start)
+        return {"kernels": kernels / 1e3, "wire": _union(wire_iv) / 1e3,
+                "kernels_or_wire": _union(sorted(busy + wire_iv)) / 1e3}
+
+
+def _ptr(array) -> int:
+    """Address of an array's first byte (CuPy; NumPy for the CPU tests' fake)."""
+    data = array.data
+    return data.ptr if hasattr(data, "ptr") else array.ctypes.data
 
 
 def _union(intervals):
@@ -99,10 +108,16 @@ def _union(intervals):
 class NCCLTransport:
     name = "nccl"
 
-    def __init__(self, mpi_comm, device_id: int, lanes: int = 1, lane_bytes: int = MIN_LANE_BYTES):
-        import cupy
-        from cupy.cuda import nccl
-
+    def __init__(self, mpi_comm, device_id: int, lanes: int = 1, lane_bytes: int = MIN_LANE_BYTES,
+                 modules=None):
+        """``modules``: (cupy, cupy.cuda.nccl) or stand-ins with the same
+        interface (the CPU tests drive this class with a fake that maps NCCL
+        point-to-point onto MPI)."""
+        if modules is None:
+            import cupy
+            from cupy.cuda import nccl
+            modules = (cupy, nccl)
+        cupy, nccl = modules
         self.cupy, self.nccl = cupy, nccl
         self.mpi = mpi_comm
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
@@ -144,11 +159,11 @@ class NCCLTransport:
         try:
             for i, (a, b) in enumerate(sends):
                 if b > a:
-                    self.comms[i].send(send.data.ptr + a, b - a, nccl.NCCL_UINT8, req.dest,
+                    self.comms[i].send(_ptr(send) + a, b - a, nccl.NCCL_UINT8, req.dest,
                                        self.streams[i].ptr)
             for i, (a, b) in enumerate(recvs):
                 if b > a:
-                    self.comms[i].recv(req.recv.data.ptr + a, b - a, nccl.NCCL_UINT8,
+                    self.comms[i].recv(_ptr(req.recv) + a, b - a, nccl.NCCL_UINT8,
                                        req.source, self.streams[i].ptr)
         finally:
             nccl.groupEnd()
@@ -177,7 +192,7 @@ class NCCLTransport:
         if self.profile is None:
             return
         compute = self.cupy.cuda.get_current_stream()
-        self.profile.at("mark", compute)
+        self.profile.at(f"mark:{name}", compute)
         compute.synchronize()            # profiling serialises the phases
         for lane in self.streams:
             lane.synchronize()

@@ -1,7 +1,9 @@
-"""The all-reduce on CuPy arrays over MPI (ranks share the GPUs round-robin).
+"""The all-reduce on CuPy arrays (ranks use the GPUs round-robin), over both
+transports: NCCL (needs one GPU per rank) and host-staged MPI.
 
 Skipped unless the CUDA kernels were built and a GPU is usable.  The GPU
-result must equal the CPU path's result on the same data, bit for bit.
+result must equal the CPU path's result on the same data, bit for bit, on
+either transport, whatever the tile size.
 """
 import numpy as np
 import pytest
@@ -30,23 +32,53 @@ def shared_seed():
     return comm.bcast(fresh_seed() if comm.rank == 0 else None)
 
 
+def _one_gpu_per_rank():
+    import cupy
+    return comm.allreduce(cupy.cuda.runtime.getDeviceCount() if dq.has_cuda() else 0,
+                          op=MPI.MIN) >= N
+
+
+NCCL_OK = dq.has_cuda() and _one_gpu_per_rank()
+TRANSPORTS = [pytest.param("nccl", marks=pytest.mark.skipif(
+                  not NCCL_OK, reason="NCCL needs one GPU per rank")), "mpi"]
+
+
+@pytest.fixture(scope="module")
+def colls(cp):
+    """Collectives per (transport, tile bytes): small tiles exercise the pipeline."""
+    made = {}
+
+    def get(transport, tile_bytes):
+        key = (transport, tile_bytes)
+        if key not in made:
+            made[key] = dq.Collective(comm, transport=transport, tile_bytes=tile_bytes,
+                                      lanes=2 if transport == "nccl" else None)
+        return made[key]
+    yield get
+    for c in made.values():
+        c.free()
+
+
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("tile_bytes", [4096, 8 << 20], ids=["tiles4K", "tiles8M"])
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: "-".join(map(str, c.signature()[:2])))
-def test_gpu_equals_cpu_bit_for_bit(cp, codec, topology, dtype):
+def test_gpu_equals_cpu_bit_for_bit(cp, colls, codec, topology, dtype, transport, tile_bytes):
     seed = shared_seed()
     xs = rank_inputs(seed, N, 256 * 300 + 77, dtype=dtype)
     for x in xs:
         x[256 * 5:256 * 9] = 0          # zero super-groups on every rank
     d_x = cp.asarray(xs[comm.rank])
-    d_out, rep = dq.allreduce(d_x, codec=codec, topology=topology, seed=seed % 1000,
-                              return_report=True)
+    d_out, rep = colls(transport, tile_bytes).allreduce(
+        d_x, codec=codec, topology=topology, seed=seed % 1000, return_report=True)
+    assert rep.transport == transport
     assert isinstance(d_out, cp.ndarray) and d_out.dtype == dtype
     out = cp.asnumpy(d_out)
     assert np.array_equal(cp.asnumpy(d_x).view(np.uint8), xs[comm.rank].view(np.uint8))
     cpu = dq.simulate_allreduce(xs, codec=codec, topology=topology, seed=seed % 1000,
-                                counter=rep.call_counter)[comm.rank]
+                                counter=rep.call_counter, tile_bytes=tile_bytes)[comm.rank]
     assert digest(out) == digest(cpu), f"seed {seed}"
     digests = comm.allgather(digest(out))
     assert len(set(digests)) == 1
@@ -60,3 +92,40 @@ def test_gpu_bad_input_raises_everywhere(cp):
         x[3] = cp.nan
     with pytest.raises(dq.NonFiniteInputError):
         dq.allreduce(x, codec=dq.DynamiQ(small_input=0))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_gpu_in_place_other_stream_and_profile(cp, colls, transport):
+    seed = shared_seed()
+    xs = rank_inputs(seed, N, 1 << 17, dtype=BF16)
+    coll = colls(transport, 1 << 16)
+    codec = dq.DynamiQ(bits=5)
+    coll.counter = 11
+    ref = cp.asnumpy(coll.allreduce(cp.asarray(xs[comm.rank]), codec=codec, op="mean"))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:                         # the caller's stream: results valid in its order
+        coll.counter = 11
+        x = cp.asarray(xs[comm.rank])
+        got = coll.allreduce(x, codec=codec, op="mean", out=x)
+        stream.synchronize()
+    assert got is x and digest(cp.asnumpy(x)) == digest(ref)
+    coll.counter = 11
+    out, rep = coll.allreduce(cp.asarray(xs[comm.rank]), codec=codec, op="mean",
+                              return_report=True, profile=True)
+    assert digest(cp.asnumpy(out)) == digest(ref)
+    for phase in ("agreement", "statistics", "plan", "reduce-scatter", "all-gather", "finish"):
+        assert rep.phases[phase] >= 0.0
+    assert len(set(comm.allgather(digest(ref)))) == 1
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_gpu_float16_input(cp, colls, transport):
+    seed = shared_seed()
+    xs = [x.astype(np.float16) for x in rank_inputs(seed, N, 70000, kind="normal")]
+    out = colls(transport, 8 << 20).allreduce(cp.asarray(xs[comm.rank]), codec=dq.DynamiQ(bits=6))
+    assert out.dtype == np.float16
+    host = cp.asnumpy(out)
+    assert vnmse(host, exact_sum(xs)) < 0.05
+    assert len(set(comm.allgather(digest(host)))) == 1

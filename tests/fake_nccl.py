@@ -1,0 +1,122 @@
+"""Stand-ins for ``cupy`` and ``cupy.cuda.nccl`` that let the NCCL transport
+run on host memory under mpiexec, so CI (no GPU) exercises its logic: the
+cut of a message over lanes, grouped sends and receives, forwarding of
+received buffers, claims.  Streams and events are no-ops (everything is
+complete when ``groupEnd`` returns); point-to-point goes over one MPI
+duplicate per fake communicator, matched in posting order like NCCL.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+from types import SimpleNamespace
+
+import numpy as np
+from mpi4py import MPI
+
+
+class _Stream:
+    _ids = itertools.count(1)
+
+    def __init__(self, non_blocking=False):
+        self.ptr = next(self._ids)
+
+    def wait_event(self, event):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+class _Event:
+    def __init__(self, block=False, disable_timing=False, interprocess=False):
+        self.recorded = False
+
+    def record(self, stream=None):
+        self.recorded = True
+
+
+class _Device:
+    def __init__(self, device_id=0):
+        self.id = device_id
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_CURRENT = _Stream()
+cuda = SimpleNamespace(Stream=_Stream, Event=_Event, Device=_Device,
+                       get_current_stream=lambda: _CURRENT,
+                       get_elapsed_time=lambda a, b: 0.0)
+cupy = SimpleNamespace(cuda=cuda)
+
+
+class _Nccl:
+    """The module-level API: a group collects operations until groupEnd."""
+    NCCL_UINT8 = 7
+
+    def __init__(self):
+        self._group = None
+        self.calls = []          # (op, peer, count) of every operation, for the tests
+
+    def get_unique_id(self):
+        return b"fake"
+
+    def groupStart(self):
+        self._group = []
+
+    def groupEnd(self):
+        ops, self._group = self._group, None
+        requests, landings = [], []
+        for comm, op, ptr, count, peer in ops:
+            if op == "send":
+                buf = np.frombuffer(ctypes.string_at(ptr, count), dtype=np.uint8).copy()
+                requests.append(comm.mpi.Isend(buf, dest=peer, tag=11))
+                landings.append(None)
+                keep = buf
+            else:
+                buf = np.empty(count, dtype=np.uint8)
+                requests.append(comm.mpi.Irecv(buf, source=peer, tag=11))
+                landings.append((ptr, buf))
+            comm.keep.append(keep if op == "send" else buf)
+        MPI.Request.Waitall(requests)
+        for landing in landings:
+            if landing is not None:
+                ptr, buf = landing
+                ctypes.memmove(ptr, buf.ctypes.data, buf.size)
+        for comm, *_ in ops:
+            comm.keep.clear()
+
+    def _post(self, comm, op, ptr, count, peer):
+        if self._group is None:
+            raise RuntimeError("fake NCCL: point-to-point outside a group")
+        self.calls.append((op, peer, count))
+        self._group.append((comm, op, ptr, count, peer))
+
+    def NcclCommunicator(self, ndev, uid, rank):
+        return _Comm(self, ndev, rank)
+
+
+class _Comm:
+    def __init__(self, module, ndev, rank):
+        self.module = module
+        self.mpi = MPI.COMM_WORLD.Dup()
+        assert self.mpi.size == ndev and self.mpi.rank == rank
+        self.keep = []
+
+    def send(self, ptr, count, dtype, peer, stream):
+        self.module._post(self, "send", ptr, count, peer)
+
+    def recv(self, ptr, count, dtype, peer, stream):
+        self.module._post(self, "recv", ptr, count, peer)
+
+    def destroy(self):
+        self.mpi.Free()
+
+
+def modules():
+    """A fresh (cupy, nccl) pair."""
+    return cupy, _Nccl()

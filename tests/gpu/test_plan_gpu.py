@@ -1,0 +1,108 @@
+"""Planning on the device equals planning on the host, bit for bit.
+
+The allocation, the reorder and the statistics kernel run on CuPy arrays for
+device inputs; here they are compared with the NumPy path on random and
+adversarial norms (ties, exact 17:512 ratios, zeros, FLT_MAX, denormals) and
+inputs (NaN, Inf, BF16).  The exact-size plain kernels (last super-group
+partial) are compared with their NumPy definitions.  Skipped without a GPU.
+"""
+import numpy as np
+import pytest
+
+from dynamiq_mpi.cuda import has_cuda, why_not
+from helpers import fresh_seed
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not has_cuda(), reason=f"no CUDA: {why_not() if not has_cuda() else ''}")]
+
+if has_cuda():  # pragma: no branch
+    import cupy as cp
+    import ml_dtypes
+
+    from dynamiq_mpi import _cpu, _gpu
+    from dynamiq_mpi.codecs.allocation import allocate_xp, stream_positions
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def norm_sets(rng, m):
+    return [
+        (10.0 ** rng.uniform(-30, 30, m)).astype(np.float32),
+        np.repeat(10.0 ** rng.uniform(-3, 3, m // 8 + 1), 8)[:m].astype(np.float32),
+        (np.where(rng.random(m) < 0.5, 17.0, 512.0) * 2.0 ** rng.integers(-20, 20, m)).astype(np.float32),
+        np.where(rng.random(m) < 0.3, 0.0, rng.random(m)).astype(np.float32),
+        np.concatenate([[FLT_MAX, FLT_MAX, 1e-45, 1e-44], rng.random(m - 4)]).astype(np.float32),
+    ]
+
+
+@pytest.mark.parametrize("m", [1, 7, 1000, 100_000])
+def test_gpu_allocation_equals_cpu(m):
+    rng = np.random.default_rng(fresh_seed())
+    sets = norm_sets(rng, max(m, 8)) if m >= 8 else [rng.random(m).astype(np.float32)]
+    for F in sets:
+        F = F[:m]
+        for bits, kw in ((5.0, {}), (3.2, {}), (7.0, {"zero_class": False}),
+                         (5.0, {"variable": False}), (5.0, {"fixed_width": 4})):
+            budget = bits * m * 256
+            cpu = allocate_xp(np, F, budget, budget + 1e4, 64 * m + 64, True, **kw)
+            gpu = allocate_xp(cp, cp.asarray(F), budget, budget + 1e4, 64 * m + 64, True, **kw)
+            assert np.array_equal(cp.asnumpy(gpu.widths), cpu.widths)
+            assert np.array_equal(cp.asnumpy(gpu.counts), cpu.counts)
+            assert int(gpu.total_bits) == int(cpu.total_bits)
+            assert bool(gpu.exceeded) == bool(cpu.exceeded)
+            t_gpu, t_cpu = float(gpu.theta), float(cpu.theta)
+            assert t_gpu == t_cpu or (np.isnan(t_gpu) and np.isnan(t_cpu))
+            o_c, s_c = stream_positions(np, cpu.widths)
+            o_g, s_g = stream_positions(cp, gpu.widths)
+            assert np.array_equal(cp.asnumpy(o_g), o_c) and np.array_equal(cp.asnumpy(s_g), s_c)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("centre", [True, False])
+def test_gpu_stats_tail_equals_cpu(dtype, centre):
+    rng = np.random.default_rng(fresh_seed())
+    length = 256 * 333 + 77
+    nsg = -(-length // 256)
+    x = (rng.standard_normal(length) * 10.0 ** rng.uniform(-8, 8, length)).astype(np.float32)
+    for special in (None, np.nan, np.inf, -np.inf):
+        y = x.copy()
+        if special is not None:
+            y[rng.integers(0, length)] = special
+        y = y.astype(BF16) if dtype == "bfloat16" else y
+        tail_c = np.empty(2, np.float32)
+        norm_c = np.empty(nsg, np.float32)
+        mean_c = np.empty(nsg, np.float32) if centre else None
+        _cpu.stats_into(y, nsg, centre, mean_c, norm_c, tail_c)
+        tail_g = cp.full(2, 7.0, cp.float32)
+        norm_g = cp.empty(nsg, cp.float32)
+        mean_g = cp.empty(nsg, cp.float32) if centre else None
+        _gpu.stats_into(cp.asarray(y), nsg, centre, mean_g, norm_g, tail_g, cp.empty(1, cp.int64))
+        assert np.array_equal(tail_g.get().view(np.uint32), tail_c.view(np.uint32)), special
+        if special is None:
+            assert np.array_equal(norm_g.get().view(np.uint32), norm_c.view(np.uint32))
+            if centre:
+                assert np.array_equal(mean_g.get().view(np.uint32), mean_c.view(np.uint32))
+        assert (tail_c[0] == 1.0) == (special is not None)
+
+
+@pytest.mark.parametrize("tail", [1, 7, 8, 9, 255, 256])
+def test_gpu_plain_kernels_with_a_partial_last_super_group(tail):
+    rng = np.random.default_rng(fresh_seed())
+    nsg = 5
+    n = (nsg - 1) * 256 + tail
+    x = rng.standard_normal(n).astype(np.float32)
+    src = _gpu.Source(cp.asarray(x))
+    guard = 999
+    out = cp.full(n + 8, guard, cp.uint16)
+    _gpu.bf16_compress(src, nsg, out[:n])
+    assert np.array_equal(out[:n].get(), x.astype(BF16).view(np.uint16))
+    assert np.all(out[n:].get() == guard)                    # nothing written past n
+    inp = rng.standard_normal(n).astype(np.float32)
+    o = cp.full(n + 8, -1.0, cp.float32)
+    _gpu.exact_dar(cp.asarray(inp), src, nsg, o[:n])
+    assert np.array_equal(o[:n].get().view(np.uint32), (inp + x).view(np.uint32))
+    assert np.all(o[n:].get() == -1.0)
+    with pytest.raises(ValueError, match="do not end in the last"):
+        _gpu.exact_compress(src, nsg + 1, cp.empty(n, cp.float32))

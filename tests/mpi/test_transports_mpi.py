@@ -1,0 +1,179 @@
+"""Transports, tiles and the call interface over real MPI ranks.
+
+The NCCL transport runs here on host memory through tests/fake_nccl.py (NCCL
+point-to-point mapped onto MPI), so its request handling - messages cut over
+lanes, grouped sends and receives, forwarded buffers, claims - is checked on
+every CI run; the GPU suite checks it with real NCCL on the device.
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import dynamiq_mpi as dq
+from dynamiq_mpi.engine import CallSpec, rank_program
+from dynamiq_mpi.transports.nccl import NCCLTransport
+from dynamiq_mpi.transports.ops import Route, drive
+from dynamiq_mpi.workspace import Workspace
+from fake_nccl import modules as fake_modules
+from helpers import BF16, digest, exact_sum, fresh_seed, rank_inputs, vnmse
+
+comm = MPI.COMM_WORLD
+N = comm.size
+TOPOLOGIES = ["ring"] + (["butterfly"] if N & (N - 1) == 0 else [])
+CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(bits=5, small_input=0),
+          dq.DynamiQ(bits=3, correlated=False, small_input=0)]
+
+
+def shared_seed():
+    return comm.bcast(fresh_seed() if comm.rank == 0 else None)
+
+
+def same_everywhere(value):
+    values = comm.allgather(value)
+    return all(v == values[0] for v in values)
+
+
+def run_on(transport, x, spec, out=None):
+    """One call of the engine driven by ``transport`` (Route answered by it)."""
+    program = rank_program(comm.rank, N, x, spec, out, Workspace())
+    return drive(program, lambda req: transport.name if isinstance(req, Route)
+                 else transport.answer(req))
+
+
+@pytest.fixture(scope="module")
+def fake_nccl():
+    cupy, nccl = fake_modules()
+    t = NCCLTransport(comm.Dup(), 0, lanes=3, lane_bytes=512, modules=(cupy, nccl))
+    yield t, nccl
+    t.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: "-".join(map(str, c.signature()[:3])))
+def test_nccl_transport_logic_equals_simulation(fake_nccl, codec, topology):
+    transport, nccl = fake_nccl
+    seed = shared_seed()
+    xs = rank_inputs(seed, N, 256 * 61 + 19)
+    for tile_bytes in (700, 1 << 20):
+        spec = CallSpec(codec, topology, "sum", seed % 997, 3, "auto", tile_bytes)
+        nccl.calls.clear()
+        out, rep = run_on(transport, xs[comm.rank], spec)
+        sim = dq.simulate_allreduce(xs, codec=codec, topology=topology, seed=seed % 997,
+                                    counter=3, tile_bytes=tile_bytes)[comm.rank]
+        assert digest(out) == digest(sim), f"seed {seed}, tile_bytes {tile_bytes}"
+        assert same_everywhere(digest(out))
+        assert rep.transport == "nccl"
+        # large messages were cut over the three lanes, in pieces of >= lane_bytes
+        sizes = [c for op, _, c in nccl.calls if op == "send"]
+        assert sum(sizes) == rep.bytes_sent
+        if tile_bytes > 1 << 19:
+            assert max(sizes) < max(rep.bytes_sent // 3 + 1, 1024)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_transport_selection():
+    x = rank_inputs(shared_seed(), N, 3000)[comm.rank]
+    out, rep = dq.allreduce(x, codec=dq.BF16(), return_report=True)
+    assert rep.transport == "mpi"                 # auto on host arrays
+    with pytest.raises(dq.InvalidInputError, match="transport='nccl' needs device"):
+        dq.allreduce(x, codec=dq.BF16(), transport="nccl")
+    with pytest.raises(dq.InvalidInputError, match="transport must be one of"):
+        dq.allreduce(x, codec=dq.BF16(), transport="ucx")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        dq.Collective(comm, transport="gloo")
+    # ranks asking for different transports: every rank raises, none hangs
+    mine = "mpi" if comm.rank == 0 else "auto"
+    with pytest.raises(dq.InputMismatchError, match="disagree on transport"):
+        dq.allreduce(x, codec=dq.BF16(), transport=mine)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("codec", CODECS[1:3], ids=lambda c: c.name)
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_out_parameter_and_in_place(codec, dtype):
+    seed = shared_seed()
+    xs = rank_inputs(seed, N, 256 * 50 + 3, dtype=dtype)
+    coll = dq.Collective(comm)
+    coll.counter = 7
+    fresh = coll.allreduce(xs[comm.rank].reshape(-1, 7), codec=codec, op="mean")
+    assert fresh.shape == (len(xs[0]) // 7, 7) and fresh.dtype == dtype
+    coll.counter = 7
+    out = np.full_like(xs[comm.rank], 123).reshape(-1, 7)
+    got = coll.allreduce(xs[comm.rank].reshape(-1, 7), codec=codec, op="mean", out=out)
+    assert got is out and digest(out) == digest(fresh)
+    coll.counter = 7
+    x = xs[comm.rank].reshape(-1, 7).copy()
+    got = coll.allreduce(x, codec=codec, op="mean", out=x)       # in place, as NCCL users do
+    assert got is x and digest(x) == digest(fresh)
+    assert same_everywhere(digest(x))
+    coll.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bad_out_raises_everywhere_and_writes_nothing():
+    x = rank_inputs(shared_seed(), N, 4000)[comm.rank]
+    out = np.full(4000 if comm.rank else 3999, 5.0, np.float32)
+    with pytest.raises(dq.InvalidInputError, match="rank 0: ValueError: out must have"):
+        dq.allreduce(x, codec=dq.DynamiQ(small_input=0), out=out)
+    assert np.all(out == 5.0)
+    out = np.full(4000, 5.0, np.float64 if comm.rank == N - 1 else np.float32)
+    with pytest.raises(dq.InvalidInputError, match=f"rank {N - 1}: ValueError: out must have"):
+        dq.allreduce(x, codec=dq.DynamiQ(small_input=0), out=out)
+    assert np.all(out == 5.0)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("length", [1, 255, 256 * 37 + 5, 70001])
+def test_tiles_do_not_change_the_result(length):
+    seed = shared_seed()
+    xs = rank_inputs(seed, N, length)
+    codec = dq.DynamiQ(bits=5, small_input=0)
+    results = []
+    for tile_bytes in (64, 1000, 1 << 30):
+        coll = dq.Collective(comm, tile_bytes=tile_bytes)
+        out, rep = coll.allreduce(xs[comm.rank], codec=codec, seed=seed % 1000,
+                                  return_report=True)
+        results.append(digest(out))
+        if tile_bytes == 64 and length > 1000:
+            assert rep.tiles_per_chunk > 1
+        coll.free()
+    assert len(set(results)) == 1, f"seed {seed}"
+    assert same_everywhere(results[0])
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [np.float16, np.float64])
+def test_float16_and_float64_inputs(dtype):
+    seed = shared_seed()
+    xs = [x.astype(dtype) for x in rank_inputs(seed, N, 80000, kind="normal")]
+    for codec, bound in ((dq.Exact(), 1e-6), (dq.DynamiQ(bits=6), 0.05)):
+        out = dq.allreduce(xs[comm.rank], codec=codec)
+        assert out.dtype == dtype and out.shape == xs[0].shape
+        assert same_everywhere(digest(out))
+        assert vnmse(out, exact_sum(xs)) < bound + (1e-6 if dtype == np.float16 else 0)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_small_inputs_go_as_bf16_and_report_it():
+    seed = shared_seed()
+    for length in (1, 255, 257, 4095):
+        xs = rank_inputs(seed, N, length)
+        out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(bits=5), return_report=True)
+        assert "fallback" in rep.codec_info and "bf16" in rep.codec_info["fallback"]
+        assert rep.bits_per_coord == pytest.approx(16.0)
+        assert vnmse(out, exact_sum(xs)) < 1e-4
+    xs = rank_inputs(seed, N, 1 << 16)
+    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(bits=5), return_report=True)
+    assert "fallback" not in rep.codec_info and rep.bits_per_coord <= 5.0
+
+
+@pytest.mark.mpi(min_size=2)
+def test_small_input_with_nan_still_raises_everywhere():
+    x = rank_inputs(shared_seed(), N, 300)[comm.rank]
+    if comm.rank == N - 1:
+        x[7] = np.nan
+    keep = x.copy()
+    with pytest.raises(dq.NonFiniteInputError, match="NaN or Inf"):
+        dq.allreduce(x, codec=dq.DynamiQ(bits=5), out=x)
+    assert np.array_equal(x, keep, equal_nan=True)          # nothing written

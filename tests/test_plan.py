@@ -1,0 +1,135 @@
+"""The per-call plan: exact allocation search, stable reorder, stream cuts and
+tiles, the simulator's matching, and the small-input policy."""
+import numpy as np
+import pytest
+
+import dynamiq_mpi as dq
+from dynamiq_mpi.codecs.allocation import (allocate, allocate_xp, record_bits,
+                                           stream_positions)
+from dynamiq_mpi.codecs.base import StreamLayout, tile_stream
+from dynamiq_mpi.transports.ops import Claim, Exchange
+from dynamiq_mpi.transports.simulate import SimulatedTransport
+from helpers import exact_sum, fresh_seed, rank_inputs, vnmse
+
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
+def brute_force(F, budget, stats_bits, hier=True):
+    """The smallest candidate theta (512 F or 17 F of a positive F) whose
+    cost fits, by direct enumeration with Python floats (exact products)."""
+    rec = {w: record_bits(w, hier) for w in (2, 4, 8)}
+    F = [float(f) for f in F]
+    live = [f for f in F if f > 0]
+    best = float("inf")
+    for theta in sorted({512.0 * f for f in live} | {17.0 * f for f in live}):
+        cost = stats_bits + sum(rec[8] if 17.0 * f >= theta else rec[4] if 512.0 * f >= theta
+                                else rec[2] for f in live)
+        if cost <= budget:
+            best = theta
+            break
+    widths = [0 if f == 0 else 8 if 17.0 * f >= best else 4 if 512.0 * f >= best else 2
+              for f in F]
+    return best, widths
+
+
+def adversarial_norms(rng, m):
+    kinds = [
+        (10.0 ** rng.uniform(-30, 30, m)),                      # wide range
+        np.repeat(10.0 ** rng.uniform(-3, 3, m // 8 + 1), 8)[:m],  # many exact ties
+        np.where(rng.random(m) < 0.5, 17.0, 512.0) * 2.0 ** rng.integers(-20, 20, m),
+        np.where(rng.random(m) < 0.3, 0.0, rng.random(m)),      # zeros (0-bit class)
+        np.concatenate([[FLT_MAX, FLT_MAX, 1e-45, 1e-44], rng.random(m - 4)]),  # extremes
+    ]
+    return [np.asarray(k, dtype=np.float32) for k in kinds]
+
+
+@pytest.mark.parametrize("trial", range(4))
+def test_allocation_is_the_exact_optimum_of_the_family(trial):
+    rng = np.random.default_rng(fresh_seed())
+    m = 200
+    for F in adversarial_norms(rng, m):
+        stats_bits = 64 * m + 64
+        for bits in (2.9, 3.5, 5.0, 6.5):
+            budget = bits * m * 256
+            a = allocate_xp(np, F, budget, budget, stats_bits, True)
+            theta, widths = brute_force(F, budget, stats_bits)
+            assert float(a.theta) == theta
+            assert list(a.widths) == widths
+            rec = {w: record_bits(w, True) for w in (2, 4, 8)}
+            assert int(a.total_bits) == stats_bits + sum(rec[w] for w in widths if w)
+            assert int(a.total_bits) <= budget or bool(a.exceeded)
+            counts = [int(c) for c in a.counts]
+            assert counts == [widths.count(w) for w in (2, 4, 8, 0)]
+
+
+def test_tiny_budget_uses_the_padded_budget_and_says_so():
+    F = np.ones(10, np.float32)
+    a = allocate(F, 10 * 700, 640, True, padded_budget_bits=10 * 256 * 5.0 + 640)
+    assert a.exceeded and a.total_bits > a.budget_bits
+    assert set(a.widths) <= {2, 4, 8}
+
+
+def test_stream_positions_are_a_stable_partition():
+    rng = np.random.default_rng(fresh_seed())
+    widths = rng.choice(np.array([0, 2, 4, 8], np.int8), size=1000)
+    order, stream_of_sg = stream_positions(np, widths)
+    live = int(np.count_nonzero(widths))
+    expect = np.concatenate([np.flatnonzero(widths == w) for w in (2, 4, 8, 0)])
+    assert np.array_equal(order, expect)
+    assert np.array_equal(stream_of_sg[order[:live]], np.arange(live))
+    assert np.all(stream_of_sg[widths == 0] == -1)
+
+
+@pytest.mark.parametrize("trial", range(20))
+def test_stream_cuts_and_tiles(trial):
+    rng = np.random.default_rng(fresh_seed())
+    runs = [(int(rng.integers(0, 50)), int(b)) for b in (2 * 64 + 18, 4 * 64 + 18, 8 * 64 + 18)]
+    layout = StreamLayout(runs)
+    sizes = np.concatenate([np.full(c, b, np.int64) for c, b in runs])
+    ends = np.concatenate([[0], np.cumsum(sizes)])
+    for t in range(0, int(ends[-1]) + 2, 37):
+        expect = int(np.searchsorted(ends, t, side="left")) if t > 0 else 0
+        assert layout.cut(t) == min(expect, layout.count)
+    n = int(rng.integers(1, 9))
+    tile_bytes = int(rng.integers(50, 3000))
+    tiling = tile_stream(layout, n, tile_bytes)
+    per_chunk = {len(t) for t in tiling.chunk_tiles}
+    assert len(per_chunk) == 1                            # tiles pair up step by step
+    assert sum(tiling.nbytes) == layout.nbytes
+    assert sum(tiling.chunk_nbytes) == layout.nbytes
+    for (a, b), tiles in zip(tiling.chunks, tiling.chunk_tiles):
+        covered = [tiling.units[t] for t in tiles]
+        assert covered[0][0] == a and covered[-1][1] == b
+        assert all(x[1] == y[0] for x, y in zip(covered, covered[1:]))
+    biggest = max(b for _, b in runs)
+    assert max(tiling.chunk_nbytes) <= layout.nbytes / n + biggest
+    k = per_chunk.pop()
+    assert max(tiling.nbytes) <= max(tiling.chunk_nbytes) / k + biggest
+
+
+def test_simulator_reports_a_deadlock():
+    def waits_first(rank):
+        handle = yield Exchange(None, 1 - rank, np.empty(4, np.uint8), 1 - rank)
+        yield Claim(handle)              # nobody sends: neither can move
+    with pytest.raises(RuntimeError, match="deadlocked"):
+        SimulatedTransport(2).run([waits_first(0), waits_first(1)])
+
+
+def test_no_accuracy_cliff_at_any_length():
+    seed = fresh_seed()
+    worst = {}
+    for length in (1, 2, 255, 256, 257, 4095, 65535, 65536, 65537, 70000):
+        xs = rank_inputs(seed, 3, length)
+        out = dq.simulate_allreduce(xs, codec=dq.DynamiQ(bits=5), seed=seed % 100)[0]
+        worst[length] = vnmse(out, exact_sum(xs))
+    assert max(worst.values()) < 0.05, (seed, worst)
+
+
+def test_codec_from_string():
+    from dynamiq_mpi.codecs import codec_from_string
+    assert codec_from_string("bf16") == dq.BF16()
+    assert codec_from_string("dynamiq:4") == dq.DynamiQ(bits=4)
+    assert codec_from_string("dynamiq:5:correlated=0:small_input=0") == \
+        dq.DynamiQ(bits=5, correlated=False, small_input=0)
+    with pytest.raises(ValueError, match="unknown codec"):
+        codec_from_string("zip")

@@ -1,0 +1,61 @@
+#!/bin/bash
+# The fast-path run on a two-GPU machine (device kind nvidia-h200-x2), one call:
+#   bash tools/device_fastpath.sh [STAGES]      STAGES: any of build tests nvlink shm sockets probe
+# build: the extension in place; tests: GPU kernel/planner tests, then the MPI
+# suites with CuPy arrays over NCCL and host-staged MPI (one rank per GPU);
+# nvlink/shm/sockets: `python -m dynamiq_mpi bench` against NCCL's own BF16
+# all-reduce on the same data, the same NCCL environment for both sides;
+# probe: our point-to-point on sockets with 1, 2 and 4 lanes.
+# Needs .whl/pytest_mpi*.whl (make wheels) carried along.  Output under $OUT.
+set -o pipefail
+OUT=${OUT:-device_out}; mkdir -p "$OUT"
+STAGES=${*:-build tests nvlink shm sockets probe}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+# Open MPI as root on one host; no binding: bound ranks pin NCCL's socket threads to one core.
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
+       OMPI_MCA_hwloc_base_binding_policy=none
+export NCCL_NVLS_ENABLE=0                       # the machine's rule: no NVLink multicast
+PY=python3
+BENCH="$PY -m dynamiq_mpi bench --dtype bf16 --codec dynamiq:5,bf16 --topology ring -w 3 -n 10"
+SOCKETS="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
+# Socket settings found best for both sides (spec section 7): more sockets and
+# threads and channels for the all-reduce, 2 MiB chunks for point-to-point.
+TUNED="NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4 NCCL_MIN_NCHANNELS=8 NCCL_P2P_NET_CHUNKSIZE=2097152 NCCL_NCHANNELS_PER_NET_PEER=4"
+{ date -u; nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -5
+  $PY -c "import cupy, mpi4py, numpy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version(), 'mpi4py', mpi4py.__version__, 'numpy', numpy.__version__)"
+  git log --oneline -1 2>/dev/null; } 2>&1 | tee "$OUT/env.txt"
+
+if has build; then
+  echo "== build"; t0=$(date +%s)
+  $PY setup.py build_ext --inplace > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exit 1; }
+  echo "build took $(( $(date +%s) - t0 )) s"
+fi
+
+if has tests; then
+  echo "== tests"; t0=$(date +%s)
+  { timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tail -15
+    SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_transports_mpi.py tests/mpi/test_allreduce_mpi.py" \
+      MPI_TIMEOUT=300 timeout 330 tools/run_tests.sh $PY 2 2>&1 | tail -25
+  } 2>&1 | tee "$OUT/tests.txt"
+  echo "tests took $(( $(date +%s) - t0 )) s"
+fi
+
+run_bench() {   # name, env, bench args
+  local name=$1 envs=$2; shift 2
+  echo "== bench $name: $envs"; local t0=$(date +%s)
+  env $envs timeout 280 mpiexec -n 2 $BENCH --json "$OUT/bench_$name.json" "$@" 2>&1 \
+    | grep -v '^\[' | tee -a "$OUT/bench.txt"
+  echo "bench $name took $(( $(date +%s) - t0 )) s"
+}
+has nvlink && run_bench nvlink "" --sizes 2M,16M,64M,128M,256M,512M --breakdown
+has shm && run_bench shm "NCCL_P2P_DISABLE=1" --sizes 2M,16M,64M,128M,256M,512M --breakdown
+has sockets && run_bench sockets_tuned "$SOCKETS $TUNED" --sizes 2M,16M,64M,128M,256M,512M --breakdown
+has sockets && run_bench sockets_default "$SOCKETS" --sizes 16M,256M
+if has probe; then
+  for lanes in 1 2 4; do
+    echo "== probe sockets tuned, lanes=$lanes" | tee -a "$OUT/bench.txt"
+    env $SOCKETS $TUNED timeout 120 mpiexec -n 2 $BENCH --codec bf16,dynamiq:5 --sizes 256M \
+      --lanes $lanes --no-reference 2>&1 | grep -v '^\[' | tail -4 | tee -a "$OUT/bench.txt"
+  done
+fi
