@@ -88,7 +88,7 @@ class BuildExtNvcc(build_ext):
 extensions = [
     Extension(
         "dynamiq_mpi._cpu",
-        sources=["pyx/_cpu.pyx", f"{SRC}/dq_cpu.cpp"],
+        sources=["pyx/_cpu.pyx", f"{SRC}/dq_cpu.cpp", f"{SRC}/dq_plan_cpu.cpp"],
         include_dirs=[SRC, np.get_include()],
         language="c++",
         extra_compile_args=HOST_FLAGS,
@@ -109,7 +109,7 @@ else:
                     if os.path.isdir(d)]
         gpu = Extension(
             "dynamiq_mpi._gpu",
-            sources=["pyx/_gpu.pyx", f"{SRC}/dq_kernels.cu"],
+            sources=["pyx/_gpu.pyx", f"{SRC}/dq_kernels.cu", f"{SRC}/dq_plan.cu"],
             include_dirs=[SRC, os.path.join(cuda_home, "include"), np.get_include()],
             library_dirs=lib_dirs,
             # static CUDA runtime: importing needs no driver, ldd shows no CUDA library

@@ -32,8 +32,8 @@ import numpy as np
 
 from . import schedules
 from .backend import SUPPORTED_DTYPES, backend_for, dtype_name
-from .codecs.base import DEFAULT_TILE_BYTES, Codec
-from .codecs.plain import ElementwisePlan
+from .codecs.base import DEFAULT_TILE_BYTES, Codec, align_up
+from .codecs.plain import ElementwisePlan, exact_sum_into
 from .errors import InputMismatchError, InvalidInputError
 from .report import Report
 from .rng import call_keys
@@ -120,7 +120,8 @@ def run_schedule(plan, schedule, rank):
     """Generator: reduce-scatter then all-gather of one plan, tile by tile.
     Returns the bytes this rank sent."""
     steps = schedule.steps[rank]
-    reduce_recv = sum(plan.chunk_nbytes[s.recv_chunk] for s in steps if s.phase == schedules.REDUCE)
+    reduce_recv = sum(align_up(plan.tile_nbytes(t)) for s in steps if s.phase == schedules.REDUCE
+                      for t in plan.chunk_tiles[s.recv_chunk])
     arena = plan.scratch(reduce_recv)
     arena_used = 0
     pending = defaultdict(list)     # tile -> receive handles of partial sums
@@ -149,7 +150,7 @@ def run_schedule(plan, schedule, rank):
                 payload = yield from _reduce_tile(plan, send_tile, pending.pop(send_tile, []),
                                                   event)
                 recv = arena[arena_used:arena_used + nbytes]
-                arena_used += nbytes
+                arena_used += align_up(nbytes)      # aligned slots, like the wire buffer
             else:
                 payload = held[send_tile]
                 recv = plan.wire_slot(recv_tile)
@@ -180,7 +181,7 @@ def _reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
         handle = yield Exchange(stats.view(np.uint8), peer, other.view(np.uint8), peer)
         received = (yield Claim(handle)).view(np.float32)
         reduced = workspace.take(xp, "stats.sum", stats.shape[0], np.float32)
-        xp.add(stats, received, out=reduced)
+        exact_sum_into(backend, stats, received, reduced)
         return reduced, stats.nbytes, 2 * stats.nbytes
     plan = ElementwisePlan(stats, n, backend, workspace, tile_bytes, prefix="stats")
     sent = yield from run_schedule(plan, schedule, rank)

@@ -11,7 +11,9 @@ cimport numpy as cnp
 
 cnp.import_array()
 
-from dq_codec cimport DqParams, DqSource, check_bytes, check_event, wire_bytes
+from libc.stdint cimport int8_t
+from dq_codec cimport (DqParams, DqPlanArgs, DqSource, check_bytes, check_event, fill_plan_args,
+                      wire_bytes)
 
 cdef extern from "dq_api.h":
     int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
@@ -25,8 +27,14 @@ cdef extern from "dq_api.h":
     void dq_cpu_finish(const float* stream, const int64_t* stream_of_sg, const float* mean_sum,
                        int64_t nsg, float divisor, void* out, int dtype, int64_t length) nogil
 
+cdef extern from "dq_plan_api.h":
+    void dq_cpu_plan(const DqPlanArgs* A, const float* norm2, const float* mean_sum,
+                     const float* tail, int8_t* widths, int64_t* order, int64_t* stream_of_sg,
+                     double* header) nogil
+
 SUPER = 256
 PARAMS_SIZE = sizeof(DqParams)
+PLAN_HEADER = 10
 
 
 def make_params(int width, bint hierarchical, bint correlated, unsigned n_events,
@@ -201,3 +209,32 @@ def finish(const float[::1] stream, const int64_t[::1] stream_of_sg, const float
     if nsg:
         with nogil:
             dq_cpu_finish(sp, &stream_of_sg[0], &mean_sum[0], nsg, divisor, o, dtype, length)
+
+
+def plan(int64_t nsg, bint centring, bint zero_class, bint variable, int fixed_width,
+         int64_t stats_bits, rec_bits, double budget_bits, double padded_budget_bits,
+         const float[::1] norm2, mean_sum, const float[::1] tail, int8_t[::1] widths,
+         int64_t[::1] order, int64_t[::1] stream_of_sg, double[::1] header):
+    """The call's plan from the reduced statistics (see src_cuda/dq_plan_api.h)."""
+    cdef DqPlanArgs a
+    fill_plan_args(&a, nsg, centring, zero_class, variable, fixed_width, stats_bits, rec_bits,
+                   budget_bits, padded_budget_bits)
+    if norm2.shape[0] != nsg or widths.shape[0] != nsg or order.shape[0] != nsg \
+            or stream_of_sg.shape[0] != nsg:
+        raise ValueError("plan: per-super-group arrays need %d entries" % nsg)
+    if tail.shape[0] != 2 or header.shape[0] != PLAN_HEADER:
+        raise ValueError("plan: tail needs 2 values and header %d" % PLAN_HEADER)
+    cdef const float[::1] mv
+    cdef const float* mp = NULL
+    if centring:
+        mv = mean_sum
+        if mv.shape[0] != nsg:
+            raise ValueError("plan: mean_sum needs %d entries" % nsg)
+        if nsg:
+            mp = &mv[0]
+    cdef const float* np_ = &norm2[0] if nsg else NULL
+    cdef int8_t* wp = &widths[0] if nsg else NULL
+    cdef int64_t* op = &order[0] if nsg else NULL
+    cdef int64_t* sp = &stream_of_sg[0] if nsg else NULL
+    with nogil:
+        dq_cpu_plan(&a, np_, mp, &tail[0], wp, op, sp, &header[0])

@@ -21,7 +21,10 @@ cimport numpy as cnp
 
 cnp.import_array()
 
-from dq_codec cimport DqParams, DqSource, check_bytes, check_event, wire_bytes
+from libc.stdint cimport int8_t
+from libc.stddef cimport size_t
+from dq_codec cimport (DqParams, DqPlanArgs, DqSource, check_bytes, check_event, fill_plan_args,
+                      wire_bytes)
 
 cdef extern from "dq_gpu_api.h":
     int dq_gpu_device_count(int* count) nogil
@@ -56,8 +59,15 @@ cdef extern from "dq_gpu_api.h":
     int dq_gpu_exact_dar(const float* inp, const DqSource* local, int64_t nsg, int64_t n,
                          float* out, uintptr_t stream) nogil
 
+cdef extern from "dq_plan_api.h":
+    size_t dq_gpu_plan_scratch_bytes(int64_t nsg) nogil
+    int dq_gpu_plan(const DqPlanArgs* A, const float* norm2, const float* mean_sum,
+                    const float* tail, int8_t* widths, int64_t* order, int64_t* stream_of_sg,
+                    double* header, void* scratch, size_t scratch_bytes, uintptr_t stream) nogil
+
 SUPER = 256
 PARAMS_SIZE = sizeof(DqParams)
+PLAN_HEADER = 10
 
 # ------------------------------------------------------------------ device state
 
@@ -448,3 +458,48 @@ def exact_dar(inp, Source local, int64_t nsg, out, stream=None):
     with nogil:
         rc = dq_gpu_exact_dar(ip, &local.src, nsg, n, op, st)
     _check(rc, "exact_dar")
+
+
+# ------------------------------------------------------------------ planner
+
+def plan_scratch_bytes(int64_t nsg):
+    """Device scratch bytes plan() needs for nsg super-groups."""
+    return dq_gpu_plan_scratch_bytes(nsg)
+
+
+def plan(int64_t nsg, bint centring, bint zero_class, bint variable, int fixed_width,
+         int64_t stats_bits, rec_bits, double budget_bits, double padded_budget_bits,
+         norm2, mean_sum, tail, widths, order, stream_of_sg, header, scratch, stream=None):
+    """_cpu.plan on CuPy arrays, enqueued on the stream (nothing synchronises);
+    ``scratch`` is a uint8 CuPy buffer of plan_scratch_bytes(nsg) bytes."""
+    cdef DqPlanArgs a
+    fill_plan_args(&a, nsg, centring, zero_class, variable, fixed_width, stats_bits, rec_bits,
+                   budget_bits, padded_budget_bits)
+    _expect(norm2, np.float32, nsg, "plan norm2")
+    _expect(tail, np.float32, 2, "plan tail")
+    _expect(widths, np.int8, nsg, "plan widths")
+    _expect(order, np.int64, nsg, "plan order")
+    _expect(stream_of_sg, np.int64, nsg, "plan stream_of_sg")
+    _expect(header, np.float64, PLAN_HEADER, "plan header")
+    _expect(scratch, np.uint8, -1, "plan scratch")
+    cdef size_t need = dq_gpu_plan_scratch_bytes(nsg)
+    if <size_t>scratch.size < need:
+        raise ValueError("plan: scratch needs %d bytes, got %d" % (need, scratch.size))
+    cdef const float* mp = NULL
+    if centring:
+        _expect(mean_sum, np.float32, nsg, "plan mean_sum")
+        if nsg:
+            mp = <const float*>_dptr(mean_sum, "plan mean_sum")
+    cdef const float* np_ = <const float*>_dptr(norm2, "plan norm2") if nsg else NULL
+    cdef int8_t* wp = <int8_t*>_dptr(widths, "plan widths") if nsg else NULL
+    cdef int64_t* op = <int64_t*>_dptr(order, "plan order") if nsg else NULL
+    cdef int64_t* sp = <int64_t*>_dptr(stream_of_sg, "plan stream_of_sg") if nsg else NULL
+    cdef const float* tp = <const float*>_dptr(tail, "plan tail")
+    cdef double* hp = <double*>_dptr(header, "plan header")
+    cdef void* scp = <void*>_dptr(scratch, "plan scratch")
+    cdef size_t have = scratch.size
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_plan(&a, np_, mp, tp, wp, op, sp, hp, scp, have, st)
+    _check(rc, "plan")

@@ -44,3 +44,38 @@ cdef inline int check_bytes(int64_t nsg, int64_t nbytes, const DqParams* P) exce
     if nbytes != need:
         raise ValueError("expected %d wire bytes, got %d" % (need, nbytes))
     return 0
+
+
+cdef extern from "dq_plan_api.h":
+    ctypedef struct DqPlanArgs:
+        int64_t nsg
+        int32_t centring
+        int32_t zero_class
+        int32_t variable
+        int32_t fixed_width
+        int64_t stats_bits
+        int64_t rec_bits[3]
+        double budget_bits
+        double padded_budget_bits
+    int DQ_PLAN_HEADER
+
+
+cdef inline int fill_plan_args(DqPlanArgs* a, int64_t nsg, bint centring, bint zero_class,
+                               bint variable, int fixed_width, int64_t stats_bits, rec_bits,
+                               double budget_bits, double padded_budget_bits) except -1:
+    """The planner's arguments, checked once for both wrappers."""
+    if fixed_width not in (0, 2, 4, 8):
+        raise ValueError("fixed_width must be 0 (widest that fits), 2, 4 or 8")
+    if len(rec_bits) != 3:
+        raise ValueError("rec_bits needs the record bits of 2-, 4- and 8-bit codes")
+    a.nsg = nsg
+    a.centring = 1 if centring else 0
+    a.zero_class = 1 if zero_class else 0
+    a.variable = 1 if variable else 0
+    a.fixed_width = fixed_width
+    a.stats_bits = stats_bits
+    for i in range(3):
+        a.rec_bits[i] = rec_bits[i]
+    a.budget_bits = budget_bits
+    a.padded_budget_bits = padded_budget_bits
+    return 0

@@ -133,3 +133,57 @@ def test_codec_from_string():
         dq.DynamiQ(bits=5, correlated=False, small_input=0)
     with pytest.raises(ValueError, match="unknown codec"):
         codec_from_string("zip")
+
+
+def compiled_plan(kernels, F, mean, tail, bits, stats_bits, zero_class=True, variable=True,
+                  fixed_width=0, scratch=None, xp=np):
+    m = F.shape[0]
+    rec = [record_bits(w, True) for w in (2, 4, 8)]
+    widths = xp.empty(m, np.int8)
+    order = xp.empty(m, np.int64)
+    stream_of_sg = xp.empty(m, np.int64)
+    header = xp.empty(10, np.float64)
+    args = (m, mean is not None, zero_class, variable, fixed_width, stats_bits, rec,
+            bits * m * 256, bits * m * 256 + 1e4, F, mean, tail, widths, order, stream_of_sg, header)
+    kernels.plan(*args, *([] if scratch is None else [scratch]))
+    return widths, order, stream_of_sg, header
+
+
+MODES = [dict(), dict(zero_class=False), dict(variable=False), dict(variable=False, fixed_width=4),
+         dict(variable=False, fixed_width=8)]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
+def test_compiled_planner_equals_the_array_reference(mode):
+    from dynamiq_mpi import _cpu
+    rng = np.random.default_rng(fresh_seed())
+    for m in (1, 5, 300):
+        for F in adversarial_norms(rng, max(m, 8)):
+            F = F[:m]
+            mean = rng.standard_normal(m).astype(np.float32)
+            tail = np.array([0.0, 3.5], np.float32)
+            for bits in (2.9, 5.0, 7.5):
+                stats_bits = 64 * m + 64
+                widths, order, stream_of_sg, header = compiled_plan(
+                    _cpu, F, mean, tail, bits, stats_bits, **mode)
+                ref = allocate_xp(np, F, bits * m * 256, bits * m * 256 + 1e4, stats_bits, True,
+                                  zero_class=mode.get("zero_class", True),
+                                  variable=mode.get("variable", True),
+                                  fixed_width=mode.get("fixed_width") or None)
+                ref_order, ref_pos = stream_positions(np, ref.widths)
+                assert np.array_equal(widths, ref.widths)
+                assert np.array_equal(order, ref_order) and np.array_equal(stream_of_sg, ref_pos)
+                assert list(header[4:8]) == [float(c) for c in ref.counts]
+                theta = float(ref.theta)
+                assert header[8] == theta or (np.isnan(header[8]) and np.isnan(theta))
+                assert header[9] == float(ref.total_bits)
+                assert header[3] == float(bool(ref.exceeded))
+                assert list(header[:3]) == [0.0, 3.5, 1.0]
+
+
+def test_compiled_planner_flags_non_finite_means():
+    from dynamiq_mpi import _cpu
+    F = np.ones(4, np.float32)
+    mean = np.array([0, np.inf, 0, 0], np.float32)
+    *_, header = compiled_plan(_cpu, F, mean, np.zeros(2, np.float32), 5.0, 320)
+    assert header[2] == 0.0

@@ -1,15 +1,16 @@
 #!/bin/bash
 # The fast-path run on a two-GPU machine (device kind nvidia-h200-x2), one call:
-#   bash tools/device_fastpath.sh [STAGES]      STAGES: any of build tests nvlink shm sockets probe
+#   bash tools/device_fastpath.sh [STAGES]   STAGES: any of build tests profile nvlink shm sockets probe
 # build: the extension in place; tests: GPU kernel/planner tests, then the MPI
 # suites with CuPy arrays over NCCL and host-staged MPI (one rank per GPU);
 # nvlink/shm/sockets: `python -m dynamiq_mpi bench` against NCCL's own BF16
 # all-reduce on the same data, the same NCCL environment for both sides;
-# probe: our point-to-point on sockets with 1, 2 and 4 lanes.
+# profile: kernel times of statistics and planner, cProfile of the host side;
+# probe: lanes and tile sizes on sockets and NVLink.
 # Needs .whl/pytest_mpi*.whl (make wheels) carried along.  Output under $OUT.
 set -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
-STAGES=${*:-build tests nvlink shm sockets probe}
+STAGES=${*:-build tests profile nvlink shm sockets probe}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 # Open MPI as root on one host; no binding: bound ranks pin NCCL's socket threads to one core.
@@ -41,6 +42,11 @@ if has tests; then
   echo "tests took $(( $(date +%s) - t0 )) s"
 fi
 
+if has profile; then
+  echo "== profile (NVLink)"
+  timeout 120 mpiexec -n 2 $PY tools/profile_call.py --sizes 23,27 2>&1 | tee "$OUT/profile.txt" | grep -E "^==|tottime|dynamiq_mpi|cupy|nccl" | head -60
+fi
+
 run_bench() {   # name, env, bench args
   local name=$1 envs=$2; shift 2
   echo "== bench $name: $envs"; local t0=$(date +%s)
@@ -52,10 +58,16 @@ has nvlink && run_bench nvlink "" --sizes 2M,16M,64M,128M,256M,512M --breakdown
 has shm && run_bench shm "NCCL_P2P_DISABLE=1" --sizes 2M,16M,64M,128M,256M,512M --breakdown
 has sockets && run_bench sockets_tuned "$SOCKETS $TUNED" --sizes 2M,16M,64M,128M,256M,512M --breakdown
 has sockets && run_bench sockets_default "$SOCKETS" --sizes 16M,256M
-if has probe; then
-  for lanes in 1 2 4; do
-    echo "== probe sockets tuned, lanes=$lanes" | tee -a "$OUT/bench.txt"
-    env $SOCKETS $TUNED timeout 120 mpiexec -n 2 $BENCH --codec bf16,dynamiq:5 --sizes 256M \
-      --lanes $lanes --no-reference 2>&1 | grep -v '^\[' | tail -4 | tee -a "$OUT/bench.txt"
+if has probe; then   # lanes and tile sizes: sockets (tuned) and NVLink, 2^27 elements
+  for cfg in "1 8M" "2 8M" "4 8M" "1 32M" "1 128M" "2 32M"; do
+    set -- $cfg
+    echo "== probe sockets tuned, lanes=$1 tile=$2" | tee -a "$OUT/bench.txt"
+    env $SOCKETS $TUNED timeout 120 mpiexec -n 2 $BENCH --codec dynamiq:5,bf16 --sizes 256M \
+      --lanes $1 --tile-bytes $2 --no-reference 2>&1 | grep -v '^\[' | grep -E "^ +[0-9]" | tee -a "$OUT/bench.txt"
+  done
+  for tile in 4M 32M 128M; do
+    echo "== probe NVLink tile=$tile" | tee -a "$OUT/bench.txt"
+    timeout 120 mpiexec -n 2 $BENCH --codec dynamiq:5,bf16 --sizes 16M,256M --tile-bytes $tile \
+      --no-reference 2>&1 | grep -v '^\[' | grep -E "^ +[0-9]" | tee -a "$OUT/bench.txt"
   done
 fi

@@ -21,8 +21,7 @@ import numpy as np
 
 from ..backend import as_float32
 from ..errors import NonFiniteInputError, SumOverflowError
-from .allocation import (CLASSES, WIDTHS, allocate_xp, record_bits, stream_positions,
-                         summarise, theta_to_u)
+from .allocation import CLASSES, WIDTHS, record_bits, summarise, theta_to_u
 from .base import DEFAULT_TILE_BYTES, Codec, Plan, StreamLayout, tile_stream
 from .levels import build_tables
 from .plain import BF16
@@ -145,21 +144,27 @@ class _DynamiQPlan(Plan):
         self.nsg = nsg = -(-self.length // SUPER)
         head = 2 * nsg if codec.centring else nsg
         self.mean_sum = reduced[:nsg] if codec.centring else self._zeros("mean_sum", nsg)
-        # The sum of n finite norms can overflow: saturate, F stays finite.
-        norm2 = xp.minimum(reduced[head - nsg:head], FLT_MAX)
+        self.norm2 = reduced[head - nsg:head]
         stats_bits = 32 * (head + 2)
         hier = codec.hierarchical
-        alloc = allocate_xp(xp, norm2, codec.bits * self.length,
-                            codec.bits * nsg * SUPER + stats_bits, stats_bits, hier,
-                            zero_class=codec.zero_class, variable=codec.variable_width,
-                            fixed_width=codec.fixed_width)
-        order, stream_of_sg = stream_positions(xp, alloc.widths)
-        # The one device-to-host copy of the call: flags, class counts, threshold.
-        means_ok = xp.all(xp.isfinite(self.mean_sum)) if codec.centring else xp.asarray(True)
-        header = xp.concatenate([reduced[head:head + 2].astype(np.float64),
-                                 xp.stack([means_ok, alloc.exceeded]).astype(np.float64),
-                                 alloc.counts.astype(np.float64),
-                                 xp.stack([alloc.theta, alloc.total_bits]).astype(np.float64)])
+        # The plan (widths, stable reorder, counts) by the compiled planner, on
+        # the device for device inputs; then the one device-to-host copy of the
+        # call: flags, class counts, threshold.
+        widths = ws.take(xp, "dq.widths", nsg, np.int8)
+        order = ws.take(xp, "dq.order", nsg, np.int64)
+        stream_of_sg = ws.take(xp, "dq.stream_of_sg", nsg, np.int64)
+        header = ws.take(xp, "dq.header", self.k.PLAN_HEADER, np.float64)
+        variable = codec.variable_width and codec.fixed_width is None
+        args = (nsg, codec.centring, codec.zero_class, variable, codec.fixed_width or 0,
+                stats_bits, [record_bits(w, hier) for w in WIDTHS], codec.bits * self.length,
+                codec.bits * nsg * SUPER + stats_bits, self.norm2,
+                self.mean_sum if codec.centring else None, reduced[head:head + 2],
+                widths, order, stream_of_sg, header)
+        if backend.name == "gpu":
+            scratch = ws.take(xp, "dq.plan_scratch", self.k.plan_scratch_bytes(nsg), np.uint8)
+            self.k.plan(*args, scratch)
+        else:
+            self.k.plan(*args)
         h = backend.to_host(header)
         nonfinite_ranks, absmax_sum, means_ok, exceeded = h[0], h[1], h[2], h[3]
         counts = {w: int(c) for w, c in zip(CLASSES, h[4:8])}
@@ -174,11 +179,10 @@ class _DynamiQPlan(Plan):
         if not means_ok:
             raise SumOverflowError("the sum of the inputs' super-group means exceeds the float32 range")
 
-        self.alloc_widths = alloc.widths           # device/host int8 per super-group
+        self.alloc_widths = widths                  # device/host int8 per super-group
         self.counts, self.theta, self.total_bits = counts, theta, total_bits
         self.budget_bits = codec.bits * self.length
         self.exceeded = bool(exceeded)
-        self.norm2 = norm2
         n_live = counts[2] + counts[4] + counts[8]
         if n_live * SUPER >= 2 ** 32:
             raise ValueError("too many coordinates for one call (2^32 limit of the generator)")
@@ -189,7 +193,7 @@ class _DynamiQPlan(Plan):
         layout = StreamLayout([(c, rec_bytes[w]) for w, c in self.runs])
         self.tiling = tile_stream(layout, n, tile_bytes)
         self.pieces = [self._pieces(a, b, layout) for a, b in self.tiling.units]
-        self.wire = ws.take(xp, "dq.wire", layout.nbytes, np.uint8)
+        self.wire = ws.take(xp, "dq.wire", self.tiling.wire_bytes, np.uint8)
 
         # Kernel parameters per width, keyed by this call's generator keys.
         correlated = codec.correlated and n > 1
@@ -289,7 +293,7 @@ class _DynamiQPlan(Plan):
         widths = self.backend.to_host(self.alloc_widths)
         a = summarise(widths, self.theta, self.total_bits, self.budget_bits, self.exceeded,
                       variable)
-        norm2 = self.backend.to_host(self.norm2)
+        norm2 = np.minimum(self.backend.to_host(self.norm2), FLT_MAX)   # as planned
         mean_sum = self.backend.to_host(self.mean_sum)
         digest = hashlib.sha256(mean_sum.tobytes() + norm2.tobytes()).hexdigest()
         positive = norm2[norm2 > 0]

@@ -36,7 +36,7 @@ class ElementwisePlan(Plan):
         item = self.wire_dtype.itemsize
         layout = StreamLayout([(max(self.nsg - 1, 0), SUPER * item), (1 if self.nsg else 0, last * item)])
         self.tiling = tile_stream(layout, n, tile_bytes)
-        self.wire = self._take("wire", layout.nbytes, np.uint8)
+        self.wire = self._take("wire", self.tiling.wire_bytes, np.uint8)
         self.result = self._take("result", self.nsg * SUPER, np.float32)
         self._padded = None
 
@@ -171,3 +171,15 @@ class BF16(Codec):
     def plan(self, x, reduced_stats, n, keys, backend, local_state, workspace,
              tile_bytes=DEFAULT_TILE_BYTES):
         return ElementwisePlan(x, n, backend, workspace, tile_bytes, bf16=True)
+
+
+def exact_sum_into(backend, a, b, out):
+    """out = a + b in float32 with IEEE denormals (CuPy's own kernels flush
+    them); a + b == b + a, so two ranks adding in opposite order agree."""
+    if backend.name == "gpu":
+        nsg = -(-a.shape[0] // SUPER)
+        backend.kernels.exact_dar(b, backend.kernels.Source(a), nsg, out)
+    else:
+        with np.errstate(over="ignore"):     # saturation is the caller's business
+            np.add(a, b, out=out)
+    return out

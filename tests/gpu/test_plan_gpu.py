@@ -20,7 +20,6 @@ if has_cuda():  # pragma: no branch
     import ml_dtypes
 
     from dynamiq_mpi import _cpu, _gpu
-    from dynamiq_mpi.codecs.allocation import allocate_xp, stream_positions
 
     BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -37,26 +36,26 @@ def norm_sets(rng, m):
     ]
 
 
-@pytest.mark.parametrize("m", [1, 7, 1000, 100_000])
-def test_gpu_allocation_equals_cpu(m):
+@pytest.mark.parametrize("m", [1, 7, 1000, 100_000, 1 << 20])
+def test_gpu_planner_equals_cpu_planner(m):
+    from test_plan import MODES, compiled_plan
     rng = np.random.default_rng(fresh_seed())
-    sets = norm_sets(rng, max(m, 8)) if m >= 8 else [rng.random(m).astype(np.float32)]
+    sets = norm_sets(rng, max(m, 8))
     for F in sets:
         F = F[:m]
-        for bits, kw in ((5.0, {}), (3.2, {}), (7.0, {"zero_class": False}),
-                         (5.0, {"variable": False}), (5.0, {"fixed_width": 4})):
-            budget = bits * m * 256
-            cpu = allocate_xp(np, F, budget, budget + 1e4, 64 * m + 64, True, **kw)
-            gpu = allocate_xp(cp, cp.asarray(F), budget, budget + 1e4, 64 * m + 64, True, **kw)
-            assert np.array_equal(cp.asnumpy(gpu.widths), cpu.widths)
-            assert np.array_equal(cp.asnumpy(gpu.counts), cpu.counts)
-            assert int(gpu.total_bits) == int(cpu.total_bits)
-            assert bool(gpu.exceeded) == bool(cpu.exceeded)
-            t_gpu, t_cpu = float(gpu.theta), float(cpu.theta)
-            assert t_gpu == t_cpu or (np.isnan(t_gpu) and np.isnan(t_cpu))
-            o_c, s_c = stream_positions(np, cpu.widths)
-            o_g, s_g = stream_positions(cp, gpu.widths)
-            assert np.array_equal(cp.asnumpy(o_g), o_c) and np.array_equal(cp.asnumpy(s_g), s_c)
+        mean = rng.standard_normal(m).astype(np.float32)
+        if m > 3:
+            mean[3] = np.inf if rng.random() < 0.3 else mean[3]
+        tail = np.array([1.0, 7.25], np.float32)
+        for mode in MODES:
+            for bits in (3.2, 5.0, 7.0):
+                cpu = compiled_plan(_cpu, F, mean, tail, bits, 64 * m + 64, **mode)
+                scratch = cp.empty(_gpu.plan_scratch_bytes(m), cp.uint8)
+                gpu = compiled_plan(_gpu, cp.asarray(F), cp.asarray(mean), cp.asarray(tail), bits,
+                                    64 * m + 64, scratch=scratch, xp=cp, **mode)
+                for c, g in zip(cpu, gpu):
+                    g = cp.asnumpy(g)
+                    assert np.array_equal(c, g, equal_nan=c.dtype.kind == "f"), (mode, bits)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -1,0 +1,245 @@
+// dq_plan.cu -- the planner on the GPU (CPU twin: dq_plan_cpu.cpp), so a call
+// on device arrays plans without a host round trip: five small kernels and
+// one CUB radix sort, all enqueued on the caller's stream.
+//
+//  1. keys: the saturated norm bits (0 for the 0-bit class), live count, mean check;
+//  2. (variable widths) sort the keys; one thread per candidate theta = 512 F_i
+//     and 17 F_i counts the upgrades by binary search (exact float64 products)
+//     and, if the cost fits, lowers theta with an atomic min on its bits (the
+//     bit patterns of positive doubles order like their values);
+//  3. classes: the width of every super-group, class counts per block;
+//  4. one block scans the per-block counts into stream offsets and writes the header;
+//  5. scatter: stable positions within each class (warp ballots), order and its inverse.
+// Every comparison is exact, so the plan equals dq_cpu_plan's bit for bit.
+#include <cuda_runtime.h>
+
+#include <cub/block/block_scan.cuh>
+#include <cub/device/device_radix_sort.cuh>
+
+#include "dq_plan_api.h"
+
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kScanThreads = 1024;
+constexpr unsigned long long kInfBits = 0x7ff0000000000000ull;
+
+struct Counters {
+    unsigned long long n_live;
+    unsigned long long theta_bits;
+    unsigned long long counts[4];
+    unsigned int means_bad;
+    unsigned int pad;
+};
+
+struct Layout {
+    size_t counters, keys, sorted, block_counts, block_offsets, temp, temp_bytes, total;
+};
+
+size_t align_up(size_t v) { return (v + 255) & ~(size_t)255; }
+
+Layout layout_for(int64_t m) {
+    Layout L;
+    const int64_t nblk = (m + kThreads - 1) / kThreads;
+    size_t temp = 0;
+    cub::DeviceRadixSort::SortKeys(nullptr, temp, (const uint32_t*)nullptr, (uint32_t*)nullptr,
+                                   (int)(m > 0 ? m : 1), 0, 31);
+    L.counters = 0;
+    L.keys = align_up(sizeof(Counters));
+    L.sorted = L.keys + align_up((size_t)m * 4);
+    L.block_counts = L.sorted + align_up((size_t)m * 4);
+    L.block_offsets = L.block_counts + align_up((size_t)nblk * 4 * 8);
+    L.temp = L.block_offsets + align_up((size_t)nblk * 4 * 8);
+    L.temp_bytes = temp;
+    L.total = L.temp + align_up(temp);
+    return L;
+}
+
+__global__ void __launch_bounds__(kThreads)
+k_plan_keys(const DqPlanArgs A, const float* norm2, const float* mean_sum, uint32_t* keys,
+            Counters* C) {
+    if (blockIdx.x == 0 && threadIdx.x == 0) C->theta_bits = kInfBits;
+    unsigned long long live_count = 0;
+    unsigned int bad = 0;
+    for (int64_t g = (int64_t)blockIdx.x * kThreads + threadIdx.x; g < A.nsg;
+         g += (int64_t)gridDim.x * kThreads) {
+        const uint32_t k = dq_plan_key(norm2[g]);
+        const int live = A.zero_class ? k != 0u : 1;
+        keys[g] = live ? k : 0u;
+        live_count += live;
+        if (A.centring && !isfinite(mean_sum[g])) bad = 1;
+    }
+    for (int h = 16; h >= 1; h >>= 1) {
+        live_count += __shfl_xor_sync(0xffffffffu, live_count, h);
+        bad |= __shfl_xor_sync(0xffffffffu, bad, h);
+    }
+    if ((threadIdx.x & 31) == 0) {
+        if (live_count) atomicAdd(&C->n_live, live_count);
+        if (bad) atomicOr(&C->means_bad, 1u);
+    }
+}
+
+__device__ __forceinline__ double budget_for(const DqPlanArgs& A, int64_t base) {
+    return (double)base > A.budget_bits ? A.padded_budget_bits : A.budget_bits;
+}
+
+__global__ void __launch_bounds__(kThreads)
+k_plan_theta(const DqPlanArgs A, const uint32_t* asc, Counters* C) {
+    const int64_t m = A.nsg;
+    const int64_t base = A.stats_bits + (int64_t)C->n_live * A.rec_bits[0];
+    const double budget = budget_for(A, base);
+    for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < m;
+         i += (int64_t)gridDim.x * kThreads) {
+        const double a = dq_plan_value(asc[i]);
+        if (!(a > 0.0)) continue;
+        const double cand[2] = {512.0 * a, 17.0 * a};
+        for (int j = 0; j < 2; j++) {
+            const unsigned long long bits = (unsigned long long)__double_as_longlong(cand[j]);
+            if (bits >= *(volatile unsigned long long*)&C->theta_bits) continue;   // cannot win
+            if ((double)dq_plan_cost(&A, asc, m, base, cand[j]) <= budget)
+                atomicMin(&C->theta_bits, bits);
+        }
+    }
+}
+
+__device__ __forceinline__ int class_of_width(int w) {
+    return w == 2 ? 0 : w == 4 ? 1 : w == 8 ? 2 : 3;
+}
+
+__global__ void __launch_bounds__(kThreads)
+k_plan_classes(const DqPlanArgs A, const float* norm2, Counters* C, int8_t* widths,
+               long long* block_counts, int64_t nblk) {
+    const int64_t g = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+    int c = -1;
+    if (g < A.nsg) {
+        const uint32_t k = dq_plan_key(norm2[g]);
+        const int live = A.zero_class ? k != 0u : 1;
+        if (!A.variable) {
+            c = live ? dq_plan_fixed_class(&A, (int64_t)C->n_live) : 3;
+        } else {
+            const double theta = __longlong_as_double((long long)C->theta_bits);
+            c = dq_plan_class(dq_plan_value(k), live, theta);
+        }
+        widths[g] = (int8_t)dq_plan_width_of_class(c);
+    }
+    for (int q = 0; q < 4; q++) {
+        const int n = __syncthreads_count(c == q);
+        if (threadIdx.x == 0) {
+            block_counts[q * nblk + blockIdx.x] = n;
+            if (n) atomicAdd(&C->counts[q], (unsigned long long)n);
+        }
+    }
+}
+
+__global__ void __launch_bounds__(kScanThreads)
+k_plan_scan(const DqPlanArgs A, const float* tail, const Counters* C, const long long* block_counts,
+            long long* block_offsets, int64_t nblk, double* header) {
+    typedef cub::BlockScan<long long, kScanThreads> Scan;
+    __shared__ typename Scan::TempStorage tmp;
+    const long long c0 = (long long)C->counts[0], c1 = (long long)C->counts[1],
+                    c2 = (long long)C->counts[2], c3 = (long long)C->counts[3];
+    const long long start[4] = {0, c0, c0 + c1, c0 + c1 + c2};
+    const int64_t seg = (nblk + kScanThreads - 1) / kScanThreads;
+    const int64_t b0 = (int64_t)threadIdx.x * seg;
+    const int64_t b1 = b0 + seg < nblk ? b0 + seg : nblk;
+    for (int q = 0; q < 4; q++) {
+        long long mine = 0;
+        for (int64_t b = b0; b < b1; b++) mine += block_counts[q * nblk + b];
+        long long before;
+        Scan(tmp).ExclusiveSum(mine, before);
+        __syncthreads();
+        long long run = start[q] + before;
+        for (int64_t b = b0; b < b1; b++) {
+            block_offsets[q * nblk + b] = run;
+            run += block_counts[q * nblk + b];
+        }
+    }
+    if (threadIdx.x == 0) {
+        const long long total = A.stats_bits + c0 * A.rec_bits[0] + c1 * A.rec_bits[1]
+                                + c2 * A.rec_bits[2];
+        header[0] = tail[0];
+        header[1] = tail[1];
+        header[2] = C->means_bad ? 0.0 : 1.0;
+        header[3] = (double)total > A.budget_bits ? 1.0 : 0.0;
+        header[4] = (double)c0;
+        header[5] = (double)c1;
+        header[6] = (double)c2;
+        header[7] = (double)c3;
+        header[8] = A.variable ? __longlong_as_double((long long)C->theta_bits) : nan("");
+        header[9] = (double)total;
+    }
+}
+
+__global__ void __launch_bounds__(kThreads)
+k_plan_scatter(const DqPlanArgs A, const int8_t* widths, const long long* block_offsets,
+               int64_t nblk, int64_t* order, int64_t* stream_of_sg) {
+    __shared__ int warp_counts[kThreads / 32][4];
+    const int64_t g = (int64_t)blockIdx.x * kThreads + threadIdx.x;
+    const int c = g < A.nsg ? class_of_width(widths[g]) : -1;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const unsigned lt = (1u << lane) - 1u;
+    int rank = 0;
+    for (int q = 0; q < 4; q++) {
+        const unsigned mask = __ballot_sync(0xffffffffu, c == q);
+        if (c == q) rank = __popc(mask & lt);
+        if (lane == 0) warp_counts[warp][q] = __popc(mask);
+    }
+    __syncthreads();
+    if (c < 0) return;
+    long long pos = block_offsets[c * nblk + blockIdx.x] + rank;
+    for (int w = 0; w < warp; w++) pos += warp_counts[w][c];
+    order[pos] = g;
+    stream_of_sg[g] = c == 3 ? -1 : pos;
+}
+
+int grid_of(int64_t items) {
+    int64_t b = (items + kThreads - 1) / kThreads;
+    if (b > 132 * 16) b = 132 * 16;     // grid-stride beyond a few waves
+    return b < 1 ? 1 : (int)b;
+}
+
+}  // namespace
+
+extern "C" {
+
+size_t dq_gpu_plan_scratch_bytes(int64_t nsg) { return layout_for(nsg).total; }
+
+int dq_gpu_plan(const DqPlanArgs* A, const float* norm2, const float* mean_sum, const float* tail,
+                int8_t* widths, int64_t* order, int64_t* stream_of_sg, double* header,
+                void* scratch, size_t scratch_bytes, uintptr_t stream) {
+    if (!A || !norm2 || !tail || !widths || !order || !stream_of_sg || !header || !scratch)
+        return (int)cudaErrorInvalidValue;
+    if (A->centring && !mean_sum) return (int)cudaErrorInvalidValue;
+    const int64_t m = A->nsg;
+    if (m < 0 || m > (int64_t)0x7fffffff) return (int)cudaErrorInvalidValue;
+    const Layout L = layout_for(m);
+    if (scratch_bytes < L.total) return (int)cudaErrorInvalidValue;
+    cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    char* base = static_cast<char*>(scratch);
+    Counters* C = reinterpret_cast<Counters*>(base + L.counters);
+    uint32_t* keys = reinterpret_cast<uint32_t*>(base + L.keys);
+    uint32_t* sorted = reinterpret_cast<uint32_t*>(base + L.sorted);
+    long long* block_counts = reinterpret_cast<long long*>(base + L.block_counts);
+    long long* block_offsets = reinterpret_cast<long long*>(base + L.block_offsets);
+    const int64_t nblk = (m + kThreads - 1) / kThreads;
+
+    cudaError_t e = cudaMemsetAsync(C, 0, sizeof(Counters), st);
+    if (e != cudaSuccess) return (int)e;
+    if (m > 0) {
+        k_plan_keys<<<grid_of(m), kThreads, 0, st>>>(*A, norm2, mean_sum, keys, C);
+        if (A->variable) {
+            size_t temp = L.temp_bytes;
+            e = cub::DeviceRadixSort::SortKeys(base + L.temp, temp, keys, sorted, (int)m, 0, 31, st);
+            if (e != cudaSuccess) return (int)e;
+            k_plan_theta<<<grid_of(m), kThreads, 0, st>>>(*A, sorted, C);
+        }
+        k_plan_classes<<<(unsigned)nblk, kThreads, 0, st>>>(*A, norm2, C, widths, block_counts, nblk);
+    }
+    k_plan_scan<<<1, kScanThreads, 0, st>>>(*A, tail, C, block_counts, block_offsets, nblk, header);
+    if (m > 0)
+        k_plan_scatter<<<(unsigned)nblk, kThreads, 0, st>>>(*A, widths, block_offsets, nblk, order,
+                                                            stream_of_sg);
+    return (int)cudaGetLastError();
+}
+
+}  // extern "C"

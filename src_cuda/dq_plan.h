@@ -1,0 +1,84 @@
+// dq_plan.h -- the per-call plan of the DynamiQ codec (variable widths, the
+// stable reorder into width runs), shared by the CPU (dq_plan_cpu.cpp) and the
+// GPU (dq_plan.cu).  Everything here is exact: norms are float32 values
+// compared as float64 products by 17 and 512 (exact), counts are integers, so
+// both sides produce the same plan bit for bit with no log2 anywhere.
+//
+// The rule (paper Appendix A, spec section 2.3): with theta = 512 T, a live
+// super-group gets 8 bits iff 17 F >= theta, 4 bits iff 512 F >= theta, else
+// 2 bits; theta is the smallest candidate (a value 512 F_i or 17 F_i) whose
+// total cost fits the budget.  dynamiq_mpi/codecs/allocation.py holds the same
+// rule as readable array code (the tests' reference).
+#pragma once
+#include <stdint.h>
+
+#include "dq_codec.h"
+
+typedef struct DqPlanArgs {
+    int64_t nsg;               // super-groups (m)
+    int32_t centring;          // mean_sum is given: check it is finite
+    int32_t zero_class;        // F == 0 -> 0-bit class
+    int32_t variable;          // 0: one width for every live super-group
+    int32_t fixed_width;       // with !variable: 2, 4 or 8, or 0 = the widest that fits
+    int64_t stats_bits;        // statistics of the call, all ranks' share counted once
+    int64_t rec_bits[3];       // wire bits of one super-group of 2-, 4-, 8-bit codes
+    double budget_bits;        // bits * length
+    double padded_budget_bits; // used when even every live super-group at 2 bits exceeds it
+} DqPlanArgs;
+
+// Header written by the planner (one small copy to the host):
+//   [0] tail[0] (ranks with non-finite input)   [1] tail[1] (sum of max |x|)
+//   [2] 1 if every mean_sum is finite            [3] 1 if the total exceeds budget_bits
+//   [4..7] super-groups at 2, 4, 8 bits and in the 0-bit class
+//   [8] theta (+inf: all live at 2 bits; NaN: one fixed width)   [9] total bits
+#define DQ_PLAN_HEADER 10
+
+#define DQ_FLT_MAX_BITS 0x7f7fffffu
+
+// Saturated norm bits: inf and NaN (only from non-finite input, which the
+// caller refuses) become FLT_MAX; the sign bit is cleared (norms are >= 0).
+DQ_HD uint32_t dq_plan_key(float f) {
+    uint32_t u = dq_f2u(f) & 0x7fffffffu;
+    return u >= 0x7f800000u ? DQ_FLT_MAX_BITS : u;
+}
+// The norm as a double, exactly (denormals included: no float op touches it).
+DQ_HD double dq_plan_value(uint32_t key) { return (double)dq_u2f(key); }
+
+// Class index of a width: 0, 1, 2 for 2, 4, 8 bits; 3 for the 0-bit class.
+DQ_HD int dq_plan_class(double F, int live, double theta) {
+    if (!live) return 3;
+    if (17.0 * F >= theta) return 2;
+    if (512.0 * F >= theta) return 1;
+    return 0;
+}
+DQ_HD int dq_plan_width_of_class(int c) { return c == 3 ? 0 : (2 << c); }
+
+// Width (class) chosen when one width serves every live super-group.
+DQ_HD int dq_plan_fixed_class(const DqPlanArgs* A, int64_t n_live) {
+    if (A->fixed_width) return A->fixed_width == 2 ? 0 : A->fixed_width == 4 ? 1 : 2;
+    const double budget = (double)(A->stats_bits + n_live * A->rec_bits[0]) > A->budget_bits
+                          ? A->padded_budget_bits : A->budget_bits;
+    if ((double)(A->stats_bits + n_live * A->rec_bits[2]) <= budget) return 2;
+    if ((double)(A->stats_bits + n_live * A->rec_bits[1]) <= budget) return 1;
+    return 0;
+}
+
+// First index i in [0, m) of the ascending keys with pred(value(i)) true, for a
+// monotone predicate "scale * F >= target" (F ascending => false..true).
+DQ_HD int64_t dq_plan_first_at_least(const uint32_t* asc, int64_t m, double scale, double target) {
+    int64_t lo = 0, hi = m;
+    while (lo < hi) {
+        int64_t mid = lo + ((hi - lo) >> 1);
+        if (scale * dq_plan_value(asc[mid]) >= target) hi = mid; else lo = mid + 1;
+    }
+    return lo;
+}
+
+// Cost of theta = s * F_i (s = 512 or 17) given the ascending keys: base plus
+// the upgrades of every super-group the threshold reaches.
+DQ_HD int64_t dq_plan_cost(const DqPlanArgs* A, const uint32_t* asc, int64_t m, int64_t base,
+                           double theta) {
+    const int64_t fours = m - dq_plan_first_at_least(asc, m, 512.0, theta);
+    const int64_t eights = m - dq_plan_first_at_least(asc, m, 17.0, theta);
+    return base + (A->rec_bits[1] - A->rec_bits[0]) * fours + (A->rec_bits[2] - A->rec_bits[1]) * eights;
+}
