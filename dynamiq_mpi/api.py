@@ -34,7 +34,9 @@ class Collective:
     else host-staged MPI), "nccl" or "mpi".  ``tile_bytes``: bytes of
     compressed stream per message (the pipeline's unit).  ``lanes``: NCCL
     communicators (and streams) one large message is split over
-    (default ``$DYNAMIQ_NCCL_LANES`` or 1).
+    (default ``$DYNAMIQ_NCCL_LANES`` or 1).  With two ranks an exchange is
+    an NCCL all-gather of the pair's messages (``DYNAMIQ_NCCL_PAIR_ALLGATHER=0``
+    turns it into a send/receive pair).
     """
 
     def __init__(self, comm=None, transport: str = "auto", tile_bytes: int = DEFAULT_TILE_BYTES,
@@ -122,7 +124,9 @@ class Collective:
         device = x.device.id
         if device not in self._nccl:          # every rank gets here in the same call
             from .transports.nccl import NCCLTransport
-            self._nccl[device] = NCCLTransport(self._mpi.comm, device, self.lanes)
+            pair = os.environ.get("DYNAMIQ_NCCL_PAIR_ALLGATHER")
+            self._nccl[device] = NCCLTransport(self._mpi.comm, device, self.lanes,
+                                               pair_allgather=None if pair is None else pair != "0")
         return self._nccl[device]
 
     def _fence_stream(self):

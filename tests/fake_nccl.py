@@ -47,11 +47,16 @@ class _Device:
         return False
 
 
+def _memcpy(dst, src, nbytes, kind, stream):
+    ctypes.memmove(dst, src, nbytes)
+
+
 _CURRENT = _Stream()
 cuda = SimpleNamespace(Stream=_Stream, Event=_Event, Device=_Device,
                        get_current_stream=lambda: _CURRENT,
-                       get_elapsed_time=lambda a, b: 0.0)
-cupy = SimpleNamespace(cuda=cuda)
+                       get_elapsed_time=lambda a, b: 0.0,
+                       runtime=SimpleNamespace(memcpyAsync=_memcpy))
+cupy = SimpleNamespace(cuda=cuda, empty=np.empty, uint8=np.uint8)
 
 
 class _Nccl:
@@ -112,6 +117,13 @@ class _Comm:
 
     def recv(self, ptr, count, dtype, peer, stream):
         self.module._post(self, "recv", ptr, count, peer)
+
+    def allGather(self, src, dst, count, dtype, stream):
+        self.module.calls.append(("allgather", -1, count))
+        mine = np.frombuffer(ctypes.string_at(src, count), dtype=np.uint8)
+        everyone = np.empty(count * self.mpi.size, dtype=np.uint8)
+        self.mpi.Allgather(mine, everyone)
+        ctypes.memmove(dst, everyone.ctypes.data, everyone.size)
 
     def destroy(self):
         self.mpi.Free()

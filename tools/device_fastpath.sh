@@ -36,7 +36,7 @@ fi
 if has tests; then
   echo "== tests"; t0=$(date +%s)
   { timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tail -15
-    SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_transports_mpi.py tests/mpi/test_allreduce_mpi.py" \
+    SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_transports_mpi.py" \
       MPI_TIMEOUT=300 timeout 330 tools/run_tests.sh $PY 2 2>&1 | tail -25
   } 2>&1 | tee "$OUT/tests.txt"
   echo "tests took $(( $(date +%s) - t0 )) s"
@@ -58,16 +58,13 @@ has nvlink && run_bench nvlink "" --sizes 2M,16M,128M,256M,512M --breakdown
 has shm && run_bench shm "NCCL_P2P_DISABLE=1" --sizes 16M,128M,256M,512M --breakdown
 has sockets && run_bench sockets_tuned "$SOCKETS $TUNED" --sizes 2M,16M,64M,128M,256M,512M --breakdown
 has sockets && run_bench sockets_default "$SOCKETS" --sizes 16M,256M
-if has probe; then   # lanes and tile sizes: sockets (tuned) and NVLink, 2^27 elements
-  for cfg in "2 8M" "1 32M" "2 32M"; do
-    set -- $cfg
-    echo "== probe sockets tuned, lanes=$1 tile=$2" | tee -a "$OUT/bench.txt"
-    env $SOCKETS $TUNED timeout 120 mpiexec -n 2 $BENCH --codec dynamiq:5,bf16 --sizes 256M \
-      --lanes $1 --tile-bytes $2 --no-reference 2>&1 | grep -v '^\[' | grep -E "^ +[0-9]" | tee -a "$OUT/bench.txt"
-  done
-  for tile in 32M 128M; do
-    echo "== probe NVLink tile=$tile" | tee -a "$OUT/bench.txt"
-    timeout 120 mpiexec -n 2 $BENCH --codec dynamiq:5,bf16 --sizes 16M,256M --tile-bytes $tile \
-      --no-reference 2>&1 | grep -v '^\[' | grep -E "^ +[0-9]" | tee -a "$OUT/bench.txt"
+if has probe; then   # the pair all-gather against send/receive, 2^27 elements
+  for link in "sockets:$SOCKETS $TUNED" "shm:NCCL_P2P_DISABLE=1" "nvlink:"; do
+    for pair in 1 0; do
+      echo "== probe ${link%%:*}, pair all-gather=$pair" | tee -a "$OUT/bench.txt"
+      env ${link#*:} DYNAMIQ_NCCL_PAIR_ALLGATHER=$pair timeout 120 mpiexec -n 2 $BENCH \
+        --codec dynamiq:5,bf16 --sizes 256M --no-reference 2>&1 | grep -v '^\[' \
+        | grep -E "^ +[0-9]" | tee -a "$OUT/bench.txt"
+    done
   done
 fi

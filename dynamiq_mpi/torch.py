@@ -1,0 +1,431 @@
+"""PyTorch adapter: a DDP communication hook and a gradient all-reduce for
+hand-written training loops, both running :class:`dynamiq_mpi.Collective`.
+
+    import dynamiq_mpi as dq
+    import dynamiq_mpi.torch as dqt
+
+    dqt.init_process_group_from_mpi()            # torch.distributed from mpi4py's rank/size
+    ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[...])
+    state = dqt.HookState(codec=dq.DynamiQ(bits=5))
+    ddp.register_comm_hook(state, dqt.ddp_comm_hook)
+
+    # or, without DDP, after loss.backward():
+    dqt.allreduce_gradients(model.parameters(), state)
+
+CPU tensors reach the collective as NumPy views and CUDA tensors as CuPy views
+(DLPack), both zero-copy; the result is written back into the same memory.
+CUDA work runs on torch's current stream, so no device synchronisation is
+added.  torch is imported only by this module: ``import dynamiq_mpi`` never
+imports it.
+"""
+import contextlib
+import socket
+import threading
+import time
+
+import torch
+
+from . import Collective, DynamiQ, InputMismatchError
+
+__all__ = ["HookState", "ddp_comm_hook", "allreduce_gradients", "init_process_group_from_mpi",
+           "tensor_as_array"]
+
+DEFAULT_BUCKET_CAP_MB = 25.0   # DDP's default bucket size
+
+
+# --------------------------------------------------------------------- arrays
+def tensor_as_array(t: torch.Tensor):
+    """A NumPy (CPU) or CuPy (CUDA) array sharing ``t``'s memory.
+
+    CUDA tensors go through DLPack under CuPy's *current* stream: call this
+    inside :func:`_torch_stream` so that CuPy's stream is torch's and the
+    hand-over needs no synchronisation.
+    """
+    t = t.detach()
+    if not t.is_contiguous():
+        raise ValueError("dynamiq_mpi.torch: the tensor must be contiguous")
+    if t.device.type == "cpu":
+        if t.dtype == torch.bfloat16:
+            # NumPy has no bfloat16: reinterpret the bits as ml_dtypes.bfloat16.
+            import ml_dtypes
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    if t.device.type == "cuda":
+        import cupy
+        return cupy.from_dlpack(t)
+    raise TypeError(f"dynamiq_mpi.torch: tensors on {t.device.type!r} are not supported "
+                    "(cpu and cuda are)")
+
+
+@contextlib.contextmanager
+def _torch_stream(device: torch.device):
+    """Make torch's current stream of ``device`` CuPy's current stream (and
+    the device current) for the duration; a no-op for CPU tensors."""
+    if device.type != "cuda":
+        yield
+        return
+    import cupy
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    stream = torch.cuda.current_stream(index)
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+        yield
+
+
+# --------------------------------------------------------------------- state
+class HookState:
+    """What the hook and :func:`allreduce_gradients` need between calls.
+
+    Holds the codec, seed, topology, transport, the communicator and its
+    :class:`~dynamiq_mpi.Collective` (created on first use), whose call counter
+    keys the random generator: every rank makes the same calls, so the
+    counters agree.  Nothing is keyed on DDP's bucket index, so the bucket
+    rebuild after the first iteration changes nothing.
+
+    Pickling (for checkpoints) keeps the configuration, the call counter and
+    the iteration count, never the communicator: after unpickling the state
+    attaches to ``MPI.COMM_WORLD`` on first use, or to what is assigned to
+    ``state.comm``, and its new collective continues from the saved counter.
+
+    Per-call results stay on the state, never in globals: with ``reports``
+    on, ``last_report`` is the :class:`~dynamiq_mpi.Report` of the last
+    all-reduce (on the GPU a report costs a device-to-host copy per call, so a
+    training loop may switch ``state.reports`` on only for the steps it logs),
+    and :meth:`pop_stats` returns (and resets) totals since its last call.  Set
+    ``measure_error = True`` for the steps whose vNMSE you want: each bucket is
+    then also all-reduced exactly in float64 (uncompressed, outside the timed
+    part), and ``pop_stats()["vnmse"]`` gives sum ||X^ - X||^2 / sum ||X||^2.
+    """
+
+    _PICKLED = ("codec", "seed", "transport", "topology", "iteration", "measure_error",
+                "reports", "timing")
+
+    def __init__(self, codec=None, comm=None, seed: int = 0, transport: str = "auto", *,
+                 topology: str = "ring", reports: bool = True, timing: bool = False):
+        self.codec = DynamiQ(bits=5) if codec is None else codec
+        self.seed = int(seed)
+        self.transport = transport
+        self.topology = topology
+        self.iteration = 0          # DDP iterations seen (advanced on the last bucket)
+        self.measure_error = False
+        self.reports = reports      # keep each call's Report (last_report, bits in pop_stats)
+        self.timing = timing        # time each call (CUDA events on GPU: no host sync)
+        self._counter = 0
+        self._init_runtime(comm)
+
+    def _init_runtime(self, comm):
+        self._comm = comm
+        self._collective = None
+        self._lock = threading.Lock()
+        self.last_report = None
+        self._reset_stats()
+
+    def _reset_stats(self):
+        self._calls = 0
+        self._coords = 0
+        self._reported = 0          # coordinates of the calls that returned a report
+        self._bits = 0.0
+        self._seconds = 0.0
+        self._events = []
+        self._err_sq = 0.0
+        self._ref_sq = 0.0
+
+    # -- pickling: configuration and counters, never the communicator
+    def __getstate__(self):
+        state = {k: getattr(self, k) for k in self._PICKLED}
+        state["counter"] = self.counter
+        return state
+
+    def __setstate__(self, state):
+        for k in self._PICKLED:
+            setattr(self, k, state[k])
+        self._counter = int(state["counter"])
+        self._init_runtime(None)
+
+    # -- communicator and collective
+    @property
+    def comm(self):
+        """The mpi4py communicator (``MPI.COMM_WORLD`` unless one was given)."""
+        if self._comm is None:
+            from mpi4py import MPI
+            self._comm = MPI.COMM_WORLD
+        return self._comm
+
+    @comm.setter
+    def comm(self, comm):
+        # Re-attach (e.g. after unpickling): a new collective is made on next
+        # use and continues from the current call counter.
+        with self._lock:
+            old = self._collective
+            if old is not None:
+                self._counter = old.counter
+                old.free()              # its NCCL communicators and MPI duplicate
+            self._collective = None
+            self._comm = comm
+
+    @property
+    def collective(self) -> Collective:
+        with self._lock:
+            if self._collective is None:
+                coll = Collective(comm=self.comm, transport=self.transport)
+                coll.counter = self._counter
+                self._collective = coll
+            return self._collective
+
+    @property
+    def counter(self) -> int:
+        """The call counter that keys the generator (the same on every rank)."""
+        coll = self._collective
+        return coll.counter if coll is not None else self._counter
+
+    @counter.setter
+    def counter(self, value: int):
+        with self._lock:
+            self._counter = int(value)
+            if self._collective is not None:
+                self._collective.counter = int(value)
+
+    # -- the all-reduce of one tensor
+    def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """Replace contiguous ``t`` by its mean over the ranks (compressed by
+        ``codec``); returns ``t``.  Measures the error first when asked."""
+        exact = self.exact_mean(t) if self.measure_error else None
+        with _torch_stream(t.device):
+            coll = self.collective
+            arr = tensor_as_array(t)
+            start = self._start_timer(t.device)
+            report = self._reduce_array(coll, arr)
+            self._stop_timer(t.device, start)
+        self._calls += 1
+        self._coords += t.numel()
+        if report is not None:
+            self.last_report = report
+            self._reported += t.numel()
+            self._bits += report.bits_per_coord * t.numel()
+        if exact is not None:
+            self.record_error(t, exact)
+        return t
+
+    def _reduce_array(self, coll, arr):
+        """Mean over the ranks written into ``arr`` itself; the Report or None."""
+        res = coll.allreduce(arr, codec=self.codec, topology=self.topology, op="mean",
+                             seed=self.seed, out=arr, return_report=self.reports)
+        res, report = res if self.reports else (res, None)
+        if res is not arr:          # the contract returns ``out``; be safe if not
+            arr[...] = res
+        return report
+
+    def _start_timer(self, device):
+        if not self.timing:
+            return None
+        if device.type == "cuda":
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def _stop_timer(self, device, start):
+        if start is None:
+            return
+        if device.type == "cuda":
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((start, end))
+        else:
+            self._seconds += time.perf_counter() - start
+
+    # -- error measurement against an exact all-reduce
+    def exact_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """The float64 mean over the ranks of ``t``, reduced uncompressed:
+        through torch.distributed when it spans the same ranks, else through
+        mpi4py on a host copy."""
+        ref = t.detach().to(torch.float64, copy=True)
+        comm = self.comm
+        if _dist_matches(comm):
+            torch.distributed.all_reduce(ref)
+        else:
+            from mpi4py import MPI
+            host = ref.cpu().numpy()
+            comm.Allreduce(MPI.IN_PLACE, host)
+            ref = torch.from_numpy(host).to(t.device)
+        return ref.div_(comm.Get_size())
+
+    def record_error(self, result: torch.Tensor, exact: torch.Tensor):
+        """Accumulate ||result - exact||^2 and ||exact||^2 (float64)."""
+        diff = result.detach().to(torch.float64) - exact
+        self._err_sq += float(diff.square().sum())
+        self._ref_sq += float(exact.square().sum())
+
+    def pop_stats(self) -> dict:
+        """Totals since the last call, then reset: ``calls``, ``coords``,
+        ``bits_per_coord`` (coordinate-weighted over the calls that returned a
+        report; None if none did), ``comm_s`` (time inside the all-reduce when
+        ``timing`` is on; waits for its CUDA events) and ``vnmse`` (None
+        unless measured).  With ``timing`` on, call it every step or so."""
+        seconds = self._seconds
+        for start, end in self._events:
+            end.synchronize()
+            seconds += start.elapsed_time(end) / 1e3
+        out = {
+            "calls": self._calls,
+            "coords": self._coords,
+            "bits_per_coord": self._bits / self._reported if self._reported else None,
+            "comm_s": seconds,
+            "vnmse": self._err_sq / self._ref_sq if self._ref_sq > 0 else None,
+        }
+        self._reset_stats()
+        return out
+
+    def __repr__(self):
+        return (f"HookState(codec={self.codec!r}, seed={self.seed}, topology={self.topology!r}, "
+                f"transport={self.transport!r}, counter={self.counter}, "
+                f"iteration={self.iteration})")
+
+
+def _dist_matches(comm) -> bool:
+    """True if torch.distributed's default group spans exactly ``comm``'s world."""
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    from mpi4py import MPI
+    return (dist.get_world_size() == comm.Get_size()
+            and MPI.Comm.Compare(comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT))
+
+
+# --------------------------------------------------------------------- DDP hook
+def ddp_comm_hook(state: "HookState", bucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: ``ddp.register_comm_hook(state, ddp_comm_hook)``.
+
+    All-reduces the bucket's flat buffer in place to the mean over the ranks
+    (DDP hands it over undivided) and returns a completed future holding it.
+    Errors (e.g. NaN/Inf on some rank) are raised on every rank by the
+    collective and surface from ``loss.backward()``.
+    """
+    buf = bucket.buffer()
+    state.allreduce_(buf)
+    if bucket.is_last():
+        state.iteration += 1
+    # For CUDA values the future must name the device, so that DDP's consumers
+    # wait on our stream's work instead of the host waiting for it.
+    fut = (torch.futures.Future(devices=[buf.device]) if buf.is_cuda
+           else torch.futures.Future())
+    fut.set_result(buf)
+    return fut
+
+
+# --------------------------------------------------------------------- plain loops
+def allreduce_gradients(parameters, state: "HookState", *,
+                        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> int:
+    """Average the ``.grad`` of ``parameters`` over the ranks, in place.
+
+    Gradients are grouped by device and dtype (in order of first appearance)
+    and coalesced into buckets of at most ``bucket_cap_mb`` MiB (a tensor
+    larger than the cap is a bucket of its own): one all-reduce per bucket.
+    Parameters without a gradient are skipped; all ranks must have gradients
+    of the same shapes and dtypes, else every rank raises
+    :class:`~dynamiq_mpi.InputMismatchError`.  Returns the number of buckets.
+    """
+    grads = []
+    for p in parameters:
+        g = p.grad
+        if g is None:
+            continue
+        if g.is_sparse or g.layout != torch.strided:
+            raise TypeError("allreduce_gradients: sparse gradients are not supported")
+        grads.append(g)
+    groups = {}
+    for g in grads:
+        groups.setdefault((g.device, g.dtype), []).append(g)
+    cap = max(1, int(bucket_cap_mb * 2 ** 20))
+    buckets = []
+    for gs in groups.values():
+        current, size = [], 0
+        for g in gs:
+            nbytes = g.numel() * g.element_size()
+            if current and size + nbytes > cap:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(g)
+            size += nbytes
+        if current:
+            buckets.append(current)
+
+    # One small exchange first: a rank with a different gradient list would
+    # otherwise make a different number of calls and leave the others waiting.
+    layout = [(str(b[0].dtype), b[0].device.type, sum(g.numel() for g in b)) for b in buckets]
+    layouts = state.comm.allgather(layout)
+    if any(other != layouts[0] for other in layouts):
+        differ = [r for r, other in enumerate(layouts) if other != layouts[0]]
+        raise InputMismatchError(
+            "allreduce_gradients: ranks disagree on the gradients to reduce "
+            f"(buckets of (dtype, device, numel)): rank 0 has {layouts[0]}, "
+            f"rank {differ[0]} has {layouts[differ[0]]}")
+
+    for b in buckets:
+        if len(b) == 1 and b[0].is_contiguous():
+            state.allreduce_(b[0])
+            continue
+        flat = torch.cat([g.reshape(-1) for g in b])
+        state.allreduce_(flat)
+        offset = 0
+        for g in b:
+            n = g.numel()
+            g.copy_(flat[offset:offset + n].view_as(g))
+            offset += n
+    return len(buckets)
+
+
+# --------------------------------------------------------------------- set-up
+def init_process_group_from_mpi(backend: str | None = None, comm=None, timeout=None):
+    """Initialise ``torch.distributed`` from mpi4py's rank and size.
+
+    ``backend`` defaults to ``"nccl"`` when CUDA is available, else ``"gloo"``.
+    Rank 0 opens a TCP store on a free port and broadcasts its address over
+    MPI (``MASTER_ADDR`` / ``MASTER_PORT`` from the environment are used if
+    set).  With CUDA, each rank takes the GPU of its rank on the node.  Does
+    nothing if torch.distributed is already initialised.  Returns
+    ``(rank, world_size, device)``.
+    """
+    import datetime
+    import os
+
+    from mpi4py import MPI
+    dist = torch.distributed
+    comm = MPI.COMM_WORLD if comm is None else comm
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local_rank = node.Get_rank()
+        node.Free()
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), device
+
+    names = comm.allgather(MPI.Get_processor_name())
+    host = os.environ.get("MASTER_ADDR") or (
+        "127.0.0.1" if len(set(names)) == 1 else socket.gethostname())
+    port = int(os.environ.get("MASTER_PORT", "0"))
+    timeout = timeout or datetime.timedelta(minutes=5)
+    store, error = None, None
+    if rank == 0:
+        try:
+            # Port 0: the store binds a free port itself, so no other process can take it.
+            store = dist.TCPStore(host, port, size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
+            port = store.port
+        except Exception as exc:  # tell the others instead of leaving them waiting
+            error = f"{type(exc).__name__}: {exc}"
+    host, port, error = comm.bcast((host, port, error), root=0)
+    if error is not None:
+        raise RuntimeError(f"init_process_group_from_mpi: rank 0 could not open the "
+                           f"TCP store: {error}")
+    if rank != 0:
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+    kwargs = dict(store=store, rank=rank, world_size=size, timeout=timeout)
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend, **kwargs)
+    return rank, size, device
