@@ -122,11 +122,11 @@ class NCCLTransport:
                  modules=None, pair_allgather=None):
         """``modules``: (cupy, cupy.cuda.nccl) or stand-ins with the same
         interface (the CPU tests drive this class with a fake that maps NCCL
-        point-to-point onto MPI).  ``pair_allgather`` (default: on with two
-        ranks): an exchange with the one peer is an NCCL all-gather of the two
-        messages instead of a send/receive pair; the collective runs on all of
-        NCCL's channels, where point-to-point gets a few per peer (on sockets
-        point-to-point reached ~65 % of what the all-reduce gets from the link)."""
+        point-to-point onto MPI).  ``pair_allgather`` (two ranks only, off by
+        default): an exchange with the one peer as an NCCL all-gather of the
+        two messages instead of a send/receive pair, to use the collective's
+        channels; measured slower on every link of the 2x H200 machine
+        (docs/benchmarks.md), kept as an option for other fabrics."""
         if modules is None:
             import cupy
             from cupy.cuda import nccl
@@ -144,7 +144,7 @@ class NCCLTransport:
             self.comms = [nccl.NcclCommunicator(self.size, uid, self.rank) for uid in ids]
             self.streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(self.lanes)]
         self.profile = None
-        self.pair_allgather = self.size == 2 and (pair_allgather is None or bool(pair_allgather))
+        self.pair_allgather = self.size == 2 and bool(pair_allgather)
         self._scratch = {}
         self._retired = []
 
