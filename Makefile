@@ -53,9 +53,11 @@ MPI_ENV := OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
 # ------------------------------------------------------------------ venv
 venv: $(DEPS_STAMP)
 
-$(DEPS_STAMP): requirements-dev.txt
+# requirements-torch.txt: the PyTorch adapter's tests and mpi_examples/train_lm.py
+# (torch pinned to the CPU wheel on the CI machine's disk).
+$(DEPS_STAMP): requirements-dev.txt requirements-torch.txt
 	@test -x $(VPY) || { echo "creating $(VENV) with $(PYTHON_BOOT)"; $(PYTHON_BOOT) -m venv $(VENV); }
-	$(VPY) -m pip install -r requirements-dev.txt
+	$(VPY) -m pip install -r requirements-dev.txt -r requirements-torch.txt
 	@touch $@
 
 # ------------------------------------------------------------------ build

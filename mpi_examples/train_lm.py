@@ -1,0 +1,453 @@
+"""Train a small LLaMA-style causal LM on Python's standard library, with the
+gradients all-reduced by DDP's built-in hooks or by dynamiq_mpi's hook.
+
+    mpiexec -n 2 python mpi_examples/train_lm.py --codec dynamiq:5 --json run.json
+    mpiexec -n 2 python mpi_examples/train_lm.py --tiny --steps 20 --codec bf16   # CPU, gloo
+    python mpi_examples/train_lm.py plot curves.png run1.json run2.json            # loss curves
+
+Codecs: ``fp32`` (plain DDP, its own float32 all-reduce), ``bf16`` (DDP with
+torch's ``bf16_compress_hook``: BF16 on the wire through NCCL/gloo), and
+through ``dynamiq_mpi.torch.ddp_comm_hook``: ``dynamiq:B``, ``exact``,
+``dq-bf16`` (our BF16 codec), ``mxfp:FMT``, ``thc``, ``omnireduce`` (the last
+three where the installed dynamiq_mpi has them).  Every codec sees the same
+model initialisation and the same batches for a given ``--seed``.
+
+The corpus (docs/training.md): the files of ``CORPUS_FILES`` below, relative
+to ``sysconfig.get_paths()["stdlib"]``: modules present under the same path in
+Python 3.11 and 3.12.  In that sorted list every 10th file (index % 10 == 9)
+is validation, the rest training; files are joined by a NUL byte, the
+vocabulary is the 256 byte values.  The JSON records the corpus' sha256, so
+runs are comparable only when it matches.
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import statistics
+import sys
+import sysconfig
+import time
+
+_TOP = """_collections_abc _compression _markupbase _pydecimal _pyio _strptime _threading_local
+_weakrefset abc argparse ast base64 bdb bisect calendar cmd code codecs codeop colorsys configparser
+contextlib copy copyreg csv dataclasses difflib dis doctest enum filecmp fileinput fnmatch fractions
+ftplib functools genericpath getopt gettext glob gzip hashlib heapq hmac imaplib inspect io
+ipaddress keyword linecache locale lzma mailbox mimetypes netrc ntpath numbers opcode operator
+optparse os pathlib pdb pickle pickletools pkgutil platform plistlib poplib posixpath pprint profile
+pstats py_compile pydoc queue quopri random reprlib rlcompleter runpy sched secrets selectors shelve
+shlex shutil signal site smtplib socket socketserver ssl stat statistics string stringprep struct
+subprocess symtable tabnanny tarfile tempfile textwrap threading timeit token tokenize trace
+traceback tracemalloc types typing uuid warnings wave weakref webbrowser zipapp zipimport"""
+_PACKAGES = {
+    "asyncio": "base_events events futures locks queues selector_events streams subprocess tasks "
+               "transports unix_events",
+    "collections": "__init__", "concurrent/futures": "_base process thread",
+    "ctypes": "__init__ util", "email": "_header_value_parser _parseaddr _policybase base64mime "
+    "charset contentmanager encoders errors feedparser generator header headerregistry iterators "
+    "message parser policy quoprimime utils",
+    "encodings": "__init__ idna punycode", "ensurepip": "__init__",
+    "http": "__init__ client cookiejar cookies server",
+    "importlib": "__init__ _bootstrap _bootstrap_external abc machinery util",
+    "json": "__init__ decoder encoder scanner tool", "logging": "__init__ config handlers",
+    "multiprocessing": "connection context managers pool process queues reduction synchronize util",
+    "re": "__init__ _casefix _compiler _constants _parser", "sqlite3": "__init__ dbapi2",
+    "tomllib": "_parser _re _types", "unittest": "case loader main mock result runner suite util",
+    "urllib": "error parse request response robotparser", "venv": "__init__",
+    "wsgiref": "handlers headers simple_server util validate",
+    "xml/dom": "expatbuilder minidom pulldom", "xml/etree": "ElementPath ElementTree",
+    "xml/sax": "expatreader handler saxutils", "xmlrpc": "client server",
+}
+CORPUS_FILES = sorted([f"{m}.py" for m in _TOP.split()]
+                      + [f"{pkg}/{m}.py" for pkg, ms in _PACKAGES.items() for m in ms.split()])
+
+# Model and run sizes: GPU default (~26M parameters) and --tiny (CPU tests).
+PRESETS = {
+    "default": dict(hidden=512, layers=8, heads=8, intermediate=1408, seq_len=512, batch=16,
+                    steps=400, lr=1e-3, warmup=40, eval_every=100, val_windows=128,
+                    vnmse_every=25),
+    "tiny": dict(hidden=64, layers=2, heads=2, intermediate=128, seq_len=32, batch=4,
+                 steps=4, lr=3e-3, warmup=1, eval_every=2, val_windows=8, vnmse_every=2),
+}
+
+
+# --------------------------------------------------------------------- corpus
+def load_corpus(stdlib=None):
+    """(train bytes, validation bytes, info dict) from CORPUS_FILES."""
+    stdlib = stdlib or sysconfig.get_paths()["stdlib"]
+    train, val, missing = [], [], []
+    for i, rel in enumerate(CORPUS_FILES):
+        path = os.path.join(stdlib, rel)
+        if not os.path.isfile(path):
+            missing.append(rel)
+            continue
+        with open(path, "rb") as f:
+            (val if i % 10 == 9 else train).append(f.read())
+    train_b, val_b = b"\0".join(train), b"\0".join(val)
+    info = {"stdlib": stdlib, "python": sys.version.split()[0], "files_train": len(train),
+            "files_val": len(val), "bytes_train": len(train_b), "bytes_val": len(val_b),
+            "missing": missing,
+            "sha256": hashlib.sha256(train_b + b"\0\0" + val_b).hexdigest()}
+    return train_b, val_b, info
+
+
+# --------------------------------------------------------------------- codecs
+_DQ_CODECS = {"dynamiq": ("DynamiQ", "bits", int), "exact": ("Exact", None, None),
+              "dq-bf16": ("BF16", None, None), "mxfp": ("MXFP", "fmt", str),
+              "thc": ("THC", None, None), "omnireduce": ("OmniReduce", None, None)}
+
+
+def resolve_codec(spec):
+    """'fp32' / 'bf16' (DDP's own all-reduce) -> the string; anything else ->
+    a dynamiq_mpi codec object ('dynamiq:5', 'mxfp:e4m3', 'thc', ...)."""
+    if spec in ("fp32", "bf16"):
+        return spec
+    import dynamiq_mpi as dq
+    name, _, arg = spec.partition(":")
+    if name not in _DQ_CODECS:
+        raise ValueError(f"unknown codec {spec!r}; known: fp32, bf16, "
+                         + ", ".join(f"{k}:ARG" if v[1] else k for k, v in _DQ_CODECS.items()))
+    cls_name, _, conv = _DQ_CODECS[name]
+    cls = getattr(dq, cls_name, None)
+    if cls is None:
+        raise ValueError(f"codec {spec!r} needs dynamiq_mpi.{cls_name}, which the installed "
+                         f"dynamiq_mpi {getattr(dq, '__version__', '?')} does not have")
+    if conv is None:
+        if arg:
+            raise ValueError(f"codec {name!r} takes no argument (got {spec!r})")
+        return cls()
+    if not arg:
+        raise ValueError(f"codec {name!r} needs an argument, e.g. {name}:"
+                         f"{'5' if conv is int else 'e4m3'}")
+    return cls(conv(arg))
+
+
+def _builtin_hook(kind):
+    """DDP's bf16_compress_hook / allreduce_hook, wrapped so that the state can
+    measure their error like ours (the name also avoids DDP's check that
+    bf16_compress_hook runs on NCCL: gloo carries BF16 too)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    inner = default_hooks.bf16_compress_hook if kind == "bf16" else default_hooks.allreduce_hook
+
+    def measured_builtin_hook(state, bucket):
+        # The exact mean first: the inner hook divides the buffer in place.
+        exact = state.exact_mean(bucket.buffer()) if state.measure_error else None
+        fut = inner(None, bucket)
+        if bucket.is_last():
+            state.iteration += 1
+        if exact is None:
+            return fut
+
+        def record(f):
+            out = f.value()
+            state.record_error(out, exact)
+            return out
+        return fut.then(record)
+    return measured_builtin_hook
+
+
+# --------------------------------------------------------------------- training
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--codec", default="dynamiq:5", help="fp32, bf16, dynamiq:B, exact, ...")
+    p.add_argument("--seed", type=int, default=0, help="model init, data order, codec seed")
+    p.add_argument("--tiny", action="store_true", help="tiny model and run (CPU tests)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--topology", default="ring")
+    p.add_argument("--transport", default="auto", help="dynamiq_mpi transport")
+    for k, v in PRESETS["default"].items():
+        p.add_argument("--" + k.replace("_", "-"), type=type(v), default=None,
+                       help=f"default {v}, --tiny {PRESETS['tiny'][k]}")
+    p.add_argument("--probe-every", type=int, default=None,
+                   help="after every N-th step, time its forward+backward again without "
+                        "communication (compute alone; 0: never)")
+    p.add_argument("--json", help="write the run (config, curves, summary) here (rank 0)")
+    p.add_argument("--png", help="draw the loss curves here (rank 0; needs matplotlib)")
+    p.add_argument("--no-progress", action="store_true", help="plain lines, no progress bar")
+    args = p.parse_args(argv)
+    preset = PRESETS["tiny" if args.tiny else "default"]
+    for k, v in preset.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.probe_every is None:
+        args.probe_every = 2 if args.tiny else 10
+    return args
+
+
+def lr_at(step, args):
+    """Linear warm-up, then cosine decay to 10 % of the peak."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+def batch_for(step, rank, world, data, args, torch):
+    """Rank ``rank``'s share of the global batch of ``step``: a function of
+    (seed, step, world, batch) only, so identical for every codec."""
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - args.seq_len - 1, (world * args.batch,), generator=gen)
+    mine = starts[rank * args.batch:(rank + 1) * args.batch]
+    idx = mine[:, None] + torch.arange(args.seq_len + 1)
+    return data[idx]
+
+
+def evaluate(model, val, args, rank, world, device, torch):
+    """Mean validation loss (nats/byte) over the first ``val_windows``
+    consecutive windows, split over the ranks and summed exactly."""
+    import torch.distributed as dist
+    n = min(args.val_windows, (len(val) - 1) // args.seq_len)
+    mine = torch.arange(rank, n, world)
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    model.eval()
+    with torch.no_grad():
+        for chunk in mine.split(args.batch):
+            idx = chunk[:, None] * args.seq_len + torch.arange(args.seq_len + 1)
+            w = val[idx].to(device)
+            loss = _loss(model, w, device, torch, reduction="sum")
+            total += torch.stack([loss.double(), torch.tensor(float(w[:, 1:].numel()),
+                                                              dtype=torch.float64, device=device)])
+    model.train()
+    dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def _compute_probe(ddp, opt, w, device, torch, sync):
+    """Forward and backward of batch ``w`` again, under ``no_sync`` (no
+    communication): the compute of a step, timed between steps so that it sees
+    the same machine state.  The gradients are dropped, the optimiser is not
+    stepped: training is unchanged."""
+    sync()
+    t0 = time.perf_counter()
+    with ddp.no_sync():
+        _loss(ddp, w, device, torch).backward()
+    sync()
+    ms = (time.perf_counter() - t0) * 1e3
+    opt.zero_grad(set_to_none=True)
+    return ms
+
+
+def _loss(model, w, device, torch, reduction="mean"):
+    ctx = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+           else torch.autocast("cpu", enabled=False))
+    with ctx:
+        logits = model(input_ids=w[:, :-1].long()).logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                             w[:, 1:].reshape(-1).long(), reduction=reduction)
+
+
+class _Progress:
+    """tqdm on rank 0 when importable, else a line every tenth of the run."""
+
+    def __init__(self, total, enabled, plain):
+        self.bar, self.total, self.enabled = None, total, enabled
+        if enabled and not plain:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, unit="step", file=sys.stderr,
+                                mininterval=1.0 if sys.stderr.isatty() else 15.0)
+            except ImportError:
+                pass
+
+    def update(self, step, text):
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        elif self.enabled and (step % max(1, self.total // 10) == 0 or step == self.total - 1):
+            print(f"step {step + 1}/{self.total}: {text}", flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def main(argv=None):
+    """Run one training; returns the run's dict (on every rank)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "plot":
+        if len(argv) < 3:
+            raise SystemExit("usage: train_lm.py plot OUT.png RUN.json [RUN.json ...]")
+        plot_runs(argv[2:], argv[1])
+        return None
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    codec = resolve_codec(args.codec)         # a bad codec fails before any set-up
+
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    import transformers
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import dynamiq_mpi.torch as dqt
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    owns_group = not dist.is_initialized()    # else the caller's (e.g. a test's) group
+    rank, world, device = dqt.init_process_group_from_mpi("nccl" if use_cuda else "gloo")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    train_b, val_b, corpus = load_corpus()
+    train = torch.frombuffer(bytearray(train_b), dtype=torch.uint8)
+    val = torch.frombuffer(bytearray(val_b), dtype=torch.uint8)
+
+    torch.manual_seed(args.seed)               # same initial model on every rank and codec
+    cfg = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.heads, max_position_embeddings=args.seq_len,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None)
+    model = LlamaForCausalLM(cfg).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              gradient_as_bucket_view=True)
+    state = dqt.HookState(codec=None if isinstance(codec, str) else codec, seed=args.seed,
+                          transport=args.transport, topology=args.topology, reports=False,
+                          timing=True)
+    if codec == "bf16":
+        ddp.register_comm_hook(state, _builtin_hook("bf16"))
+    elif codec != "fp32":                      # fp32: DDP's own all-reduce, no hook
+        ddp.register_comm_hook(state, dqt.ddp_comm_hook)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+
+    run = {"config": dict(vars(args), world_size=world, n_params=n_params,
+                          backend=dist.get_backend(), device=_device_name(device, torch),
+                          torch=torch.__version__, transformers=transformers.__version__),
+           "corpus": corpus, "steps": [], "evals": [], "vnmse": []}
+    progress = _Progress(args.steps, rank == 0, args.no_progress)
+    if rank == 0 and args.no_progress:
+        print(f"{args.codec}: {n_params / 1e6:.2f}M parameters, {world} ranks, "
+              f"{run['config']['backend']}, corpus {corpus['bytes_train']} B", flush=True)
+    hook_ms, probe_ms = [], []
+    for step in range(args.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        w = batch_for(step, rank, world, train, args, torch).to(device, non_blocking=True)
+        measure = codec != "fp32" and (step % args.vnmse_every == 0 or step == args.steps - 1)
+        state.measure_error = state.reports = measure   # both cost host syncs: logged steps only
+        sync()
+        t0 = time.perf_counter()
+        loss = _loss(ddp, w, device, torch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()                        # gradients all-reduced by DDP / the hook
+        sync()
+        t1 = time.perf_counter()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        opt.step()
+        sync()
+        t2 = time.perf_counter()
+        state.measure_error = state.reports = False
+        stats = state.pop_stats()
+        loss_v = float(loss.detach())
+        if not math.isfinite(loss_v):
+            raise FloatingPointError(f"training loss is {loss_v} at step {step}")
+        run["steps"].append({"step": step, "loss": loss_v, "lr": lr_at(step, args),
+                             "step_ms": (t2 - t0) * 1e3, "backward_ms": (t1 - t0) * 1e3,
+                             "update_ms": (t2 - t1) * 1e3, "measured": measure})
+        if not measure and stats["calls"]:
+            hook_ms.append(stats["comm_s"] * 1e3)
+        if measure:
+            run["vnmse"].append({"step": step, "vnmse": stats["vnmse"],
+                                 "bits_per_coord": stats["bits_per_coord"]})
+        if args.probe_every and step % args.probe_every == args.probe_every - 1:
+            probe_ms.append(_compute_probe(ddp, opt, w, device, torch, sync))
+        if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
+            run["evals"].append({"step": step + 1, "val_loss": evaluate(
+                ddp.module, val, args, rank, world, device, torch)})
+        text = f"loss {loss_v:.4f}"
+        if run["evals"]:
+            text += f" val {run['evals'][-1]['val_loss']:.4f}"
+        progress.update(step, text)
+    progress.close()
+
+    # Medians over the steps after the first 10 % (warm-up: allocations, NCCL
+    # and kernel set-up), without the steps that measured the error.
+    timed = [s for s in run["steps"][max(1, args.steps // 10):] if not s["measured"]]
+    med = (lambda xs: statistics.median(xs) if xs else float("nan"))
+    step_ms = med([s["step_ms"] for s in timed])
+    probes = probe_ms[len(probe_ms) // 10:] or probe_ms
+    compute_ms = med(probes) + med([s["update_ms"] for s in timed])
+    run["probe_ms"] = probe_ms
+    vn = [v["vnmse"] for v in run["vnmse"] if v["vnmse"] is not None]
+    bits = [v["bits_per_coord"] for v in run["vnmse"] if v["bits_per_coord"]]
+    bits = bits or {"fp32": [32.0], "bf16": [16.0]}.get(args.codec)   # NCCL/gloo payloads
+    run["summary"] = {
+        "codec": args.codec, "seed": args.seed, "steps": args.steps,
+        "final_val_loss": run["evals"][-1]["val_loss"],
+        "final_train_loss": statistics.mean(s["loss"] for s in run["steps"][-10:]),
+        "step_ms": step_ms, "compute_ms": compute_ms, "comm_ms": step_ms - compute_ms,
+        "hook_ms": statistics.median(hook_ms) if hook_ms else None,
+        "vnmse_mean": statistics.mean(vn) if vn else None,
+        "bits_per_coord": statistics.mean(bits) if bits else None,
+        "wall_s": time.perf_counter() - t_start,
+    }
+    if rank == 0:
+        s = run["summary"]
+        print(f"{args.codec} seed {args.seed}: final val loss {s['final_val_loss']:.4f}, "
+              f"step {s['step_ms']:.1f} ms = compute {s['compute_ms']:.1f} + comm "
+              f"{s['comm_ms']:.1f} ms, vNMSE {_fmt(s['vnmse_mean'])}, bits/coord "
+              f"{_fmt(s['bits_per_coord'])}, {s['wall_s']:.1f} s", flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(run, f, indent=1)
+        if args.png:
+            plot_runs([run], args.png)
+    if owns_group:
+        dist.destroy_process_group()
+    return run
+
+
+def _fmt(x):
+    return "-" if x is None else f"{x:.3g}"
+
+
+def _device_name(device, torch):
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import platform
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+# --------------------------------------------------------------------- plots
+def plot_runs(runs, png):
+    """Draw training (smoothed) and validation loss of several runs into one
+    PNG.  ``runs``: run dicts, paths of run JSON files, or of JSON files
+    holding ``{"runs": [...]}``."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    loaded = []
+    for r in runs:
+        if isinstance(r, (str, os.PathLike)):
+            with open(r) as f:
+                r = json.load(f)
+        loaded.extend(r["runs"] if "runs" in r else [r])
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in loaded:
+        cfg = r["config"]
+        label = f"{cfg['codec']} (seed {cfg['seed']})"
+        steps = [s["step"] for s in r["steps"]]
+        losses = [s["loss"] for s in r["steps"]]
+        k = max(1, len(losses) // 50)          # moving average over ~2 % of the run
+        smooth = [statistics.mean(losses[max(0, i - k + 1):i + 1]) for i in range(len(losses))]
+        ax_t.plot(steps, smooth, label=label, lw=1)
+        ax_v.plot([e["step"] for e in r["evals"]], [e["val_loss"] for e in r["evals"]],
+                  marker="o", ms=3, label=label, lw=1)
+    for ax, title in ((ax_t, "training loss (moving average)"), (ax_v, "validation loss")):
+        ax.set_xlabel("step")
+        ax.set_ylabel("nats / byte")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if loaded:
+        c = loaded[0]["config"]
+        fig.suptitle(f"{c['n_params'] / 1e6:.3g}M-parameter LLaMA, {c['world_size']} ranks, "
+                     f"{c['device']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,342 @@
+"""The torch adapter under mpiexec (CPU, gloo): DDP with our hook against plain
+DDP and a float64 oracle, ranks staying identical, the bucket rebuild, state
+pickling, errors raised on every rank, the plain-loop all-reduce, and a few
+steps of mpi_examples/train_lm.py run inside this MPI job.
+
+Run: mpiexec -n 2 python -m pytest --with-mpi --only-mpi tests/mpi/test_torch_mpi.py
+"""
+import importlib.util
+import os
+import pickle
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+comm = MPI.COMM_WORLD
+N = comm.size
+MAX_WORLD = 3
+if N > MAX_WORLD:
+    # Importing torch (and the torch._dynamo that DDP pulls in) on 4+ ranks
+    # sharing CI's 2 cores costs 15 s and more; sizes 2 and 3 cover the logic.
+    pytest.skip(f"torch adapter tests run at world sizes 2..{MAX_WORLD}",
+                allow_module_level=True)
+
+torch = pytest.importorskip("torch", exc_type=ImportError)   # missing or unusable
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import dynamiq_mpi as dq  # noqa: E402
+import dynamiq_mpi.torch as dqt  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LAST = N - 1
+
+
+def dynamiq5():
+    # small_input=0: compress even the small buckets of these test models
+    # (by default the core sends inputs below 64Ki elements as BF16).
+    return dq.DynamiQ(bits=5, small_input=0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def process_group():
+    torch.set_num_threads(1)
+    dqt.init_process_group_from_mpi("gloo")
+    assert dist.get_world_size() == N and dist.get_rank() == comm.rank
+    yield
+    dist.destroy_process_group()
+
+
+class Net(nn.Module):
+    """Layers declared in an order different from their use, so DDP's bucket
+    rebuild after the first iteration (gradient-ready order) changes the
+    buckets."""
+
+    def __init__(self, width=48):
+        super().__init__()
+        self.out = nn.Linear(width, 8)
+        self.inp = nn.Linear(16, width)
+        self.mid = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x)))))
+
+
+def make_net(dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    return Net().to(dtype)
+
+
+def batch(step, rank=None, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1000 * step + (comm.rank if rank is None else rank))
+    return torch.randn(32, 16, generator=gen).to(dtype), torch.randn(32, 8, generator=gen)
+
+
+def loss_of(model, x, y):
+    return (model(x).float() - y).square().mean()
+
+
+def oracle_mean(tensors):
+    """float64 mean over the ranks of each tensor, and of its |values|."""
+    local = [t.detach().double().numpy().ravel() for t in tensors]
+    every = comm.allgather(local)
+    mean = [np.mean([e[i] for e in every], axis=0) for i in range(len(local))]
+    mabs = [np.mean([np.abs(e[i]) for e in every], axis=0) for i in range(len(local))]
+    return mean, mabs
+
+
+def assert_same_on_every_rank(tensors, what):
+    blob = b"".join(t.detach().contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+    blobs = comm.allgather(blob)
+    assert all(b == blobs[0] for b in blobs), f"{what} differ between ranks"
+
+
+# ULP of the result's dtype, and the hook's dtypes (float16 needs it in the core)
+EPS = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+DTYPES = [torch.float32, torch.bfloat16,
+          pytest.param(torch.float16, id="float16 (core: float16 input)")]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_exact_codec_hook_matches_ddp(dtype):
+    """With dq.Exact() the hook's averaged gradients equal plain DDP's and the
+    float64 mean of the ranks' gradients, to rounding of the dtype."""
+    x, y = batch(0, dtype=dtype)
+    plain = DDP(make_net(dtype))
+    loss_of(plain, x, y).backward()
+    hooked = DDP(make_net(dtype), bucket_cap_mb=0.004)
+    state = dqt.HookState(codec=dq.Exact())
+    hooked.register_comm_hook(state, dqt.ddp_comm_hook)
+    loss_of(hooked, x, y).backward()
+    local = make_net(dtype)                       # this rank's own, unreduced gradients
+    loss_of(local, x, y).backward()
+
+    mean, mabs = oracle_mean([p.grad for p in local.parameters()])
+    tol_scale = 4 * N * EPS[dtype]
+    for p_h, p_d, m, a, (name, _) in zip(hooked.parameters(), plain.parameters(), mean, mabs,
+                                         local.named_parameters()):
+        for got, who in ((p_h.grad, "hook"), (p_d.grad, "plain DDP")):
+            err = np.abs(got.double().numpy().ravel() - m)
+            bound = tol_scale * a + 1e-30
+            assert np.all(err <= bound), (f"{who}: {name} off the float64 mean by "
+                                          f"{np.max(err / bound):.2f}x the bound")
+    assert state.pop_stats()["calls"] >= 1
+    assert_same_on_every_rank([p.grad for p in hooked.parameters()], "gradients")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_dynamiq_training_keeps_ranks_identical_and_survives_rebuild():
+    """Several SGD steps with DynamiQ(bits=5): parameters are bit-identical
+    on every rank after every step, including across DDP's bucket rebuild
+    (checked to have happened); the error against an exact all-reduce is small."""
+    model = DDP(make_net(), bucket_cap_mb=0.004)
+    state = dqt.HookState(codec=dynamiq5(), seed=3)
+    layouts = {}
+
+    def recording_hook(st, bucket):
+        layouts.setdefault(st.iteration, []).append(bucket.buffer().numel())
+        return dqt.ddp_comm_hook(st, bucket)
+
+    model.register_comm_hook(state, recording_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(4):
+        state.measure_error = step == 3
+        x, y = batch(step)
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+        assert_same_on_every_rank(list(model.parameters()), f"parameters after step {step}")
+    stats = state.pop_stats()
+    assert state.iteration == 4
+    assert layouts[0] != layouts[1], f"no bucket rebuild happened: {layouts}"
+    assert layouts[1] == layouts[2] == layouts[3]
+    assert state.counter == sum(len(v) for v in layouts.values())
+    # A sanity bound only: these buckets are small and dense (measured ~0.005-0.06).
+    assert 0 < stats["vnmse"] < 0.2, str(stats)
+    assert state.last_report.bits_per_coord <= 5.5
+
+
+@pytest.mark.mpi(min_size=2)
+def test_state_pickles_without_comm_and_continues_the_generator():
+    state = dqt.HookState(codec=dq.DynamiQ(bits=4, small_input=0), seed=11, topology="ring")
+    x = torch.from_numpy(np.random.default_rng([5, comm.rank]).standard_normal(5000)
+                         .astype(np.float32))
+    for _ in range(3):
+        state.allreduce_(x.clone())
+    state.iteration = 7
+    blob = pickle.dumps(state)
+    assert b"mpi4py" not in blob                  # no communicator inside
+    restored = pickle.loads(blob)
+    assert restored._comm is None and restored._collective is None
+    assert (restored.counter, restored.iteration, restored.seed) == (3, 7, 11)
+    assert restored.codec == state.codec and restored.topology == "ring"
+
+    # Same counter, same data -> the same random draws, bit for bit; the
+    # restored state attaches to COMM_WORLD on first use.
+    a = state.allreduce_(x.clone())
+    b = restored.allreduce_(x.clone())
+    assert torch.equal(a, b)
+    assert restored.comm is MPI.COMM_WORLD
+    assert state.counter == restored.counter == 4
+
+    # Or to a communicator given explicitly, keeping the counter.
+    other = pickle.loads(blob)
+    dup = comm.Dup()
+    try:
+        other.comm = dup
+        c = other.allreduce_(x.clone())
+        assert torch.equal(a, c) and other.counter == 4
+        # A counter re-attached mid-life carries over too.
+        other.comm = comm
+        assert other.counter == 4
+    finally:
+        dup.Free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_restored_state_drives_a_new_ddp():
+    """A checkpointed state registered on a rebuilt DDP keeps training with
+    the ranks in lockstep."""
+    model = DDP(make_net(), bucket_cap_mb=0.004)
+    state = dqt.HookState(codec=dynamiq5())
+    model.register_comm_hook(state, dqt.ddp_comm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(2):
+        opt.zero_grad()
+        loss_of(model, *batch(step)).backward()
+        opt.step()
+    ckpt = pickle.dumps({"model": model.module.state_dict(), "hook": state})
+    loaded = pickle.loads(ckpt)
+    net = make_net(seed=99)
+    net.load_state_dict(loaded["model"])
+    model2 = DDP(net, bucket_cap_mb=0.004)
+    model2.register_comm_hook(loaded["hook"], dqt.ddp_comm_hook)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.05)
+    for step in range(2, 4):
+        opt2.zero_grad()
+        loss_of(model2, *batch(step)).backward()
+        opt2.step()
+        assert_same_on_every_rank(list(model2.parameters()), f"parameters after step {step}")
+    assert loaded["hook"].iteration == 4
+    assert loaded["hook"].counter > state.counter
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("small_input", [0, 1 << 16], ids=["compressed", "small-as-bf16"])
+def test_nan_gradient_on_one_rank_raises_on_every_rank(small_input):
+    model = DDP(make_net(), bucket_cap_mb=0.004)
+    state = dqt.HookState(codec=dq.DynamiQ(bits=5, small_input=small_input))
+    model.register_comm_hook(state, dqt.ddp_comm_hook)
+    x, y = batch(0)
+    if comm.rank == LAST:
+        x[3, 5] = float("nan")
+    with pytest.raises(Exception) as info:
+        loss_of(model, x, y).backward()
+    messages = comm.allgather(f"{type(info.value).__name__}: {info.value}")
+    assert all(m == messages[0] for m in messages), messages
+    assert isinstance(info.value, dq.NonFiniteInputError), messages[0]
+    assert "NaN or Inf" in messages[0]
+
+
+def _grads(rank, shapes_dtypes, seed=0):
+    """Parameters with given-shape gradients, the same shapes on every rank."""
+    params = []
+    for i, (shape, dtype) in enumerate(shapes_dtypes):
+        p = nn.Parameter(torch.zeros(shape, dtype=dtype))
+        if dtype is not None:
+            g = np.random.default_rng([seed, i, rank]).standard_normal(shape)
+            p.grad = torch.from_numpy(g).to(dtype)
+        params.append(p)
+    return params
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtypes", [
+    (torch.float32, torch.bfloat16),
+    pytest.param((torch.float32, torch.bfloat16, torch.float16), id="with-float16 (core)"),
+], ids=str)
+def test_allreduce_gradients_coalesces_into_buckets(dtypes):
+    specs = []
+    for dt in dtypes:
+        specs += [((64, 33), dt), ((7,), dt), ((300,), dt), ((5, 2), dt)]
+    params = _grads(comm.rank, specs)
+    params.insert(2, nn.Parameter(torch.zeros(9)))        # no gradient: skipped
+    # a non-contiguous gradient goes through the flat bucket and comes back
+    params[0].grad = params[0].grad.t().contiguous().t()
+    assert not params[0].grad.is_contiguous()
+    before = [p.grad.clone() if p.grad is not None else None for p in params]
+    state = dqt.HookState(codec=dq.Exact())
+    cap_mb = 6000 / 2 ** 20                               # splits the float32 group
+    n_buckets = dqt.allreduce_gradients(params, state, bucket_cap_mb=cap_mb)
+    assert state.counter == n_buckets                     # one call per bucket
+    assert len(dtypes) < n_buckets < len(specs)
+    with_grad = [(p, b) for p, b in zip(params, before) if b is not None]
+    mean, mabs = oracle_mean([b for _, b in with_grad])
+    for (p, _), m, a in zip(with_grad, mean, mabs):
+        err = np.abs(p.grad.double().numpy().ravel() - m)
+        assert np.all(err <= 4 * N * EPS[p.grad.dtype] * a + 1e-30), p.grad.dtype
+    assert params[2].grad is None
+    assert_same_on_every_rank([p.grad for p, _ in with_grad], "gradients")
+
+
+@pytest.mark.mpi(min_size=2)
+def test_allreduce_gradients_rank_disagreement_raises_everywhere():
+    specs = [((10,), torch.float32), ((20,), torch.float32)]
+    params = _grads(comm.rank, specs)
+    if comm.rank == LAST:
+        params[1].grad = None
+    with pytest.raises(dq.InputMismatchError) as info:
+        dqt.allreduce_gradients(params, dqt.HookState(codec=dq.Exact()))
+    messages = comm.allgather(str(info.value))
+    assert all(m == messages[0] for m in messages)
+    assert "disagree" in messages[0]
+
+
+def _train_lm():
+    spec = importlib.util.spec_from_file_location(
+        "train_lm", os.path.join(ROOT, "mpi_examples", "train_lm.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.mpi(min_size=2)
+def test_train_lm_tiny_runs_in_this_job():
+    """A few steps of the training example, as part of this MPI job, for a
+    compressed codec and the BF16 baseline: same data and initial loss, the
+    ranks agree on the validation loss, the JSON is written."""
+    if N != 2:
+        pytest.skip("run at world size 2 only (transformers is slow to import on 2 cores)")
+    pytest.importorskip("transformers")
+    mod = _train_lm()
+    folder = comm.bcast(tempfile.mkdtemp(prefix="train_lm_") if comm.rank == 0 else None)
+    runs = {}
+    for codec in ("dynamiq:5", "bf16"):
+        path = os.path.join(folder, codec.replace(":", "") + ".json")
+        runs[codec] = mod.main(["--tiny", "--steps", "3", "--codec", codec, "--no-progress",
+                                "--probe-every", "1", "--json", path])
+        s = runs[codec]["summary"]
+        finals = comm.allgather(s["final_val_loss"])
+        assert len(set(finals)) == 1 and np.isfinite(finals[0])
+        if comm.rank == 0:
+            import json
+            with open(path) as f:
+                saved = json.load(f)
+            assert [r["step"] for r in saved["steps"]] == [0, 1, 2]
+            assert saved["summary"]["final_val_loss"] == s["final_val_loss"]
+            assert saved["corpus"]["files_val"] > 0 and saved["corpus"]["bytes_train"] > 10 ** 6
+    # same initial model and batch: the first loss (before any communication) agrees
+    assert runs["dynamiq:5"]["steps"][0]["loss"] == runs["bf16"]["steps"][0]["loss"]
+    # the compute-only probes between steps leave training unchanged
+    unprobed = mod.main(["--tiny", "--steps", "3", "--codec", "dynamiq:5", "--no-progress",
+                         "--probe-every", "0"])
+    assert [s["loss"] for s in unprobed["steps"]] == [s["loss"] for s in runs["dynamiq:5"]["steps"]]
+    assert unprobed["evals"] == runs["dynamiq:5"]["evals"]
+    assert len(runs["dynamiq:5"]["probe_ms"]) == 3 and unprobed["probe_ms"] == []
+    dq_run = runs["dynamiq:5"]
+    assert all(0 < v["vnmse"] < 0.2 for v in dq_run["vnmse"]), dq_run["vnmse"]
+    assert 4 < dq_run["summary"]["bits_per_coord"] <= 5.5
