@@ -92,34 +92,14 @@ def load_corpus(stdlib=None):
 
 
 # --------------------------------------------------------------------- codecs
-_DQ_CODECS = {"dynamiq": ("DynamiQ", "bits", int), "exact": ("Exact", None, None),
-              "dq-bf16": ("BF16", None, None), "mxfp": ("MXFP", "fmt", str),
-              "thc": ("THC", None, None), "omnireduce": ("OmniReduce", None, None)}
-
-
 def resolve_codec(spec):
     """'fp32' / 'bf16' (DDP's own all-reduce) -> the string; anything else ->
-    a dynamiq_mpi codec object ('dynamiq:5', 'mxfp:e4m3', 'thc', ...)."""
+    a dynamiq_mpi codec object, spelt as for ``python -m dynamiq_mpi bench``:
+    'dynamiq:5', 'dynamiq:5:small_input=0', 'exact', 'dq-bf16' (our BF16 codec)."""
     if spec in ("fp32", "bf16"):
         return spec
-    import dynamiq_mpi as dq
-    name, _, arg = spec.partition(":")
-    if name not in _DQ_CODECS:
-        raise ValueError(f"unknown codec {spec!r}; known: fp32, bf16, "
-                         + ", ".join(f"{k}:ARG" if v[1] else k for k, v in _DQ_CODECS.items()))
-    cls_name, _, conv = _DQ_CODECS[name]
-    cls = getattr(dq, cls_name, None)
-    if cls is None:
-        raise ValueError(f"codec {spec!r} needs dynamiq_mpi.{cls_name}, which the installed "
-                         f"dynamiq_mpi {getattr(dq, '__version__', '?')} does not have")
-    if conv is None:
-        if arg:
-            raise ValueError(f"codec {name!r} takes no argument (got {spec!r})")
-        return cls()
-    if not arg:
-        raise ValueError(f"codec {name!r} needs an argument, e.g. {name}:"
-                         f"{'5' if conv is int else 'e4m3'}")
-    return cls(conv(arg))
+    from dynamiq_mpi.codecs import codec_from_string
+    return codec_from_string("bf16" if spec == "dq-bf16" else spec)
 
 
 def _builtin_hook(kind):

@@ -38,10 +38,12 @@ PARTIAL_SUM_LIMIT = np.float32(0.98) * FLT_MAX
 DEFAULT_EPS = {2: 0.27, 4: 0.20, 8: 0.08}
 
 # Inputs shorter than this (elements) are sent as BF16 instead: the per-call
-# latency dominates there and the statistics and scales eat the budget of a
-# handful of super-groups (255 elements at 5 bits would get 2-bit codes).
-# Measured crossovers per link are in docs/benchmarks.md.
-DEFAULT_SMALL_INPUT = 1 << 16
+# costs (agreement, the statistics round trip, planning) dominate there, and
+# the statistics and scales eat the budget of a handful of super-groups (255
+# elements at 5 bits would get 2-bit codes).  On 2x H200 our BF16 path beat
+# DynamiQ below about 2^22 elements on every link measured (sockets: 0.75 vs
+# 1.33 ms at 2^20; DynamiQ ahead from 2^23); docs/benchmarks.md.
+DEFAULT_SMALL_INPUT = 1 << 21
 
 
 def metadata_bits_per_coord(hierarchical: bool, centring: bool) -> float:

@@ -100,7 +100,7 @@ def test_gpu_in_place_other_stream_and_profile(cp, colls, transport):
     seed = shared_seed()
     xs = rank_inputs(seed, N, 1 << 17, dtype=BF16)
     coll = colls(transport, 1 << 16)
-    codec = dq.DynamiQ(bits=5)
+    codec = dq.DynamiQ(bits=5, small_input=0)
     coll.counter = 11
     ref = cp.asnumpy(coll.allreduce(cp.asarray(xs[comm.rank]), codec=codec, op="mean"))
     stream = cp.cuda.Stream(non_blocking=True)
@@ -124,7 +124,7 @@ def test_gpu_in_place_other_stream_and_profile(cp, colls, transport):
 def test_gpu_float16_input(cp, colls, transport):
     seed = shared_seed()
     xs = [x.astype(np.float16) for x in rank_inputs(seed, N, 70000, kind="normal")]
-    out = colls(transport, 8 << 20).allreduce(cp.asarray(xs[comm.rank]), codec=dq.DynamiQ(bits=6))
+    out = colls(transport, 8 << 20).allreduce(cp.asarray(xs[comm.rank]), codec=dq.DynamiQ(bits=6, small_input=0))
     assert out.dtype == np.float16
     host = cp.asnumpy(out)
     assert vnmse(host, exact_sum(xs)) < 0.05

@@ -315,7 +315,7 @@ def test_train_lm_tiny_runs_in_this_job():
     mod = _train_lm()
     folder = comm.bcast(tempfile.mkdtemp(prefix="train_lm_") if comm.rank == 0 else None)
     runs = {}
-    for codec in ("dynamiq:5", "bf16"):
+    for codec in ("dynamiq:5:small_input=0", "bf16"):
         path = os.path.join(folder, codec.replace(":", "") + ".json")
         runs[codec] = mod.main(["--tiny", "--steps", "3", "--codec", codec, "--no-progress",
                                 "--probe-every", "1", "--json", path])
@@ -330,13 +330,13 @@ def test_train_lm_tiny_runs_in_this_job():
             assert saved["summary"]["final_val_loss"] == s["final_val_loss"]
             assert saved["corpus"]["files_val"] > 0 and saved["corpus"]["bytes_train"] > 10 ** 6
     # same initial model and batch: the first loss (before any communication) agrees
-    assert runs["dynamiq:5"]["steps"][0]["loss"] == runs["bf16"]["steps"][0]["loss"]
+    assert runs["dynamiq:5:small_input=0"]["steps"][0]["loss"] == runs["bf16"]["steps"][0]["loss"]
     # the compute-only probes between steps leave training unchanged
-    unprobed = mod.main(["--tiny", "--steps", "3", "--codec", "dynamiq:5", "--no-progress",
+    unprobed = mod.main(["--tiny", "--steps", "3", "--codec", "dynamiq:5:small_input=0", "--no-progress",
                          "--probe-every", "0"])
-    assert [s["loss"] for s in unprobed["steps"]] == [s["loss"] for s in runs["dynamiq:5"]["steps"]]
-    assert unprobed["evals"] == runs["dynamiq:5"]["evals"]
-    assert len(runs["dynamiq:5"]["probe_ms"]) == 3 and unprobed["probe_ms"] == []
-    dq_run = runs["dynamiq:5"]
+    assert [s["loss"] for s in unprobed["steps"]] == [s["loss"] for s in runs["dynamiq:5:small_input=0"]["steps"]]
+    assert unprobed["evals"] == runs["dynamiq:5:small_input=0"]["evals"]
+    assert len(runs["dynamiq:5:small_input=0"]["probe_ms"]) == 3 and unprobed["probe_ms"] == []
+    dq_run = runs["dynamiq:5:small_input=0"]
     assert all(0 < v["vnmse"] < 0.2 for v in dq_run["vnmse"]), dq_run["vnmse"]
     assert 4 < dq_run["summary"]["bits_per_coord"] <= 5.5

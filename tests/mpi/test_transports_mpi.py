@@ -169,9 +169,13 @@ def test_small_inputs_go_as_bf16_and_report_it():
         # BF16 on the wire: every partial sum rounded once per hop (relative 2^-9)
         mag = np.sum(np.abs(np.stack(xs).astype(np.float64)), axis=0)
         assert np.all(np.abs(out - exact_sum(xs)) <= N * 2.0 ** -8 * mag), f"length {length}"
-    xs = rank_inputs(seed, N, 1 << 16)
-    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(bits=5), return_report=True)
-    assert "fallback" not in rep.codec_info and rep.bits_per_coord <= 5.0
+    threshold = dq.DynamiQ().small_input
+    for length, falls_back in ((threshold - 1, True), (threshold, False)):
+        x = np.random.default_rng([seed, comm.rank]).standard_normal(length).astype(np.float32)
+        _, rep = dq.allreduce(x, codec=dq.DynamiQ(bits=5), return_report=True)
+        assert ("fallback" in rep.codec_info) == falls_back
+        assert rep.bits_per_coord == (pytest.approx(16.0) if falls_back else rep.bits_per_coord)
+        assert falls_back or rep.bits_per_coord <= 5.0
 
 
 @pytest.mark.mpi(min_size=2)
