@@ -1,7 +1,6 @@
 """The torch adapter in one process (world size 1) and the pure helpers of
 mpi_examples/train_lm.py.  Skipped where torch is not installed, except the
 check that the package itself never imports torch."""
-import importlib.util
 import math
 import os
 import pickle
@@ -12,6 +11,7 @@ import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import load_example  # noqa: E402
 
 
 def test_importing_the_package_does_not_import_torch():
@@ -174,11 +174,7 @@ def test_ddp_with_the_hook_at_world_size_one():
 # --------------------------------------------------------------------- train_lm helpers
 @pytest.fixture(scope="module")
 def train_lm():
-    spec = importlib.util.spec_from_file_location(
-        "train_lm", os.path.join(ROOT, "mpi_examples", "train_lm.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("train_lm")
 
 
 def test_corpus_is_fixed_and_split_by_file(train_lm):

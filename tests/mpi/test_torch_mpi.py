@@ -5,7 +5,6 @@ steps of mpi_examples/train_lm.py run inside this MPI job.
 
 Run: mpiexec -n 2 python -m pytest --with-mpi --only-mpi tests/mpi/test_torch_mpi.py
 """
-import importlib.util
 import os
 import pickle
 import tempfile
@@ -31,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import dynamiq_mpi as dq  # noqa: E402
 import dynamiq_mpi.torch as dqt  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import load_example  # noqa: E402
 LAST = N - 1
 
 
@@ -297,11 +296,7 @@ def test_allreduce_gradients_rank_disagreement_raises_everywhere():
 
 
 def _train_lm():
-    spec = importlib.util.spec_from_file_location(
-        "train_lm", os.path.join(ROOT, "mpi_examples", "train_lm.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_example("train_lm")
 
 
 @pytest.mark.mpi(min_size=2)
