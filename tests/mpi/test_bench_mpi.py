@@ -1,0 +1,45 @@
+"""The benchmark command under mpiexec on host arrays (MPI reference row):
+every row present, honest bits, no rank disagrees, the table and JSON written."""
+import json
+import os
+import tempfile
+
+import pytest
+from mpi4py import MPI
+
+from dynamiq_mpi.__main__ import main
+
+comm = MPI.COMM_WORLD
+N = comm.size
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bench_command_runs_on_host_arrays(capsys):
+    folder = comm.bcast(tempfile.mkdtemp(prefix="bench_") if comm.rank == 0 else None)
+    path = os.path.join(folder, "bench.json")
+    topologies = "ring,butterfly"
+    main(["bench", "--array", "numpy", "--sizes", "64K,2M", "--codec",
+          "dynamiq:5,dynamiq:5:small_input=0,bf16", "--topology", topologies,
+          "-w", "1", "-n", "2", "--breakdown", "--json", path])
+    comm.Barrier()
+    with open(path) as f:
+        data = json.load(f)
+    rows = data["rows"]
+    pow2 = N & (N - 1) == 0
+    per_size = 1 + 3 * (2 if pow2 else 1)
+    assert len(rows) == 2 * per_size
+    assert all(r["wrong"] == 0 for r in rows)
+    ref = [r for r in rows if r["transport"] == "mpi" and r["topology"] == "-"]
+    assert len(ref) == 2 and all(r["bits"] == 16.0 for r in ref)
+    for r in rows:
+        assert r["time_us"] > 0 and r["algbw"] > 0 and r["vnmse"] < 0.05
+        if r["codec"] == "dynamiq:5:small_input=0":
+            assert 4.9 <= r["bits"] <= 5.0 and not r["fallback"]
+            assert {"agreement", "statistics", "plan", "reduce-scatter", "all-gather",
+                    "finish"} <= set(r["phases_us"])
+        if r["codec"] == "dynamiq:5" and r["count"] < (1 << 21):
+            assert r["fallback"] and r["bits"] == pytest.approx(16.0)
+    assert data["meta"]["ranks"] == N
+    out = capsys.readouterr().out
+    if comm.rank == 0:
+        assert "#wrong" in out and "speedup" in out and "breakdown" in out
