@@ -33,7 +33,7 @@ import numpy as np
 from . import schedules
 from .backend import SUPPORTED_DTYPES, backend_for, dtype_name
 from .codecs.base import DEFAULT_TILE_BYTES, Codec, align_up
-from .codecs.plain import ElementwisePlan, exact_sum_into
+from .codecs.plain import ByteMaxPlan, ElementwisePlan, exact_sum_into
 from .errors import InputMismatchError, InvalidInputError
 from .report import Report
 from .rng import call_keys
@@ -168,22 +168,28 @@ def run_schedule(plan, schedule, rank):
 
 
 def _reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
-    """Generator: the exact float32 sum of every rank's statistics vector,
-    bit-identical on every rank.  Returns (reduced, bytes sent, bytes sent by
-    all ranks)."""
+    """Generator: the reduction of every rank's statistics vector, bit-identical
+    on every rank: the exact float32 sum (float32 vectors) or the element-wise
+    maximum (uint8 vectors).  Returns (reduced, bytes sent, bytes sent by all
+    ranks)."""
     xp = backend.xp
+    by_max = stats.dtype == np.uint8
     if n == 2:
         # One exchange of the whole vector instead of the ring's two steps:
-        # the same bytes in one latency, and a + b == b + a in IEEE, so both
-        # ranks hold the same bits (the ring computes the same sums).
+        # the same bytes in one latency, and a + b == b + a in IEEE (max too),
+        # so both ranks hold the same bits (the ring computes the same values).
         peer = 1 - rank
-        other = workspace.take(xp, "stats.peer", stats.shape[0], np.float32)
+        other = workspace.take(xp, "stats.peer", stats.shape[0], stats.dtype)
         handle = yield Exchange(stats.view(np.uint8), peer, other.view(np.uint8), peer)
-        received = (yield Claim(handle)).view(np.float32)
-        reduced = workspace.take(xp, "stats.sum", stats.shape[0], np.float32)
-        exact_sum_into(backend, stats, received, reduced)
+        received = (yield Claim(handle)).view(stats.dtype)
+        reduced = workspace.take(xp, "stats.sum", stats.shape[0], stats.dtype)
+        if by_max:
+            xp.maximum(stats, received, out=reduced)
+        else:
+            exact_sum_into(backend, stats, received, reduced)
         return reduced, stats.nbytes, 2 * stats.nbytes
-    plan = ElementwisePlan(stats, n, backend, workspace, tile_bytes, prefix="stats")
+    plan = (ByteMaxPlan if by_max else ElementwisePlan)(stats, n, backend, workspace, tile_bytes,
+                                                       prefix="stats")
     sent = yield from run_schedule(plan, schedule, rank)
     return plan.reduced_values(), sent, 2 * (n - 1) * sum(plan.chunk_nbytes)
 

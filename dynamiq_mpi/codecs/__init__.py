@@ -1,8 +1,9 @@
 """Codecs: one module per codec, all behind the interface of ``base``."""
 from .dynamiq import DynamiQ
+from .mxfp import MXFP
 from .plain import BF16, Exact
 
-__all__ = ["DynamiQ", "Exact", "BF16", "codec_from_string"]
+__all__ = ["DynamiQ", "Exact", "BF16", "MXFP", "codec_from_string"]
 
 
 def _value(text: str):
@@ -21,7 +22,8 @@ def _value(text: str):
 
 def codec_from_string(spec: str):
     """A codec from a command-line spelling: ``exact``, ``bf16``, ``dynamiq``,
-    ``dynamiq:5`` (bits), ``dynamiq:5:correlated=0:small_input=0`` (fields)."""
+    ``dynamiq:5`` (bits), ``dynamiq:5:correlated=0:small_input=0`` (fields),
+    ``mxfp:e4m3`` (element format)."""
     name, *rest = spec.strip().split(":")
     name = name.lower()
     kwargs = {}
@@ -32,7 +34,8 @@ def codec_from_string(spec: str):
             kwargs[key.strip()] = _value(val.strip())
         elif item:
             positional.append(_value(item))
-    registry = {"exact": (Exact, []), "bf16": (BF16, []), "dynamiq": (DynamiQ, ["bits"])}
+    registry = {"exact": (Exact, []), "bf16": (BF16, []), "dynamiq": (DynamiQ, ["bits"]),
+                "mxfp": (MXFP, ["fmt"])}
     if name not in registry:
         raise ValueError(f"unknown codec {name!r} in {spec!r}; known: {sorted(registry)}")
     cls, names = registry[name]

@@ -183,3 +183,55 @@ def exact_sum_into(backend, a, b, out):
         with np.errstate(over="ignore"):     # saturation is the caller's business
             np.add(a, b, out=out)
     return out
+
+
+class ByteMaxPlan(Plan):
+    """The element-wise maximum of a uint8 vector over the ranks (the shared
+    block exponents of the MX codecs): bytes on the wire, ``max`` at every hop,
+    so every rank ends with the same bytes.  Array code on either backend (the
+    vectors are small)."""
+
+    UNIT = 256
+
+    def __init__(self, x, n, backend, workspace, tile_bytes=DEFAULT_TILE_BYTES, prefix="stats"):
+        self.xp, self.ws, self.prefix = backend.xp, workspace, prefix
+        self.x = x
+        self.length = x.shape[0]
+        units = -(-self.length // self.UNIT)
+        last = self.length - (units - 1) * self.UNIT if units else 0
+        layout = StreamLayout([(max(units - 1, 0), self.UNIT), (1 if units else 0, last)])
+        self.tiling = tile_stream(layout, n, tile_bytes)
+        self.wire = workspace.take(self.xp, f"{prefix}.max.wire", self.tiling.wire_bytes, np.uint8)
+        self.result = workspace.take(self.xp, f"{prefix}.max.result", self.length, np.uint8)
+
+    def _range(self, tile):
+        s0, s1 = self.tiling.units[tile]
+        return s0 * self.UNIT, min(s1 * self.UNIT, self.length)
+
+    def scratch(self, nbytes):
+        return self.ws.take(self.xp, f"{self.prefix}.max.recv", nbytes, np.uint8)
+
+    def compress(self, tile, event):
+        e0, e1 = self._range(tile)
+        slot = self.wire_slot(tile)
+        slot[...] = self.x[e0:e1]
+        return slot
+
+    def accumulate(self, tile, payload, acc):
+        e0, e1 = self._range(tile)
+        return self.xp.maximum(self.x[e0:e1] if acc is None else acc, payload)
+
+    def dar(self, tile, payload, acc, event):
+        slot = self.wire_slot(tile)
+        slot[...] = self.accumulate(tile, payload, acc)
+        return slot
+
+    def decode(self, tile, payload):
+        e0, e1 = self._range(tile)
+        self.result[e0:e1] = payload
+
+    def finish(self, divisor, out):
+        raise NotImplementedError("a statistics reduction has no caller-facing result")
+
+    def reduced_values(self):
+        return self.result

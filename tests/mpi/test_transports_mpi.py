@@ -21,7 +21,8 @@ comm = MPI.COMM_WORLD
 N = comm.size
 TOPOLOGIES = ["ring"] + (["butterfly"] if N & (N - 1) == 0 else [])
 CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(bits=5, small_input=0),
-          dq.DynamiQ(bits=3, correlated=False, small_input=0)]
+          dq.DynamiQ(bits=3, correlated=False, small_input=0), dq.MXFP("e4m3"),
+          dq.MXFP("e3m2"), dq.MXFP("e2m1")]
 
 
 def shared_seed():
@@ -187,3 +188,18 @@ def test_small_input_with_nan_still_raises_everywhere():
     with pytest.raises(dq.NonFiniteInputError, match="NaN or Inf"):
         dq.allreduce(x, codec=dq.DynamiQ(bits=5), out=x)
     assert np.array_equal(x, keep, equal_nan=True)          # nothing written
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m3"])
+def test_mx_codecs_identical_everywhere_and_equal_to_simulation(fmt):
+    seed = shared_seed()
+    xs = rank_inputs(seed, N, 32 * 400 + 5)
+    for topology in TOPOLOGIES:
+        out, rep = dq.allreduce(xs[comm.rank], codec=dq.MXFP(fmt), topology=topology,
+                                return_report=True)
+        sim = dq.simulate_allreduce(xs, codec=dq.MXFP(fmt), topology=topology,
+                                    counter=rep.call_counter)[comm.rank]
+        assert digest(out) == digest(sim), f"seed {seed}"
+        assert same_everywhere(digest(out))
+        assert rep.codec_info["format"] == fmt
