@@ -34,6 +34,7 @@ import numpy as np
 from ..backend import as_float32
 from ..errors import NonFiniteInputError, SumOverflowError
 from .base import DEFAULT_TILE_BYTES, Codec, Plan, StreamLayout, tile_stream
+from .plain import finish_in_order
 
 BLOCK = 32
 SUPER = 256
@@ -228,11 +229,7 @@ class _MXPlan(Plan):
         self.result[b0 * BLOCK:b1 * BLOCK] = self._decode(payload, b0, b1).reshape(-1)
 
     def finish(self, divisor, out):
-        xp = self.xp
-        nsg = -(-self.length // SUPER)
-        identity = xp.arange(nsg, dtype=np.int64)
-        self.k.finish(self.result, identity, xp.zeros(nsg, np.float32), float(divisor), out)
-        return out
+        return finish_in_order(self.k, self.xp, self.ws, self.result, divisor, out)
 
     def report(self, detailed=True):
         return {"format": self.fmt.name, "element_bits": self.fmt.bits,

@@ -125,15 +125,7 @@ class ElementwisePlan(Plan):
             dest[:] = self._decode_host(payload)
 
     def finish(self, divisor, out):
-        # The same scatter kernel as DynamiQ's (identity map, zero means): one
-        # definition of the final rounding on CPU and GPU.
-        xp = self.xp
-        identity = self._take("identity", self.nsg, np.int64)
-        identity[:] = xp.arange(self.nsg, dtype=np.int64)
-        zeros = self._take("zeros", self.nsg, np.float32)
-        zeros[:] = 0
-        self.k.finish(self.result, identity, zeros, float(divisor), out)
-        return out
+        return finish_in_order(self.k, self.xp, self.ws, self.result, divisor, out)
 
     def check_finite(self):
         """NonFiniteInputError unless the decoded sum is finite (it is the same on
@@ -235,3 +227,17 @@ class ByteMaxPlan(Plan):
 
     def reduced_values(self):
         return self.result
+
+
+def finish_in_order(kernels, xp, workspace, result, divisor, out):
+    """``out`` = ``result`` (float32 in the caller's order, at least
+    ceil(len(out) / 256) * 256 values) / divisor in out's dtype, through the
+    same scatter kernel as DynamiQ's (identity map, zero means): one definition
+    of the final rounding on CPU and GPU for every codec."""
+    nsg = -(-out.shape[0] // SUPER)
+    identity = workspace.take(xp, "finish.identity", nsg, np.int64)
+    identity[:] = xp.arange(nsg, dtype=np.int64)
+    zeros = workspace.take(xp, "finish.zeros", nsg, np.float32)
+    zeros[:] = 0
+    kernels.finish(result, identity, zeros, float(divisor), out)
+    return out
