@@ -157,7 +157,7 @@ def main(argv=None):
         n = n_events if correlated else 1
         return np.frombuffer(_gpu.make_params(
             width, True, correlated, n, max(0, (n - 1).bit_length()),
-            keys.value, keys.perm, keys.scale, t.mag, t.inv_gap, t.level, t.lut), np.uint8)
+            keys.value, keys.perm, t.mag, t.inv_gap, t.level, t.lut), np.uint8)
 
     rows = []
     copy_gbps = {}

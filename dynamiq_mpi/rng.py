@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 _MASK64 = (1 << 64) - 1
 
-# Separate key domains: value rounding, the correlated-rounding permutation,
-# and the group-scale rounding never share uniforms.
+# Separate key domains: value rounding and the correlated-rounding permutation
+# never share uniforms.  (Domain 3 keyed the stochastic group-scale codes, which
+# are deterministic since spec 2.7 changed; the numbers of 1 and 2 are kept.)
 DOMAIN_VALUE = 1
 DOMAIN_PERM = 2
-DOMAIN_SCALE = 3
 
 
 def splitmix64(x: int) -> int:
@@ -30,7 +30,6 @@ def splitmix64(x: int) -> int:
 class CallKeys:
     value: int
     perm: int
-    scale: int
 
 
 def call_keys(seed: int, counter: int) -> CallKeys:
@@ -40,4 +39,4 @@ def call_keys(seed: int, counter: int) -> CallKeys:
     def key(domain: int) -> int:
         return splitmix64(base ^ (domain * 0xD1B54A32D192ED03 & _MASK64)) & 0xFFFFFFFF
 
-    return CallKeys(value=key(DOMAIN_VALUE), perm=key(DOMAIN_PERM), scale=key(DOMAIN_SCALE))
+    return CallKeys(value=key(DOMAIN_VALUE), perm=key(DOMAIN_PERM))

@@ -39,7 +39,7 @@ PLAN_HEADER = 10
 
 def make_params(int width, bint hierarchical, bint correlated, unsigned n_events,
                 unsigned perm_bits, unsigned key_value, unsigned key_perm,
-                unsigned key_scale, mag, inv_gap, level, lut):
+                mag, inv_gap, level, lut):
     """Pack a DqParams struct into bytes (the same bytes the GPU receives)."""
     cdef DqParams p
     memset(&p, 0, sizeof(DqParams))
@@ -65,7 +65,6 @@ def make_params(int width, bint hierarchical, bint correlated, unsigned n_events
     p.perm_bits = perm_bits
     p.key_value = key_value
     p.key_perm = key_perm
-    p.key_scale = key_scale
     cdef float[::1] m = mag
     cdef float[::1] g = inv_gap
     cdef float[::1] l = level

@@ -13,7 +13,6 @@ cdef extern from "dq_codec.h":
         uint32_t perm_bits
         uint32_t key_value
         uint32_t key_perm
-        uint32_t key_scale
         float mag[128]
         float inv_gap[128]
         float level[256]

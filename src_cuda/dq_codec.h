@@ -36,7 +36,6 @@ typedef struct DqParams {
     uint32_t perm_bits;     // smallest m with 2^m >= n_events
     uint32_t key_value;     // keys of the counter-based generator, per call and domain
     uint32_t key_perm;
-    uint32_t key_scale;
     float mag[DQ_MAX_R + 1];       // level magnitudes f(eps, r), r = 0..R (mag[R] = 1)
     float inv_gap[DQ_MAX_R + 1];   // 1 / (mag[r+1] - mag[r]), r = 0..R-1
     float level[2 * DQ_MAX_R + 2]; // signed level by code: level[R + q] = sign(q) mag[|q|]
@@ -190,17 +189,19 @@ DQ_HD uint16_t dq_unit_bf16(float max_scale) {
     return u;
 }
 
-// Stochastic uint8 group code c with E[c * unit] = s (exactly, up to one float
-// rounding of s / unit).  g32 is an independent uniform.
-DQ_HD uint32_t dq_scale_code(float s, float unit, uint32_t g32) {
+// Deterministic uint8 group code (spec 2.7): the smallest c with c * unit >= s,
+// so the decoded scale c * unit (exact: an 8-bit integer times a BF16) is never
+// below the group max and normalised values stay in [-1, 1]; 0 for an all-zero
+// group.  For these operands a correctly rounded s / unit never rounds down
+// onto an integer, so ceilf is exact; the exact product check makes the
+// definition hold by construction, whatever the division did.  Saturates
+// at 255 only where the unit stepped down near FLT_MAX (dq_unit_bf16).
+DQ_HD uint32_t dq_scale_code(float s, float unit) {
     if (!(s > 0.0f) || !(unit > 0.0f)) return 0u;
-    float c = s / unit;
+    float c = ceilf(s / unit);
     if (c >= 255.0f) return 255u;
-    float fl = floorf(c);
-    float frac = c - fl;
-    uint32_t ci = (uint32_t)fl;
-    float scaled = frac * 4294967296.0f;
-    if (g32 < (uint32_t)scaled) ci += 1u;
+    uint32_t ci = (uint32_t)c;
+    if ((float)ci * unit < s) ci += 1u;
     return ci;
 }
 
@@ -295,12 +296,6 @@ DQ_HD uint32_t dq_encode_lane(const DqParams* P, float x, DqNorm nm, DqGroupRng 
     }
     return dq_quantize(P, x, nm, g32, pi, n);
 }
-// uint8 code of group `group` (global index sg * 16 + g) given its exact max.
-DQ_HD uint32_t dq_encode_group_scale(const DqParams* P, float gmax, float unit,
-                                     uint32_t group, uint32_t event) {
-    return dq_scale_code(gmax, unit, dq_event_uniform(P->key_scale, group, event));
-}
-
 // Round float32 to BF16, nearest-even (finite inputs; NaN stays NaN).
 DQ_HD uint16_t dq_f32_to_bf16_rne(float f) {
     uint32_t u = dq_f2u(f);

@@ -68,9 +68,9 @@ void encode_sg(const DqParams* P, const float* x, int64_t s, int64_t sg_index,
         store_u16(v.units + 2 * s, unit_bits);
         float unit = dq_bf16_to_f32(unit_bits);
         for (int g = 0; g < DQ_GROUPS; g++) {
-            uint32_t group = (uint32_t)(sg_index * DQ_GROUPS + g);
-            v.gcodes[s * DQ_GROUPS + g] = (uint8_t)dq_encode_group_scale(P, gmax[g], unit, group, event);
-            norm_scale[g] = gmax[g];
+            uint32_t code = dq_scale_code(gmax[g], unit);
+            v.gcodes[s * DQ_GROUPS + g] = (uint8_t)code;
+            norm_scale[g] = (float)code * unit;       // the decoded scale (spec 2.7)
         }
     } else {
         for (int g = 0; g < DQ_GROUPS; g++) {

@@ -86,7 +86,7 @@ template <> struct WT<8> { static constexpr int R = 127; static constexpr int LU
 
 // Kernel parameters derived on the host from DqParams, passed by value.
 struct KParams {
-    uint32_t key_value, key_perm, key_scale;
+    uint32_t key_value, key_perm;
     uint32_t n_events, perm_bits;
     int32_t hierarchical;
     float n_f;                           // (float)n_events
@@ -275,17 +275,16 @@ __device__ __forceinline__ uint16_t unit_bf16(float m) {
     return (uint16_t)(u >> 16);
 }
 
-// dq_scale_code(s, unit, g32) without branches.  Here s = the group max and
+// dq_scale_code(s, unit) without branches.  Here s = the group max and
 // unit = unit_bf16(super-group max), so unit > 0 whenever s > 0; s = 0 gives
-// c = 0 (unit > 0) or 0/0 = NaN (unit = 0), and both give code 0 like the
-// header's early return (cvt.rzi.u32 of NaN is 0); s is never NaN or negative.
-__device__ __forceinline__ uint32_t scale_code(float s, float unit, uint32_t g32) {
-    const float c = s / unit;
-    const float fl = floorf(c);
-    const uint32_t ci = __float2uint_rz(fl);
-    const uint32_t lim = __float2uint_rz((c - fl) * 4294967296.0f);   // frac < 1: exact
-    const uint32_t r = ci + (g32 < lim ? 1u : 0u);
-    return c >= 255.0f ? 255u : r;
+// c = 0 (unit > 0) or ceil(0/0) = NaN (unit = 0), and both give code 0 like the
+// header's early return (cvt.rzi.u32 of NaN is 0, and 0 * unit < 0 is false);
+// s is never NaN or negative.  ci * unit is exact (8-bit integer times BF16).
+__device__ __forceinline__ uint32_t scale_code(float s, float unit) {
+    const float c = ceilf(s / unit);
+    uint32_t ci = __float2uint_rz(c);
+    ci += (__uint2float_rz(ci) * unit < s) ? 1u : 0u;
+    return c >= 255.0f ? 255u : ci;
 }
 
 // ---------------------------------------------------------------- one group
@@ -380,13 +379,13 @@ __device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables
     if (kp.hierarchical) {
         const uint16_t unit_bits = unit_bf16(smax);
         const float unit = dq_bf16_to_f32(unit_bits);
-        // dq_encode_group_scale: dq_scale_code(gm, unit, dq_event_uniform(key_scale, group, event))
-        const uint32_t gcode = scale_code(gm, unit, event_uniform(group + kp.key_scale, Ex));
+        // dq_scale_code; values are normalised by the decoded scale (spec 2.7)
+        const uint32_t gcode = scale_code(gm, unit);
         if (valid) {
             out[L.gmeta] = (uint8_t)gcode;
             if (g == 0) st_u16a(out + L.unit, unit_bits, A.unit);
         }
-        ns = gm;
+        ns = __uint2float_rz(gcode) * unit;
     } else {
         const uint16_t b = gm > 0.0f ? dq_f32_to_bf16_up(gm) : (uint16_t)0;
         if (valid) st_u16a(out + L.gmeta, b, A.meta2);
@@ -951,7 +950,6 @@ int host_build(const DqParams* P, KParams* kp, bool* onestep) {
     memset(kp, 0, sizeof(*kp));
     kp->key_value = P->key_value;
     kp->key_perm = P->key_perm;
-    kp->key_scale = P->key_scale;
     kp->n_events = P->n_events;
     kp->perm_bits = P->perm_bits;
     kp->hierarchical = P->hierarchical;

@@ -55,3 +55,32 @@ def load_example(name: str):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def scale_boundary_input(rng, nsg: int):
+    """float32 super-groups whose group maxima sit on the edges of the
+    hierarchical scale code (spec 2.7): each super-group's maximum is 255 * u
+    for a random BF16 unit u (so its unit is exactly u), and every other group's
+    maximum is k * u, its float32 successor (code k + 1) or its predecessor
+    (code k), k random in 1..254.  A quarter of the units are subnormal BF16
+    (m * 2^-133), where decoded scales fall below FLT_MIN.  Returns (x,
+    expected codes (nsg, 16))."""
+    exps = rng.integers(-60, 60, nsg)
+    mant = rng.integers(0x80, 0x100, nsg)                  # 8 significant bits: a BF16
+    u = np.ldexp(mant.astype(np.float64) / 0x80, exps)
+    tiny = rng.random(nsg) < 0.25
+    u[tiny] = np.ldexp(rng.integers(1, 0x80, int(tiny.sum())).astype(np.float64), -133)
+    k = rng.integers(1, 255, (nsg, 16)).astype(np.float64)
+    side = rng.integers(-1, 2, (nsg, 16))                  # -1: predecessor, 0: exact, 1: successor
+    s = (k * u[:, None]).astype(np.float32)                # exact: 8 bits times 8 bits
+    s = np.where(side > 0, np.nextafter(s, np.float32(np.inf)),
+                 np.where(side < 0, np.nextafter(s, np.float32(0)), s)).astype(np.float32)
+    expect = np.where(side > 0, k + 1, k)
+    g0 = rng.integers(0, 16, nsg)
+    s[np.arange(nsg), g0] = (255 * u).astype(np.float32)   # fixes the unit at u
+    expect[np.arange(nsg), g0] = 255
+    x = rng.uniform(-1, 1, (nsg, 16, 16)) * s[:, :, None]
+    at = rng.integers(0, 16, (nsg, 16))
+    sign = np.where(rng.random((nsg, 16)) < 0.5, -1.0, 1.0)
+    np.put_along_axis(x, at[:, :, None], (sign * s)[:, :, None], axis=2)
+    return x.astype(np.float32).reshape(-1), expect.astype(np.uint8)

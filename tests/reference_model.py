@@ -23,7 +23,8 @@ has < 2^28 groups) and each of its 16 lanes j (= coordinate & 15) derives its
 32-bit uniform with one multiply-xorshift, ``lane_uniform(base, j)``: t = (base ^
 j * 0x9e3779b9) * 0x85ebca6b, t ^ (t >> 16) (a bijection of base for each j).  The
 value-rounding uniform is g = lane_uniform(event_uniform(key_value, G, event), j)
-(``value_uniform``); the group-scale uniform is event_uniform(key_scale, G, event).
+(``value_uniform``).  Group scale codes are deterministic (spec 2.7): the
+smallest c with c * unit >= group max, and values are normalised by c * unit.
 
 Correlated rounding: the stratum of event e at lane j of group G is
 ``pi = (sigma_G(e) + shift_{G,j}) mod n`` (``stratum``): sigma_G a keyed 6-round
@@ -79,7 +80,7 @@ def mix32(x) -> np.ndarray:
 
 def event_uniform(key, index, event) -> np.ndarray:
     """The full hash: a 32-bit uniform of one (index, event) under a key (dq_event_uniform;
-    the codec calls it per (group, event): value bases and group-scale uniforms)."""
+    the codec calls it per (group, event): the value bases)."""
     inner = mix32((_u32(index) + _u32(key)) & MASK32)
     salt = (_u32(event) * 0x9E3779B9 + 0x632BE5AB) & MASK32
     return mix32(inner ^ salt)
@@ -263,7 +264,7 @@ class Model:
     hierarchical: bool
     correlated: bool = False
     n_events: int = 1
-    keys: tuple = (0, 0, 0)       # (key_value, key_perm, key_scale)
+    keys: tuple = (0, 0)          # (key_value, key_perm)
     mag: np.ndarray = field(default=None, repr=False)     # float32[R+1]
     level: np.ndarray = field(default=None, repr=False)   # float32[2R+1]
 
@@ -277,7 +278,7 @@ class Model:
             self.level = np.concatenate([-self.mag[:0:-1], self.mag]).astype(np.float32)
         assert self.mag.shape == (R + 1,) and self.level.shape == (2 * R + 1,)
         if hasattr(self.keys, "value"):
-            self.keys = (self.keys.value, self.keys.perm, self.keys.scale)
+            self.keys = (self.keys.value, self.keys.perm)
 
     @property
     def radius(self) -> int:
@@ -436,7 +437,6 @@ class Encoded:
     u: np.ndarray            # (nsg, 16, 16) uniform used (float64)
     norm_scale: np.ndarray   # (nsg, 16) float32 scale the values were normalised by
     meta: object
-    scale_ratio: np.ndarray = None   # hierarchical: fl32(group max / unit) (nsg, 16), float64
     lower: np.ndarray = None         # (nsg, 16, 16) code rounded to when not rounding up
     p: np.ndarray = None             # (nsg, 16, 16) probability of rounding up (float64)
 
@@ -451,23 +451,23 @@ def encode(m: Model, x, event: int, sg_base: int = 0) -> Encoded:
         smax = gmax.max(axis=1)
         units = unit_bf16_bits(smax)
         unit = bf16_bits_to_f32(units)                         # float32 (nsg,)
-        group = (sg_index[:, None] * GROUPS + np.arange(GROUPS)[None, :]) & MASK32
-        g32 = event_uniform(m.keys[2], group, event).astype(np.float64) / 2.0 ** 32
-        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-            ratio = (gmax / unit[:, None]).astype(np.float32).astype(np.float64)  # fl32(s / unit)
-            fl = np.floor(ratio)
-            code = fl + (g32 < ratio - fl)
-        code = np.where(ratio >= 255.0, 255.0, code)
-        code = np.where((gmax > 0) & (unit[:, None] > 0), code, 0.0)
+        # the smallest integer c with c * unit >= s, from exact float64 arithmetic
+        # (the quotient of two floats is far from an integer or exactly one, so
+        # float64's ceil is exact; the product check states the definition)
+        s64, u64 = gmax.astype(np.float64), unit.astype(np.float64)[:, None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            code = np.ceil(np.where(u64 > 0, s64 / np.where(u64 > 0, u64, 1.0), 0.0))
+        code = np.where(code * u64 < s64, code + 1, code)
+        code = np.minimum(code, 255.0)                          # saturation near FLT_MAX
+        code = np.where((gmax > 0) & (u64 > 0), code, 0.0)
         gcodes = code.astype(np.uint8)
         meta = (gcodes, units)
-        norm_scale = gmax
-        scale_ratio = np.where((gmax > 0) & (unit[:, None] > 0), ratio, 0.0)
+        with np.errstate(over="ignore"):                        # inf only for non-finite maxima
+            norm_scale = (code * u64).astype(np.float32)         # the decoded scale, exact
     else:
         gs = np.where(gmax > 0, bf16_up_bits(gmax.astype(np.float64)), 0).astype(np.uint16)
         meta = gs
         norm_scale = bf16_bits_to_f32(gs)
-        scale_ratio = None
     group = ((sg_index[:, None] * GROUPS + np.arange(GROUPS)[None, :]) & MASK32)[:, :, None]
     u, _, _ = uniforms(m, group, np.arange(GROUP)[None, None, :], event)
     zero = norm_scale <= 0
@@ -477,7 +477,7 @@ def encode(m: Model, x, event: int, sg_base: int = 0) -> Encoded:
     lower = np.where(zero[:, :, None], R, lower)
     p = np.where(zero[:, :, None], 0.0, p)
     return Encoded(join_run(codes, meta, m.width, m.hierarchical), codes, lower + p, u,
-                   norm_scale.astype(np.float32), meta, scale_ratio, lower, p)
+                   norm_scale.astype(np.float32), meta, lower, p)
 
 
 def decode_scales(m: Model, meta) -> np.ndarray:
@@ -499,7 +499,7 @@ def decode(m: Model, buf, nsg: int) -> np.ndarray:
 
 
 # --------------------------------------------------------------------- public model API
-def make_model(width, eps, hierarchical, correlated=False, n_events=1, keys=(0, 0, 0)) -> Model:
+def make_model(width, eps, hierarchical, correlated=False, n_events=1, keys=(0, 0)) -> Model:
     return Model(width, eps, bool(hierarchical), bool(correlated), int(n_events), keys)
 
 

@@ -65,9 +65,10 @@ def ring_error_bound(xs, codec, widths):
 
     Event k of a chunk quantizes the partial sum P_k of k+1 ranks.  For a group
     of 16 with max |P_k| = m, width w (largest normalised level gap g_w) and a
-    BF16 unit u <= (1 + 2^-7) max_group_max / 255, stochastic rounding of each
-    value costs <= g_w^2 m^2 / 4 and the stochastic uint8 scale adds
-    <= (u^2 / 4)(1 + g_w^2 / 4).  Errors of successive events are martingale
+    BF16 unit u <= (1 + 2^-7) max_group_max / 255, the decoded group scale is
+    the smallest multiple of u covering m (spec 2.7: deterministic), so it is
+    below m + u, and stochastic rounding of each value normalised by it costs
+    <= g_w^2 (m + u)^2 / 4; the scale itself adds no noise.  Errors of successive events are martingale
     differences, so their variances add.  We use the exact partial sums (the
     real ones also carry the earlier errors: a 1.5x slack covers that) and the
     worst starting rank over the n possible chunk positions.
@@ -91,7 +92,7 @@ def ring_error_bound(xs, codec, widths):
             partial = partial + centred[(start + k) % n]
             gmax = np.abs(partial).reshape(nsg, 16, 16).max(axis=2)
             unit = (1 + 2.0 ** -7) * gmax.max(axis=1, keepdims=True) / 255
-            per_group = 16 * (g2 * gmax ** 2 / 4 + unit ** 2 / 4 * (1 + g2 / 4))
+            per_group = 16 * g2 * (gmax + unit) ** 2 / 4
             total += np.where(live, per_group, 0.0).sum(axis=1)
         worst = np.maximum(worst, total)
     return 1.5 * worst.sum()

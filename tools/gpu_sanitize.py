@@ -38,7 +38,7 @@ for dtype in (np.float32, BF16):
             for corr in (False, True):
                 t = build_tables(w, EPS[w])
                 P = np.frombuffer(_gpu.make_params(w, hier, corr, 5 if corr else 1, 3 if corr else 0,
-                                                   1, 2, 3, t.mag, t.inv_gap, t.level, t.lut), np.uint8)
+                                                   1, 2, t.mag, t.inv_gap, t.level, t.lut), np.uint8)
                 src = _gpu.Source(x, sg_map, 0, mean)
                 for nsg in (1, 5):
                     nb = _gpu.run_bytes(nsg, w, hier)

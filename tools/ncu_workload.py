@@ -45,7 +45,7 @@ def main():
     for label, w, corr, op, variant in LAUNCHES:
         t = build_tables(w, eps[w])
         P = np.frombuffer(_gpu.make_params(w, True, corr, 8 if corr else 1, 3 if corr else 0,
-                                           11, 22, 33, t.mag, t.inv_gap, t.level, t.lut), np.uint8)
+                                           11, 22, t.mag, t.inv_gap, t.level, t.lut), np.uint8)
         wire = _gpu.run_bytes(nsg, w, True)
         a = cp.empty(wire, cp.uint8)
         b = cp.empty(wire, cp.uint8)

@@ -204,7 +204,7 @@ class _DynamiQPlan(Plan):
         tables = codec.tables()
         self.params = {
             w: np.frombuffer(self.k.make_params(
-                w, hier, correlated, n_events, perm_bits, keys.value, keys.perm, keys.scale,
+                w, hier, correlated, n_events, perm_bits, keys.value, keys.perm,
                 tables[w].mag, tables[w].inv_gap, tables[w].level, tables[w].lut), dtype=np.uint8)
             for w in WIDTHS}
         self.local_mean = local_mean
