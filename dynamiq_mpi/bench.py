@@ -209,7 +209,10 @@ def run(args) -> list:
                            fallback=rep.codec_info.get("fallback", ""),
                            widths=rep.codec_info.get("widths"))
                 if args.breakdown:
-                    row["phases_us"] = {k: v * 1e6 for k, v in rep.phases.items()}
+                    row["phases_us"] = {k: v * 1e6 for k, v in rep.phases.items()
+                                        if k != "timeline"}
+                    if "timeline" in rep.phases:
+                        row["timeline_ms"] = rep.phases["timeline"]
                 rows.append(row)
                 done += 1
                 _progress(rank, f"[{done}/{total}] {count} {args.dtype} {label} {topo} "

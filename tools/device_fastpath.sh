@@ -1,11 +1,14 @@
 #!/bin/bash
 # The fast-path run on a two-GPU machine (device kind nvidia-h200-x2), one call:
-#   bash tools/device_fastpath.sh [STAGES]   STAGES: any of build tests profile nvlink shm sockets probe
+#   bash tools/device_fastpath.sh [STAGES]   STAGES: any of build tests profile ncu timeline
+#                                            nvlink shm sockets probe
 # build: the extension in place; tests: GPU kernel/planner tests, then the MPI
 # suites with CuPy arrays over NCCL and host-staged MPI (one rank per GPU);
 # nvlink/shm/sockets: `python -m dynamiq_mpi bench` against NCCL's own BF16
 # all-reduce on the same data, the same NCCL environment for both sides;
 # profile: kernel times of statistics and planner, cProfile of the host side;
+# ncu: the statistics kernels and the planner under Nsight Compute (one GPU);
+# timeline: every message of one profiled 2^27 call on sockets and shm (GB/s per tile);
 # probe: lanes and tile sizes on sockets and NVLink.
 # Needs .whl/pytest_mpi*.whl (make wheels) carried along.  Output under $OUT.
 set -o pipefail
@@ -45,6 +48,30 @@ fi
 if has profile; then
   echo "== profile (NVLink)"
   timeout 120 mpiexec -n 2 $PY tools/profile_call.py --sizes 23,27 2>&1 | tee "$OUT/profile.txt" | grep -E "^==|tottime|dynamiq_mpi|cupy|nccl" | head -60
+fi
+
+if has ncu; then
+  echo "== ncu (statistics kernels, planner; 2^27 BF16)"
+  timeout 240 ncu -k 'regex:k_stats|k_plan' --section SpeedOfLight --section Occupancy \
+    --section LaunchStats --section WarpStateStats $PY tools/stats_workload.py > "$OUT/ncu.txt" 2>&1
+  grep -E "k_stats|k_plan|Duration|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occ|Block Limit Reg|Warp Cycles Per Issued|DRAM Throughput|Compute \(SM\)" \
+    "$OUT/ncu.txt" | head -90
+fi
+
+if has timeline; then   # per-message rates of one profiled call per link
+  for link in "sockets:$SOCKETS $TUNED" "shm:NCCL_P2P_DISABLE=1"; do
+    echo "== timeline ${link%%:*}" | tee -a "$OUT/timeline.txt"
+    env ${link#*:} timeout 120 mpiexec -n 2 $BENCH --codec dynamiq:5 --sizes 256M --breakdown \
+      --json "$OUT/timeline_${link%%:*}.json" 2>&1 | grep -v '^\[' | tail -6 | tee -a "$OUT/timeline.txt"
+    $PY - "$OUT/timeline_${link%%:*}.json" <<'PYEOF' | tee -a "$OUT/timeline.txt"
+import json, sys
+for row in json.load(open(sys.argv[1]))["rows"]:
+    for a, b, sent, got in row.get("timeline_ms", []):
+        mb = max(sent, got) / 1e6
+        print(f"  {a:9.3f} -> {b:9.3f} ms  sent {sent / 1e6:7.2f} MB  received {got / 1e6:7.2f} MB"
+              f"  {mb / max(b - a, 1e-9):6.2f} GB/s")
+PYEOF
+  done
 fi
 
 run_bench() {   # name, env, bench args

@@ -57,7 +57,7 @@ class _Profile:
         self.cupy = cupy
         self.ref = self._event(compute)
         self.compute = []        # (kind, event): kind of the request that recorded it
-        self.wire = []           # (start event, end event) per lane message
+        self.wire = []           # (start event, end event, bytes sent, bytes received) per lane
         self.marks = []          # (name, host time) after synchronising
 
     def _event(self, stream):
@@ -83,10 +83,12 @@ class _Profile:
             if t0 >= start and kind != "claim" and t1 > t0:
                 kernels += t1 - t0
                 busy.append((t0, t1))
-        wire_iv = sorted(iv for iv in ((self.ms(a), self.ms(b)) for a, b in self.wire)
-                         if iv[0] >= start)
+        messages = [(self.ms(a), self.ms(b), sent, got) for a, b, sent, got in self.wire]
+        wire_iv = sorted((a, b) for a, b, _, _ in messages if a >= start)
         return {"kernels": kernels / 1e3, "wire": _union(wire_iv) / 1e3,
-                "kernels_or_wire": _union(sorted(busy + wire_iv)) / 1e3}
+                "kernels_or_wire": _union(sorted(busy + wire_iv)) / 1e3,
+                # per lane message: start and end (ms after the call began), bytes each way
+                "timeline": [(round(a, 4), round(b, 4), sent, got) for a, b, sent, got in messages]}
 
 
 class _Scratch:
@@ -225,7 +227,9 @@ class NCCLTransport:
                 nccl.groupEnd()
         if self.profile is not None:
             for i, start in zip(used, starts):
-                self.profile.wire.append((start, self._record(self.streams[i])))
+                sent = sends[i][1] - sends[i][0] if i < len(sends) else 0
+                got = recvs[i][1] - recvs[i][0] if i < len(recvs) else 0
+                self.profile.wire.append((start, self._record(self.streams[i]), sent, got))
         if req.recv is None:
             return None
         done = [self._record(self.streams[i], timing=False) for i in range(len(recvs))]

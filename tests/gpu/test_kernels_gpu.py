@@ -348,25 +348,42 @@ def test_decompress_arbitrary_codes(width, hierarchical):
     assert np.array_equal(out_g.get().view(np.uint32), out_c.view(np.uint32))
 
 
+@pytest.fixture(params=[1, 0], ids=["pairs", "one-per-warp"])
+def stats_kernel(request):
+    _gpu.set_stats_kernel(request.param)
+    yield request.param
+    _gpu.set_stats_kernel(1)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("centre", [True, False])
-def test_stats_match_cpu(dtype, centre):
+def test_stats_match_cpu(dtype, centre, stats_kernel):
+    """Both statistics kernels: tails, odd super-group counts (half a pair), a
+    padded super-group, grid-stride loops (more pairs than resident warps) and
+    buffers not 16-byte aligned (a view one element in) give the CPU's bits."""
     rng = np.random.default_rng(1 + centre)
-    for length in (1, 255, 256, 257, 1000 * 256 + 3):
+    for length, skew in ((1, 0), (255, 0), (256, 0), (257, 0), (1000 * 256 + 3, 0),
+                         (3 * 256, 1), (777 * 256 + 100, 1), (40001 * 256 + 5, 0)):
         x = as_dtype(gradient_like(rng, length), dtype)
         nsg = -(-length // SUPER) + (1 if length == 257 else 0)   # one padded super-group more
         m_c, f_c, bad_c = _cpu.stats(x, nsg, centre)
-        m_g, f_g, bad_g = _gpu.stats(cp.asarray(x), nsg, centre)
-        assert np.array_equal(m_g.get().view(np.uint32), m_c.view(np.uint32))
-        assert np.array_equal(f_g.get().view(np.uint32), f_c.view(np.uint32))
+        gx = cp.asarray(x)
+        if skew:                                   # the same values one element into a buffer
+            buf = cp.asarray(np.zeros(length + skew, dtype=x.dtype))
+            buf[skew:] = gx
+            gx = buf[skew:]
+            assert gx.data.ptr % 16
+        m_g, f_g, bad_g = _gpu.stats(gx, nsg, centre)
+        assert np.array_equal(m_g.get().view(np.uint32), m_c.view(np.uint32)), (length, skew)
+        assert np.array_equal(f_g.get().view(np.uint32), f_c.view(np.uint32)), (length, skew)
         assert int(bad_g) == bad_c == 0
     # non-finite inputs: same count, NaN/Inf in the same places
-    x = gradient_like(rng, 50 * 256)
-    x[[5, 700, 701, 9000]] = [np.nan, np.inf, -np.inf, np.nan]
+    x = gradient_like(rng, 51 * 256)
+    x[[5, 700, 701, 9000, 51 * 256 - 1]] = [np.nan, np.inf, -np.inf, np.nan, np.inf]
     x = as_dtype(x, dtype)
-    m_c, f_c, bad_c = _cpu.stats(x, 50, centre)
-    m_g, f_g, bad_g = _gpu.stats(cp.asarray(x), 50, centre)
-    assert int(bad_g) == bad_c == 4
+    m_c, f_c, bad_c = _cpu.stats(x, 51, centre)
+    m_g, f_g, bad_g = _gpu.stats(cp.asarray(x), 51, centre)
+    assert int(bad_g) == bad_c == 5
     for g, c in ((m_g.get(), m_c), (f_g.get(), f_c)):
         fin = np.isfinite(c)
         assert np.array_equal(np.isfinite(g), fin) and np.array_equal(np.isnan(g), np.isnan(c))
