@@ -4,7 +4,7 @@
     total = allreduce(grad, codec=DynamiQ(bits=5), topology="ring")
 """
 from .api import Collective, allreduce, collective_for, simulate_allreduce
-from .codecs import BF16, MXFP, DynamiQ, Exact
+from .codecs import BF16, MXFP, THC, DynamiQ, Exact, OmniReduce
 from .errors import (DynamiQError, InputMismatchError, InvalidInputError, NonFiniteInputError,
                      SumOverflowError)
 from .report import Report
@@ -23,5 +23,5 @@ def has_cuda() -> bool:
 
 
 __all__ = ["allreduce", "simulate_allreduce", "Collective", "collective_for", "DynamiQ",
-           "Exact", "BF16", "MXFP", "Report", "has_cuda", "DynamiQError", "InputMismatchError",
+           "Exact", "BF16", "MXFP", "THC", "OmniReduce", "Report", "has_cuda", "DynamiQError", "InputMismatchError",
            "InvalidInputError", "NonFiniteInputError", "SumOverflowError", "TopologyError"]

@@ -236,7 +236,7 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
     schedule = schedules.build(spec.topology, n)
     keys = call_keys(int(spec.seed), spec.counter)
     yield Mark("statistics")
-    stats, local_state = codec.local_stats(values, backend, workspace)
+    stats, local_state = codec.local_stats(values, backend, workspace, keys=keys)
     reduced, sent, stats_total = None, 0, 0
     if stats is not None:
         reduced, sent, stats_total = yield from _reduce_stats(

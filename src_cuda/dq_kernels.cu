@@ -755,7 +755,7 @@ k_stats(const DqSource S, int64_t nsg, int centre, float* mean, float* norm2,
 // its pair (512 consecutive entries) with 16-byte loads, two pairs ahead, and
 // transposes through shared memory (rows padded by 16 floats: conflict-free).
 constexpr int kStatsRow = DQ_SUPER + 16;
-template <int DT> struct StatsVec { static constexpr int N = DT ? 1 : 4; };   // uint4 per lane per pair
+template <int DT> struct StatsVec { static constexpr int N = DT ? 2 : 4; };   // uint4 per lane per pair
 
 template <int DT>
 __device__ __forceinline__ void stats_fetch(const DqSource& S, int64_t pair, int lane, bool vec,
@@ -781,13 +781,16 @@ __device__ __forceinline__ void stats_fetch(const DqSource& S, int64_t pair, int
 }
 template <int DT>
 __device__ __forceinline__ void stats_stage(float* sm, int lane, const uint4 (&r)[StatsVec<DT>::N]) {
-    if (DT) {   // 8 BF16 entries 8 lane' .. of super-group lane >> 4
-        float* d = sm + (lane >> 4) * kStatsRow + 8 * (lane & 15);
-        const uint4 q = r[0];
-        reinterpret_cast<float4*>(d)[0] = make_float4(__uint_as_float(q.x << 16), __uint_as_float(q.x & 0xFFFF0000u),
-                                                      __uint_as_float(q.y << 16), __uint_as_float(q.y & 0xFFFF0000u));
-        reinterpret_cast<float4*>(d)[1] = make_float4(__uint_as_float(q.z << 16), __uint_as_float(q.z & 0xFFFF0000u),
-                                                      __uint_as_float(q.w << 16), __uint_as_float(q.w & 0xFFFF0000u));
+    if (DT) {   // vector j: BF16 entries 8 lane .. 8 lane + 7 of super-group j
+#pragma unroll
+        for (int j = 0; j < 2; j++) {
+            float* d = sm + j * kStatsRow + 8 * lane;
+            const uint4 q = r[j];
+            reinterpret_cast<float4*>(d)[0] = make_float4(__uint_as_float(q.x << 16), __uint_as_float(q.x & 0xFFFF0000u),
+                                                          __uint_as_float(q.y << 16), __uint_as_float(q.y & 0xFFFF0000u));
+            reinterpret_cast<float4*>(d)[1] = make_float4(__uint_as_float(q.z << 16), __uint_as_float(q.z & 0xFFFF0000u),
+                                                          __uint_as_float(q.w << 16), __uint_as_float(q.w & 0xFFFF0000u));
+        }
     } else {
 #pragma unroll
         for (int j = 0; j < StatsVec<DT>::N; j++) {   // entries 4 (lane + 32 j) of the pair

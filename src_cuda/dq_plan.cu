@@ -3,10 +3,11 @@
 // one CUB radix sort, all enqueued on the caller's stream.
 //
 //  1. keys: the saturated norm bits (0 for the 0-bit class), live count, mean check;
-//  2. (variable widths) sort the keys; one thread per candidate theta = 512 F_i
-//     and 17 F_i counts the upgrades by binary search (exact float64 products)
-//     and, if the cost fits, lowers theta with an atomic min on its bits (the
-//     bit patterns of positive doubles order like their values);
+//  2. (variable widths) sort the keys; a parallel search along each candidate
+//     list (theta = 512 F_i and 17 F_i) finds the first whose cost fits, the
+//     upgrades counted by binary search (exact float64 products), and the
+//     smaller of the two lowers theta with an atomic min on its bits (the bit
+//     patterns of positive doubles order like their values);
 //  3. classes: the width of every super-group, class counts per block;
 //  4. one block scans the per-block counts into stream offsets and writes the header;
 //  5. scatter: stable positions within each class (warp ballots), order and its inverse.
@@ -83,22 +84,44 @@ __device__ __forceinline__ double budget_for(const DqPlanArgs& A, int64_t base) 
     return (double)base > A.budget_bits ? A.padded_budget_bits : A.budget_bits;
 }
 
-__global__ void __launch_bounds__(kThreads)
+// theta: the smallest candidate 512 F_i or 17 F_i (F_i > 0) whose cost fits the
+// budget.  The cost falls as theta grows, so along either ascending candidate
+// list "fits" is false ... false, true ... true: block 0 searches the 512 F_i,
+// block 1 the 17 F_i, each by a 1024-ary search (every round evaluates 1024
+// evenly spaced candidates of the remaining range, two binary searches each in
+// the L2-resident keys; 2^19 candidates take three rounds).  The smaller of the
+// two first fits lowers theta with an atomic min on its bits.  (A thread per
+// candidate, the earlier kernel, took 137 us at 2^19 super-groups on an H200.)
+__global__ void __launch_bounds__(kScanThreads)
 k_plan_theta(const DqPlanArgs A, const uint32_t* asc, Counters* C) {
+    __shared__ long long first_fit;
     const int64_t m = A.nsg;
+    const double scale = blockIdx.x == 0 ? 512.0 : 17.0;
     const int64_t base = A.stats_bits + (int64_t)C->n_live * A.rec_bits[0];
     const double budget = budget_for(A, base);
-    for (int64_t i = (int64_t)blockIdx.x * kThreads + threadIdx.x; i < m;
-         i += (int64_t)gridDim.x * kThreads) {
-        const double a = dq_plan_value(asc[i]);
-        if (!(a > 0.0)) continue;
-        const double cand[2] = {512.0 * a, 17.0 * a};
-        for (int j = 0; j < 2; j++) {
-            const unsigned long long bits = (unsigned long long)__double_as_longlong(cand[j]);
-            if (bits >= *(volatile unsigned long long*)&C->theta_bits) continue;   // cannot win
-            if ((double)dq_plan_cost(&A, asc, m, base, cand[j]) <= budget)
-                atomicMin(&C->theta_bits, bits);
+    int64_t lo = dq_plan_first_at_least(asc, m, 1.0, 1e-300);   // candidates need F > 0
+    int64_t hi = m;                                             // the answer is in [lo, hi]
+    while (lo < hi) {
+        const int64_t step = (hi - lo + kScanThreads - 1) / kScanThreads;
+        if (threadIdx.x == 0) first_fit = hi;
+        __syncthreads();
+        const int64_t i = lo + (int64_t)threadIdx.x * step;
+        if (i < hi) {
+            const double theta = scale * dq_plan_value(asc[i]);
+            if ((double)dq_plan_cost(&A, asc, m, base, theta) <= budget) atomicMin(&first_fit, (long long)i);
         }
+        __syncthreads();
+        const int64_t fit = first_fit;
+        __syncthreads();
+        // the first fit lies in (fit - step, fit]: the candidate before it failed
+        const int64_t prev = fit - step;
+        lo = prev + 1 > lo ? prev + 1 : lo;
+        hi = fit;
+        if (step == 1) lo = hi;
+    }
+    if (threadIdx.x == 0 && hi < m) {
+        const double theta = scale * dq_plan_value(asc[hi]);
+        atomicMin(&C->theta_bits, (unsigned long long)__double_as_longlong(theta));
     }
 }
 
@@ -231,7 +254,7 @@ int dq_gpu_plan(const DqPlanArgs* A, const float* norm2, const float* mean_sum, 
             size_t temp = L.temp_bytes;
             e = cub::DeviceRadixSort::SortKeys(base + L.temp, temp, keys, sorted, (int)m, 0, 31, st);
             if (e != cudaSuccess) return (int)e;
-            k_plan_theta<<<grid_of(m), kThreads, 0, st>>>(*A, sorted, C);
+            k_plan_theta<<<2, kScanThreads, 0, st>>>(*A, sorted, C);
         }
         k_plan_classes<<<(unsigned)nblk, kThreads, 0, st>>>(*A, norm2, C, widths, block_counts, nblk);
     }

@@ -1,9 +1,11 @@
 """Codecs: one module per codec, all behind the interface of ``base``."""
 from .dynamiq import DynamiQ
 from .mxfp import MXFP
+from .omnireduce import OmniReduce
 from .plain import BF16, Exact
+from .thc import THC
 
-__all__ = ["DynamiQ", "Exact", "BF16", "MXFP", "codec_from_string"]
+__all__ = ["DynamiQ", "Exact", "BF16", "MXFP", "THC", "OmniReduce", "codec_from_string"]
 
 
 def _value(text: str):
@@ -23,7 +25,8 @@ def _value(text: str):
 def codec_from_string(spec: str):
     """A codec from a command-line spelling: ``exact``, ``bf16``, ``dynamiq``,
     ``dynamiq:5`` (bits), ``dynamiq:5:correlated=0:small_input=0`` (fields),
-    ``mxfp:e4m3`` (element format)."""
+    ``mxfp:e4m3`` (element format), ``thc``, ``thc:agg_bits=8``, ``omnireduce``,
+    ``omnireduce:0.25`` (density)."""
     name, *rest = spec.strip().split(":")
     name = name.lower()
     kwargs = {}
@@ -35,7 +38,8 @@ def codec_from_string(spec: str):
         elif item:
             positional.append(_value(item))
     registry = {"exact": (Exact, []), "bf16": (BF16, []), "dynamiq": (DynamiQ, ["bits"]),
-                "mxfp": (MXFP, ["fmt"])}
+                "mxfp": (MXFP, ["fmt"]), "thc": (THC, []),
+                "omnireduce": (OmniReduce, ["density"])}
     if name not in registry:
         raise ValueError(f"unknown codec {name!r} in {spec!r}; known: {sorted(registry)}")
     cls, names = registry[name]

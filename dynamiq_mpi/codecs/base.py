@@ -40,9 +40,10 @@ class Codec:
         (a codec may hand tiny inputs to an uncompressed one)."""
         return self
 
-    def local_stats(self, x, backend, workspace):
+    def local_stats(self, x, backend, workspace, keys=None):
         """(local statistics to all-reduce exactly before planning, or None;
-        local state handed to ``plan``)."""
+        local state handed to ``plan``).  ``keys``: the call's generator keys
+        (rng.CallKeys), for statistics that depend on shared randomness."""
         return None, None
 
     def plan(self, x, reduced_stats, n, keys, backend, local_state, workspace,

@@ -106,7 +106,7 @@ class DynamiQ(Codec):
         return _SMALL_INPUT_CODEC if length < self.small_input else self
 
     # -- statistics phase ------------------------------------------------------
-    def local_stats(self, x, backend, workspace):
+    def local_stats(self, x, backend, workspace, keys=None):
         """The statistics vector of this rank: [means | norms | flag, max|x|]
         (means only when centring), written by one kernel pass; the two floats
         at the end ride the same exact reduction: a non-finite flag, and max

@@ -143,7 +143,7 @@ class MXFP(Codec):
     def signature(self):
         return ("mxfp", self.fmt)
 
-    def local_stats(self, x, backend, workspace):
+    def local_stats(self, x, backend, workspace, keys=None):
         xp = backend.xp
         nb = -(-x.shape[0] // BLOCK)
         vals = _padded_blocks(xp, x, nb)

@@ -1,0 +1,172 @@
+"""OmniReduce baseline (Fei et al., SIGCOMM'21), adapted to a multi-hop
+all-reduce as the paper adapts it (spec section 6; paper-notes 7.4): every
+rank keeps its top-k 256-entry blocks by l2 norm, the ranks agree on the
+union of their kept blocks, the union is all-reduced densely in BF16
+(float32 accumulation at every hop, like the ``bf16`` codec) and every block
+outside the union is zero in the result.
+
+Density.  ``density`` is the target fraction of blocks in the *union* (the
+paper's global K = density x blocks: "K / n_chunks = b/16 = 0.5 for b = 8",
+and "always dropping the lowest-norm 50% of blocks").  The paper reaches it
+across training rounds by adapting the local k with momentum; a call here
+has no state across calls, so it reaches the converged state at once:
+
+* statistics phase: per block, one byte ``254 - floor(254 rank / blocks)``
+  (rank: the block's position in this rank's descending-norm order, ties by
+  index), reduced by MAX; 255 flags NaN/Inf.  The reduced byte of a block is
+  its best priority over the ranks, so for every threshold t the set
+  {blocks whose byte >= t} is the union of the ranks' local top-k(t) sets,
+  with one k(t) for all ranks (the byte is this bitmap for all 254 choices
+  of k at once: 8 bits per block, counted in the report);
+* every rank picks the same t from the same bytes: the smallest whose
+  union holds at most ``density x blocks`` blocks (at least the top
+  priority level).  k is thus chosen in steps of blocks/254 (exactly 1 for
+  up to 254 blocks).
+
+The wire carries the union's blocks in order, 256 BF16 values each (a
+padded last block too: honest bits).  Array code (NumPy or CuPy).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..backend import as_float32, bf16_to_float32
+from ..errors import NonFiniteInputError
+from .base import DEFAULT_TILE_BYTES, Codec, Plan, StreamLayout, tile_stream
+from .plain import finish_in_order
+
+BLOCK = 256
+TOP_PRIORITY = 254
+NONFINITE = 255
+
+
+def priority_bytes(xp, blocks):
+    """uint8 priority of every row of ``blocks`` (float32, (m, 256)): 254 for
+    the largest l2 norm, falling to 1 for the smallest (see the module
+    docstring)."""
+    m = blocks.shape[0]
+    norm2 = xp.sum(xp.square(blocks.astype(np.float64)), axis=1)
+    order = xp.argsort(-norm2, kind="stable")
+    rank = xp.empty(m, dtype=np.int64)
+    rank[order] = xp.arange(m, dtype=np.int64)
+    return (TOP_PRIORITY - (rank * TOP_PRIORITY) // m).astype(np.uint8)
+
+
+def local_k(blocks: int, threshold: int) -> int:
+    """How many of a rank's blocks have priority >= ``threshold``."""
+    # 254 - floor(254 r / m) >= t  <=>  254 r < (255 - t) m
+    return min(blocks, -(-(TOP_PRIORITY + 1 - threshold) * blocks // TOP_PRIORITY))
+
+
+def choose_threshold(counts, blocks: int, density: float) -> int:
+    """The smallest priority threshold whose union (``counts[p]``: blocks whose
+    best priority is p) holds at most density x blocks; the top level if
+    none does."""
+    union = 0
+    for t in range(TOP_PRIORITY, 0, -1):
+        union += int(counts[t])
+        if union > density * blocks:
+            return min(t + 1, TOP_PRIORITY)
+    return 1
+
+
+def _bf16_bits(xp, values):
+    """float32 -> BF16 bit patterns (uint16), round to nearest even; NaN stays NaN."""
+    u = xp.ascontiguousarray(values, dtype=np.float32).view(np.uint32)
+    rounded = (u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    return xp.where(xp.isnan(values), np.uint32(0x7FC0), rounded).astype(np.uint16)
+
+
+@dataclass(frozen=True)
+class OmniReduce(Codec):
+    """Union of the ranks' top-k 256-entry blocks by norm, at most ``density``
+    of all blocks, exchanged densely in BF16; other blocks are zero."""
+    density: float = 0.5
+
+    name = "omnireduce"
+    rejects_nonfinite = True
+
+    def __post_init__(self):
+        if not 0.0 < float(self.density) <= 1.0:
+            raise ValueError(f"density must be in (0, 1], got {self.density}")
+
+    def signature(self):
+        return ("omnireduce", float(self.density))
+
+    def local_stats(self, x, backend, workspace, keys=None):
+        xp = backend.xp
+        length = x.shape[0]
+        nb = -(-length // BLOCK)
+        blocks = xp.zeros(nb * BLOCK, dtype=np.float32)
+        blocks[:length] = as_float32(x)
+        blocks = blocks.reshape(nb, BLOCK)
+        priority = priority_bytes(xp, blocks)
+        priority = xp.where(xp.isfinite(blocks).all(), priority, np.uint8(NONFINITE))
+        return priority.astype(np.uint8), blocks
+
+    def plan(self, x, reduced_stats, n, keys, backend, local_state, workspace,
+             tile_bytes=DEFAULT_TILE_BYTES):
+        return _OmniPlan(self, reduced_stats, n, backend, local_state, workspace, tile_bytes)
+
+
+class _OmniPlan(Plan):
+    def __init__(self, codec, reduced, n, backend, blocks, ws, tile_bytes):
+        self.backend, self.xp, self.k, self.ws = backend, backend.xp, backend.kernels, ws
+        xp = self.xp
+        self.nb = blocks.shape[0]
+        counts = backend.to_host(xp.bincount(reduced, minlength=256))
+        if counts[NONFINITE]:
+            raise NonFiniteInputError("input holds NaN or Inf on at least one rank")
+        self.density = float(codec.density)
+        self.threshold = choose_threshold(counts, self.nb, self.density)
+        self.union = xp.nonzero(reduced >= self.threshold)[0]
+        self.union_blocks = int(self.union.shape[0])
+        self.values = blocks[self.union]                 # this rank's union blocks, in order
+        layout = StreamLayout([(self.union_blocks, 2 * BLOCK)])
+        self.tiling = tile_stream(layout, n, tile_bytes)
+        self.wire = ws.take(xp, "omni.wire", self.tiling.wire_bytes, np.uint8)
+        self.result = ws.take(xp, "omni.result", self.nb * BLOCK, np.float32)
+        self.result[...] = 0
+
+    def scratch(self, nbytes):
+        return self.ws.take(self.xp, "omni.recv", nbytes, np.uint8)
+
+    def _encode(self, values, slot):
+        slot.view(np.uint16)[...] = _bf16_bits(self.xp, values.reshape(-1))
+
+    def accumulate(self, tile, payload, acc):
+        u0, u1 = self.tiling.units[tile]
+        base = self.values[u0:u1].reshape(-1) if acc is None else acc
+        with np.errstate(over="ignore", invalid="ignore"):   # an overflowing sum is inf (IEEE)
+            return base + bf16_to_float32(payload.view(np.uint16))
+
+    def compress(self, tile, event):
+        u0, u1 = self.tiling.units[tile]
+        slot = self.wire_slot(tile)
+        self._encode(self.values[u0:u1], slot)
+        return slot
+
+    def dar(self, tile, payload, acc, event):
+        slot = self.wire_slot(tile)
+        self._encode(self.accumulate(tile, payload, acc), slot)
+        return slot
+
+    def decode(self, tile, payload):
+        u0, u1 = self.tiling.units[tile]
+        rows = self.union[u0:u1]
+        self.result.reshape(self.nb, BLOCK)[rows] = \
+            bf16_to_float32(payload.view(np.uint16)).reshape(-1, BLOCK)
+
+    def finish(self, divisor, out):
+        return finish_in_order(self.k, self.xp, self.ws, self.result, divisor, out)
+
+    def report(self, detailed=True):
+        info = {"density_target": self.density, "blocks": self.nb,
+                "union_blocks": self.union_blocks,
+                "density": self.union_blocks / self.nb if self.nb else 0.0,
+                "local_k": local_k(self.nb, self.threshold), "priority_threshold": self.threshold}
+        if detailed:
+            info["union"] = self.backend.to_host(self.union)     # block indices, ascending
+        return info

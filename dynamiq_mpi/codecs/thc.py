@@ -1,0 +1,332 @@
+"""THC baseline (Li et al., NSDI'24), adapted to a multi-hop all-reduce as
+the paper adapts it (spec section 6): rotate, quantize every rank's values
+once to 16 levels on a range all ranks share, and carry exact integer sums
+from hop to hop, wide enough never to overflow and never re-quantized.
+
+One call, step by step:
+
+1. Rotation (``local_stats``).  The input, zero-padded to a multiple of 256,
+   is cut into power-of-two Hadamard blocks: as many blocks of
+   ``2**max_block_log2`` entries as fit (2^23, the artifact's largest
+   partition), the rest by its binary expansion (blocks of 2^k >= 256), so the
+   padding never exceeds 255 entries.  A block of 2^k entries becomes
+   ``H D x * 2^-floor(k/2)``: D random signs, H the Sylvester-Hadamard matrix
+   (fast transform, k passes), an exact power-of-two scale; the inverse is
+   ``D H y * 2^-ceil(k/2)``.  The signs are a hash of the coordinate under a
+   key every rank derives from the call's keys (seed and call counter: a
+   fresh rotation per call) and the codec's ``rotation_seed``.  The rotation
+   happens in ``local_stats`` because the range must bound the *rotated*
+   values.
+2. Range agreement (statistics phase).  One byte per Hadamard block: the
+   exponent of the smallest power of two R >= max|y| over the block (0: an
+   all-zero block; 255: NaN/Inf in the input), reduced by MAX, so every
+   rank's rotated values lie in [-R, R] with the same R: nothing is clamped,
+   so the quantization is unbiased.  8 bits per block, counted in the report.
+3. Quantization.  ``v = (y / R + 1) (L - 1) / 2`` in [0, L - 1] (L = 16
+   levels), stochastically rounded with a 24-bit uniform hashed from (the
+   call's value key, coordinate, event).  The event is the rank's role for
+   the chunk, distinct across ranks for every coordinate: ranks round
+   independently, and a seed and call counter fix every bit.
+4. Aggregation.  Every hop unpacks the received sums, adds its own codes and
+   packs ``b = ceil(log2((L - 1) n + 1))`` bits per coordinate (5 bits at
+   n = 2, 6 at 4, 7 at 8; ``agg_bits`` may ask for more, e.g. the paper's 8
+   or 12).  Integer sums are exact, so the result depends neither on the
+   topology nor on the tiling.
+5. Decoding.  A sum S becomes ``(2 S - (L - 1) n) R / (L - 1)`` (one float32
+   rounding); ``finish`` applies the inverse rotation.
+
+The paper's THC clamps at T = 3.297 standard deviations (biased, tighter);
+this one bounds the range by the block maximum rounded up to a power of two
+(unbiased, up to 2x coarser).  Array code (NumPy or CuPy), no fused kernels.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from ..backend import as_float32
+from ..errors import NonFiniteInputError, SumOverflowError
+from ..rng import splitmix64
+from .base import DEFAULT_TILE_BYTES, Codec, Plan, StreamLayout, tile_stream
+from .plain import finish_in_order
+
+UNIT = 256              # coordinates per stream record; the smallest Hadamard block
+MAX_BLOCK_LOG2 = 23     # the artifact's partitions hold at most 2^23 entries
+ROTATION_DOMAIN = 0x7448_4321_5EED_0001
+_MASK32 = 0xFFFFFFFF
+_GOLDEN32 = np.uint32(0x9E3779B9)
+# Statistics bytes: the range exponent e (R = 2^e) is stored as e + _BIAS.
+_BIAS = 126
+NONFINITE = 255
+
+
+def aggregation_bits(levels: int, n: int) -> int:
+    """ceil(log2((levels - 1) n + 1)): the width of a sum of n codes."""
+    return ((levels - 1) * n).bit_length()
+
+
+# -- shared randomness ---------------------------------------------------------
+def _mix32(h):
+    """A bijective 32-bit integer hash (lowbias32) of a uint32 array."""
+    h = h ^ (h >> np.uint32(16))
+    h = h * np.uint32(0x7FEB352D)
+    h = h ^ (h >> np.uint32(15))
+    h = h * np.uint32(0x846CA68B)
+    return h ^ (h >> np.uint32(16))
+
+
+def coordinate_hash(xp, key: int, start: int, count: int):
+    """32 random bits for each coordinate start .. start + count - 1 under a
+    64-bit ``key``: a pure function of (key, coordinate), the same on every
+    rank and backend."""
+    lo, hi = np.uint32(key & _MASK32), np.uint32(key >> 32)
+    c = xp.arange(start, start + count, dtype=np.int64).astype(np.uint32)
+    return _mix32(_mix32(c * _GOLDEN32 + lo) ^ hi)
+
+
+def rotation_key(seed: int) -> int:
+    return splitmix64(splitmix64(seed) ^ ROTATION_DOMAIN)
+
+
+def rotation_signs(xp, key: int, start: int, count: int):
+    """float32 +-1 of the diagonal D for coordinates start .. start + count - 1."""
+    bit = (coordinate_hash(xp, key, start, count) >> np.uint32(31)).astype(np.float32)
+    return np.float32(1) - np.float32(2) * bit
+
+
+def rounding_uniforms(xp, value_key: int, event: int, start: int, count: int):
+    """float32 uniforms on the grid k 2^-24 for the rounding done in ``event``."""
+    key = splitmix64(value_key ^ ((event + 1) * 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF))
+    bits = coordinate_hash(xp, key, start, count) >> np.uint32(8)
+    return bits.astype(np.float32) * np.float32(2.0 ** -24)
+
+
+# -- rotation --------------------------------------------------------------------
+def hadamard_blocks(padded: int, max_block_log2: int = MAX_BLOCK_LOG2) -> list:
+    """Runs of equal Hadamard blocks covering ``padded`` (a multiple of 256)
+    entries: [(start, block size, count)], largest first."""
+    if padded % UNIT:
+        raise ValueError(f"padded length {padded} is not a multiple of {UNIT}")
+    top = 1 << max_block_log2
+    runs, at = [], 0
+    if padded >= top:
+        runs.append((0, top, padded // top))
+        at = (padded // top) * top
+    for k in range(max_block_log2 - 1, UNIT.bit_length() - 2, -1):
+        if (padded - at) & (1 << k):
+            runs.append((at, 1 << k, 1))
+            at += 1 << k
+    return runs
+
+
+def fwht(rows):
+    """Unnormalised Walsh-Hadamard transform (Sylvester order) of every row of
+    a (m, 2^k) float32 array, into a new array."""
+    a = rows.copy()
+    m, size = a.shape
+    h = 1
+    while h < size:
+        v = a.reshape(m, size // (2 * h), 2, h)
+        top = v[:, :, 0, :] + v[:, :, 1, :]
+        v[:, :, 1, :] = v[:, :, 0, :] - v[:, :, 1, :]
+        v[:, :, 0, :] = top
+        h *= 2
+    return a
+
+
+def rotate(xp, values, runs, key: int, inverse: bool = False):
+    """The randomized Hadamard transform of every block (``inverse``: its
+    inverse), float32 in, new float32 array out."""
+    out = xp.empty_like(values)
+    with np.errstate(over="ignore", invalid="ignore"):     # overflow: caught by the caller
+        for start, size, count in runs:
+            end = start + size * count
+            k = size.bit_length() - 1
+            signs = rotation_signs(xp, key, start, end - start).reshape(count, size)
+            block = values[start:end].reshape(count, size)
+            if inverse:
+                y = fwht(block) * np.float32(2.0 ** -(k - k // 2)) * signs
+            else:
+                y = fwht(block * signs) * np.float32(2.0 ** -(k // 2))
+            out[start:end] = y.reshape(-1)
+    return out
+
+
+# -- packing ---------------------------------------------------------------------
+@lru_cache(maxsize=64)
+def _bit_pieces(bits: int) -> tuple:
+    """How 8 codes of ``bits`` bits fill ``bits`` bytes, low bits first:
+    (code, byte, shift in the byte, bits taken, bit offset in the code)."""
+    pieces = []
+    for j in range(8):
+        pos, done = j * bits, 0
+        while done < bits:
+            byte, shift = divmod(pos, 8)
+            take = min(8 - shift, bits - done)
+            pieces.append((j, byte, shift, take, done))
+            pos += take
+            done += take
+    return tuple(pieces)
+
+
+def pack_codes(xp, codes, bits: int):
+    """uint32 codes (a multiple of 8, each < 2^bits) -> bits/8 bytes per code."""
+    groups = codes.reshape(-1, 8)
+    out = xp.zeros((groups.shape[0], bits), dtype=np.uint32)
+    for j, byte, shift, take, offset in _bit_pieces(bits):
+        piece = (groups[:, j] >> np.uint32(offset)) & np.uint32((1 << take) - 1)
+        out[:, byte] |= piece << np.uint32(shift)
+    return out.astype(np.uint8).reshape(-1)
+
+
+def unpack_codes(xp, data, bits: int):
+    """Inverse of :func:`pack_codes`: uint32 codes."""
+    rows = data.reshape(-1, bits).astype(np.uint32)
+    codes = xp.zeros((rows.shape[0], 8), dtype=np.uint32)
+    for j, byte, shift, take, offset in _bit_pieces(bits):
+        piece = (rows[:, byte] >> np.uint32(shift)) & np.uint32((1 << take) - 1)
+        codes[:, j] |= piece << np.uint32(offset)
+    return codes.reshape(-1)
+
+
+@dataclass(frozen=True)
+class THC(Codec):
+    """Randomized Hadamard transform, ``levels``-level unbiased stochastic
+    quantization on a range shared per Hadamard block, integer sums carried
+    hop to hop at ``agg_bits`` (None: the minimum, ceil(log2((levels-1) n + 1)))
+    bits per coordinate.  See the module docstring."""
+    levels: int = 16
+    agg_bits: int | None = None
+    max_block_log2: int = MAX_BLOCK_LOG2
+    rotation_seed: int = 0
+
+    name = "thc"
+    rejects_nonfinite = True
+
+    def __post_init__(self):
+        if not 2 <= int(self.levels) <= 256:
+            raise ValueError(f"levels must be in [2, 256], got {self.levels}")
+        if self.agg_bits is not None and not 1 <= int(self.agg_bits) <= 32:
+            raise ValueError(f"agg_bits must be in [1, 32] or None, got {self.agg_bits}")
+        if not UNIT.bit_length() - 1 <= int(self.max_block_log2) <= 30:
+            raise ValueError(f"max_block_log2 must be in [8, 30], got {self.max_block_log2}")
+        if int(self.rotation_seed) < 0:
+            raise ValueError("rotation_seed must be non-negative")
+
+    def signature(self):
+        return ("thc", int(self.levels), self.agg_bits, int(self.max_block_log2),
+                int(self.rotation_seed))
+
+    def local_stats(self, x, backend, workspace, keys=None):
+        """Rotate the padded input; one range byte per Hadamard block."""
+        xp = backend.xp
+        length = x.shape[0]
+        padded = -(-length // UNIT) * UNIT
+        runs = hadamard_blocks(padded, int(self.max_block_log2))
+        key = rotation_key(int(self.rotation_seed))
+        if keys is not None:                     # the engine's call keys: a rotation per call
+            key ^= int(keys.perm)
+        values = xp.zeros(padded, dtype=np.float32)
+        values[:length] = as_float32(x)
+        rotated = rotate(xp, values, runs, key)
+        amax = xp.concatenate([xp.max(xp.abs(rotated[s:s + b * c].reshape(c, b)), axis=1)
+                               for s, b, c in runs])
+        m, k = xp.frexp(amax)
+        exponent = k.astype(np.int32) - (m == np.float32(0.5)).astype(np.int32)  # R = 2^e >= amax
+        byte = xp.clip(exponent + _BIAS, 1, NONFINITE - 1)
+        byte = xp.where(amax == 0, 0, byte)
+        byte = xp.where(xp.isfinite(amax), byte, NONFINITE - 1)   # the rotation overflowed
+        byte = xp.where(xp.isfinite(values).all(), byte, NONFINITE)
+        return byte.astype(np.uint8), (rotated, runs, key)
+
+    def plan(self, x, reduced_stats, n, keys, backend, local_state, workspace,
+             tile_bytes=DEFAULT_TILE_BYTES):
+        return _THCPlan(self, x, reduced_stats, n, keys, backend, local_state, workspace,
+                        tile_bytes)
+
+
+class _THCPlan(Plan):
+    def __init__(self, codec, x, reduced, n, keys, backend, local, ws, tile_bytes):
+        self.xp, self.k, self.ws = backend.xp, backend.kernels, ws
+        xp = self.xp
+        self.rotated, self.runs, self.rotation_key = local
+        self.value_key = keys.value
+        self.length, self.n = x.shape[0], n
+        self.levels = int(codec.levels)
+        top = int(xp.max(reduced))
+        if top == NONFINITE:
+            raise NonFiniteInputError("input holds NaN or Inf on at least one rank")
+        need = aggregation_bits(self.levels, n)
+        self.bits = need if codec.agg_bits is None else int(codec.agg_bits)
+        if self.bits < need:
+            raise ValueError(f"THC at n={n} with {self.levels} levels needs at least {need} "
+                             f"aggregation bits, got agg_bits={self.bits}")
+        largest_k = max(b for _, b, _ in self.runs).bit_length() - 1
+        if top and top - _BIAS + (n - 1).bit_length() + largest_k > 127:
+            raise SumOverflowError("the rotated inputs times the number of ranks exceed the "
+                                   "float32 range: the sum or its inverse rotation could overflow")
+        # Per 256-entry unit: the range exponent of its block, and whether it is all zero.
+        repeats = [b // UNIT for _, b, c in self.runs for _ in range(c)]
+        unit_byte = xp.repeat(reduced, repeats)
+        self.zero_units = (unit_byte == 0)[:, None]
+        self.unit_exp = xp.where(unit_byte == 0, 0,
+                                 unit_byte.astype(np.int32) - _BIAS).astype(np.int32)[:, None]
+        self.units = int(unit_byte.shape[0])
+        self.tiling = tile_stream(StreamLayout([(self.units, UNIT * self.bits // 8)]), n,
+                                  tile_bytes)
+        self.wire = ws.take(xp, "thc.wire", self.tiling.wire_bytes, np.uint8)
+        self.result = ws.take(xp, "thc.result", self.units * UNIT, np.float32)
+        self.blocks = len(repeats)
+        self.stats_bytes = int(reduced.shape[0])
+
+    def scratch(self, nbytes):
+        return self.ws.take(self.xp, "thc.recv", nbytes, np.uint8)
+
+    def _codes(self, tile, event):
+        """This rank's stochastically rounded codes (uint32) of ``tile``."""
+        xp = self.xp
+        u0, u1 = self.tiling.units[tile]
+        y = self.rotated[u0 * UNIT:u1 * UNIT].reshape(-1, UNIT)
+        half = np.float32((self.levels - 1) / 2)
+        v = (xp.ldexp(y, -self.unit_exp[u0:u1]) + np.float32(1)) * half     # in [0, L-1]
+        low = xp.floor(v)
+        u = rounding_uniforms(xp, self.value_key, event, u0 * UNIT, (u1 - u0) * UNIT)
+        up = u.reshape(-1, UNIT) < v - low
+        return (low.astype(np.uint32) + up.astype(np.uint32)).reshape(-1)
+
+    def compress(self, tile, event):
+        slot = self.wire_slot(tile)
+        slot[...] = pack_codes(self.xp, self._codes(tile, event), self.bits)
+        return slot
+
+    def accumulate(self, tile, payload, acc):
+        # The received integer sums only: this rank's own codes join in ``dar``,
+        # where the event that keys their rounding is known.
+        sums = unpack_codes(self.xp, payload, self.bits)
+        return sums if acc is None else sums + acc
+
+    def dar(self, tile, payload, acc, event):
+        slot = self.wire_slot(tile)
+        total = self.accumulate(tile, payload, acc) + self._codes(tile, event)
+        slot[...] = pack_codes(self.xp, total, self.bits)
+        return slot
+
+    def decode(self, tile, payload):
+        xp = self.xp
+        u0, u1 = self.tiling.units[tile]
+        sums = unpack_codes(xp, payload, self.bits).reshape(-1, UNIT).astype(np.int64)
+        centred = (2 * sums - (self.levels - 1) * self.n).astype(np.float32)
+        values = xp.ldexp(centred / np.float32(self.levels - 1), self.unit_exp[u0:u1])
+        values = xp.where(self.zero_units[u0:u1], np.float32(0), values)
+        self.result[u0 * UNIT:u1 * UNIT] = values.reshape(-1)
+
+    def finish(self, divisor, out):
+        restored = rotate(self.xp, self.result, self.runs, self.rotation_key, inverse=True)
+        return finish_in_order(self.k, self.xp, self.ws, restored, divisor, out)
+
+    def report(self, detailed=True):
+        return {"levels": self.levels, "aggregation_bits": self.bits,
+                "hadamard_blocks": [(b, c) for _, b, c in self.runs],
+                "padded_length": self.units * UNIT, "range_bytes": self.stats_bytes}
