@@ -85,6 +85,18 @@ has nvlink && run_bench nvlink "" --sizes 2M,16M,128M,256M,512M --breakdown
 has shm && run_bench shm "NCCL_P2P_DISABLE=1" --sizes 16M,128M,256M,512M --breakdown
 has sockets && run_bench sockets_tuned "$SOCKETS $TUNED" --sizes 2M,16M,64M,128M,256M,512M --breakdown
 has sockets && run_bench sockets_default "$SOCKETS" --sizes 16M,256M
+if has tune; then   # socket and shm settings for the point-to-point path, 2^27 elements, same-run ratios
+  for probe in "sockets 32M:$SOCKETS $TUNED:32M" "sockets 8M:$SOCKETS $TUNED:8M" \
+               "sockets 32M, 8 channels/peer, 1 MiB chunks:$SOCKETS ${TUNED/NCCL_P2P_NET_CHUNKSIZE=2097152 NCCL_NCHANNELS_PER_NET_PEER=4/NCCL_P2P_NET_CHUNKSIZE=1048576 NCCL_NCHANNELS_PER_NET_PEER=8}:32M" \
+               "sockets 32M, 2 lanes:$SOCKETS $TUNED DYNAMIQ_NCCL_LANES=2:32M" \
+               "shm 32M:NCCL_P2P_DISABLE=1:32M" "shm 8M:NCCL_P2P_DISABLE=1:8M"; do
+    IFS=: read -r name envs tile <<<"$probe"
+    echo "== tune $name ($envs)" | tee -a "$OUT/tune.txt"
+    env $envs timeout 120 mpiexec -n 2 $BENCH --codec dynamiq:5 --sizes 256M --tile-bytes $tile 2>&1 \
+      | grep -v '^\[' | grep -E "^ +[0-9]" | tee -a "$OUT/tune.txt"
+  done
+fi
+
 if has probe; then   # the pair all-gather against send/receive, 2^27 elements
   for link in "sockets:$SOCKETS $TUNED" "shm:NCCL_P2P_DISABLE=1" "nvlink:"; do
     for pair in 1 0; do

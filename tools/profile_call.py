@@ -63,7 +63,7 @@ def main():
         t_stats = t_kernels[1]
         if comm.rank == 0:
             print(f"== 2^{log2}: statistics kernel one-per-warp {t_kernels[0] * 1e3:.1f} us, "
-                  f"pairs {t_kernels[1] * 1e3:.1f} us ({2 * n / t_kernels[1] / 1e9:.0f} GB/s read); "
+                  f"pairs {t_kernels[1] * 1e3:.1f} us ({2 * n / (t_kernels[1] * 1e-3) / 1e9:.0f} GB/s read); "
                   f"same bits: {outs[0] == outs[1]}")
         widths, order = cp.empty(nsg, cp.int8), cp.empty(nsg, cp.int64)
         pos, header = cp.empty(nsg, cp.int64), cp.empty(10, cp.float64)
