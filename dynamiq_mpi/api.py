@@ -9,7 +9,7 @@ import time
 from .codecs.base import DEFAULT_TILE_BYTES
 from .codecs.dynamiq import DynamiQ
 from .engine import CallSpec, rank_program
-from .transports import TRANSPORTS
+from .transports import TRANSPORTS, explain_transport
 from .transports.ops import Agree, Route
 from .transports.simulate import SimulatedTransport
 from .workspace import FRESH, Workspace
@@ -30,8 +30,11 @@ class Collective:
     serialised by a lock, so DDP hooks on other threads may share it.  Every
     rank must make the same sequence of calls.
 
-    ``transport``: "auto" (NCCL for device arrays when usable on every rank,
-    else host-staged MPI), "nccl" or "mpi".  ``tile_bytes``: bytes of
+    ``transport``: "auto" (for device arrays: NCCL when usable on every rank,
+    else a CUDA-aware MPI when every rank has one, else host-staged MPI),
+    "nccl", "mpi-cuda" (device buffers handed to a CUDA-aware MPI; see
+    docs/cuda_aware_mpi.md) or "mpi".  ``report.transport`` says which ran and
+    ``report.transport_reason`` why.  ``tile_bytes``: bytes of
     compressed stream per message (the pipeline's unit).  ``lanes``: NCCL
     communicators (and streams) one large message is split over
     (default ``$DYNAMIQ_NCCL_LANES`` or 1).  ``DYNAMIQ_NCCL_PAIR_ALLGATHER=1``
@@ -52,6 +55,7 @@ class Collective:
         self._mpi = MPITransport(comm)
         self.rank, self.size = self._mpi.rank, self._mpi.size
         self._nccl = {}
+        self._mpi_cuda = None
         self._counter = 0
         self._lock = threading.Lock()
         self._workspace = Workspace()
@@ -92,12 +96,12 @@ class Collective:
         if on_device:
             self._fence_stream()
         t0 = time.perf_counter()
-        data, prof = self._mpi, None
+        data, prof, metas, failed = self._mpi, None, None, True
         try:
             request = program.send(None)
             while True:
                 if isinstance(request, Agree):
-                    answer = self._mpi.answer(request)
+                    answer = metas = self._mpi.answer(request)
                 elif isinstance(request, Route):
                     data = self._route(request.transport, x)
                     answer = data.name
@@ -108,16 +112,27 @@ class Collective:
                 request = program.send(answer)
         except StopIteration as done:
             out, report = done.value
+            failed = False
         finally:
+            if data is self._mpi_cuda:
+                data.end_call(failed)
             if profile and data.profile is not None:
                 prof = data.stop_profile()
             if on_device:
                 self._record_stream()
         if prof is not None:
             report.phases = _phases(prof, t0)
+        if metas is not None and len(metas) == self.size:
+            # the why of the choice the engine made from the same records
+            report.transport_reason = explain_transport(metas[0]["transport"], metas)[1]
         return out, report
 
     def _route(self, transport, x):
+        if transport == "mpi-cuda":
+            if self._mpi_cuda is None:        # every rank gets here in the same call
+                from .transports.mpi_cuda import MPICudaTransport
+                self._mpi_cuda = MPICudaTransport(self._mpi.comm)
+            return self._mpi_cuda
         if transport != "nccl":
             return self._mpi
         device = x.device.id
@@ -149,6 +164,9 @@ class Collective:
             for t in self._nccl.values():
                 t.free()
             self._nccl.clear()
+            if self._mpi_cuda is not None:
+                self._mpi_cuda.free()
+                self._mpi_cuda = None
             self._workspace.clear()
             self._mpi.free()
 

@@ -30,6 +30,8 @@ import time
 import numpy as np
 
 from .backend import BFLOAT16
+from .codecs.base import DEFAULT_TILE_BYTES
+from .transports import TRANSPORTS
 
 DTYPES = {"bf16": BFLOAT16, "bfloat16": BFLOAT16, "f32": np.dtype(np.float32),
           "float32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
@@ -132,6 +134,12 @@ class _Device:
         return float(self.xp.sum(d * d)) / norm if norm > 0 else 0.0
 
 
+def _codec_call(coll, x, codec, topo, seed, out):
+    def call():
+        coll.allreduce(x, codec=codec, topology=topo, seed=seed, out=out)
+    return call
+
+
 def _time(fn, dev, comm, warmup, iters):
     from mpi4py import MPI
     for _ in range(warmup):
@@ -164,7 +172,8 @@ def run(args) -> list:
     dtype = DTYPES[args.dtype]
     codecs = [(s, codec_mod.codec_from_string(s)) for s in args.codec.split(",") if s]
     topologies = [t for t in args.topology.split(",") if t]
-    coll = Collective(comm, transport=args.transport, tile_bytes=parse_size(args.tile_bytes),
+    tile_bytes = parse_size(args.tile_bytes) if args.tile_bytes else DEFAULT_TILE_BYTES
+    coll = Collective(comm, transport=args.transport, tile_bytes=tile_bytes,
                       lanes=args.lanes)
     sizes = sizes_from(args)
     total = len(sizes) * (len(codecs) * len(topologies) + (0 if args.no_reference else 1))
@@ -178,26 +187,39 @@ def run(args) -> list:
         norm = float(dev.xp.sum(exact * exact))
         out = dev.xp.empty_like(x)
         base = dict(size=count * dtype.itemsize, count=count, dtype=args.dtype, ranks=n)
-        ref_time = None
-        if not args.no_reference:
-            t = _time(lambda: dev.reference_allreduce(x, out), dev, comm, args.warmup, args.iters)
-            ref_time = t
-            rows.append(dict(base, codec=f"{ref_name} all-reduce", bits=8.0 * dtype.itemsize,
-                             topology="-", transport=ref_name, time_us=t * 1e6,
-                             vnmse=dev.vnmse(out, exact, norm), wrong=dev.count_wrong(out),
-                             speedup=1.0))
-            done += 1
-            _progress(rank, f"[{done}/{total}] {count} {args.dtype} {ref_name} all-reduce: "
-                            f"{t * 1e6:.1f} us")
+        # Every timed thing of this size, timed in `rounds` alternating rounds
+        # (ref, codecs, ref, codecs, ...), so a drifting link (the loopback
+        # sockets) weighs on the reference and on the codecs alike.
+        runs = [] if args.no_reference else [("ref", lambda: dev.reference_allreduce(x, out))]
         for label, codec in codecs:
             for topo in topologies:
                 if topo == "butterfly" and n & (n - 1):
                     done += 1
                     continue
-
-                def call():
-                    coll.allreduce(x, codec=codec, topology=topo, seed=args.seed, out=out)
-                t = _time(call, dev, comm, args.warmup, args.iters)
+                runs.append(((label, topo), _codec_call(coll, x, codec, topo, args.seed, out)))
+        times = {key: 0.0 for key, _ in runs}
+        for key, fn in runs:
+            for _ in range(args.warmup):
+                fn()
+        for _ in range(args.rounds):
+            for key, fn in runs:
+                times[key] += _time(fn, dev, comm, 0, args.iters) / args.rounds
+        ref_time = times.get("ref")
+        if ref_time is not None:
+            dev.reference_allreduce(x, out)
+            dev.sync()
+            rows.append(dict(base, codec=f"{ref_name} all-reduce", bits=8.0 * dtype.itemsize,
+                             topology="-", transport=ref_name, time_us=ref_time * 1e6,
+                             vnmse=dev.vnmse(out, exact, norm), wrong=dev.count_wrong(out),
+                             speedup=1.0))
+            done += 1
+            _progress(rank, f"[{done}/{total}] {count} {args.dtype} {ref_name} all-reduce: "
+                            f"{ref_time * 1e6:.1f} us")
+        for label, codec in codecs:
+            for topo in topologies:
+                if (label, topo) not in times:
+                    continue
+                t = times[(label, topo)]
                 _, rep = coll.allreduce(x, codec=codec, topology=topo, seed=args.seed, out=out,
                                         return_report=True, profile=args.breakdown)
                 dev.sync()
@@ -292,13 +314,18 @@ def add_arguments(p):
     p.add_argument("--codec", default="dynamiq:5,bf16",
                    help="comma-separated codecs: dynamiq[:bits[:field=value...]], bf16, exact")
     p.add_argument("--topology", default="ring", help="ring,butterfly")
-    p.add_argument("--transport", default="auto", choices=["auto", "nccl", "mpi"])
+    p.add_argument("--transport", default="auto", choices=list(TRANSPORTS),
+                   help="auto: NCCL, else CUDA-aware MPI (mpi-cuda), else host-staged MPI")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     p.add_argument("--array", default="auto", choices=["auto", "cupy", "numpy"],
                    help="device (CuPy) or host (NumPy) arrays; auto: CuPy when the CUDA path works")
     p.add_argument("-n", "--iters", type=int, default=10)
     p.add_argument("-w", "--warmup", type=int, default=3)
-    p.add_argument("--tile-bytes", default="8M", help="compressed bytes per message")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time the reference and the codecs in this many alternating rounds of "
+                        "--iters calls each (reported: the mean), so link drift hits all alike")
+    p.add_argument("--tile-bytes", default=None,
+                   help="compressed bytes per message (default: the library's, 32M)")
     p.add_argument("--lanes", type=int, default=None, help="NCCL communicators per message")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-reference", action="store_true", help="skip the uncompressed reference row")

@@ -14,7 +14,8 @@ class Report:
     op: str
     seed: int
     call_counter: int
-    transport: str = ""           # the transport that carried the data: "nccl", "mpi", "simulate"
+    transport: str = ""           # the transport that carried the data: "nccl", "mpi-cuda", "mpi", "simulate"
+    transport_reason: str = ""    # why "auto" (or the request) led to it
     wire_bytes_total: int = 0     # bytes sent by all ranks, statistics included
     stats_bytes_total: int = 0    # of which the statistics phase
     bytes_sent: int = 0           # bytes this rank sent

@@ -21,7 +21,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
        OMPI_MCA_hwloc_base_binding_policy=none
 export NCCL_NVLS_ENABLE=0                       # the machine's rule: no NVLink multicast
 PY=python3
-BENCH="$PY -m dynamiq_mpi bench --dtype bf16 --codec dynamiq:5,bf16 --topology ring -w 3 -n 10"
+BENCH="$PY -m dynamiq_mpi bench --dtype bf16 --codec dynamiq:5,bf16 --topology ring -w 3 -n 5 --rounds 2"
 SOCKETS="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
 # Socket settings found best for both sides (spec section 7): more sockets and
 # threads and channels for the all-reduce, 2 MiB chunks for point-to-point.

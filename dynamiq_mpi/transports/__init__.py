@@ -8,35 +8,60 @@ answers it:
   through pinned host memory.  Always works.
 * ``nccl`` (``nccl``): NCCL point-to-point through CuPy's bindings, on a
   private stream, overlapping with the caller's kernels.  Device arrays only.
+* ``mpi-cuda`` (``mpi_cuda``): a CUDA-aware MPI through mpi4py, device
+  buffers handed over as they are.  Device arrays only, and only where every
+  rank's MPI says it is CUDA-aware (``cuda_aware``).
 * ``simulate`` (``simulate``): all ranks in one process.
 
 ``auto`` picks ``nccl`` when every rank passes a device array and NCCL is
-usable on every rank, else ``mpi``.  The choice is a pure function of the
-agreed per-rank records, so every rank makes it alike.
+usable on every rank, else ``mpi-cuda`` when every rank's MPI is CUDA-aware,
+else ``mpi``.  The choice is a pure function of the agreed per-rank records,
+so every rank makes it alike (an environment override set on some ranks only
+counts as "not CUDA-aware" everywhere), and a transport asked for but not
+usable is the same error on every rank before any data byte moves.
 """
 from __future__ import annotations
 
 from ..errors import InvalidInputError
 
-TRANSPORTS = ("auto", "nccl", "mpi")
+TRANSPORTS = ("auto", "nccl", "mpi-cuda", "mpi")
 
 
 def transport_capabilities(backend) -> dict:
-    """What this rank could use for its input (part of the agreement record)."""
+    """What this rank could use for its input (part of the agreement record).
+    CUDA-awareness is recorded for host arrays too, so that asking for
+    ``mpi-cuda`` on an MPI without it says so whatever the arrays."""
+    from .cuda_aware import cuda_aware_mpi
+    aware = cuda_aware_mpi()
+    can = {"mpi_cuda": aware.aware, "mpi_cuda_why": aware.why}
     if backend is None or backend.name != "gpu":
-        return {}
+        return can
     from .nccl import nccl_status
     ok, why = nccl_status()
-    return {"nccl": ok, "nccl_why": why}
+    can.update(nccl=ok, nccl_why=why)
+    return can
 
 
-def choose_transport(requested: str, metas: list) -> str:
-    """The transport of a call, from every rank's agreement record."""
+def _by_reason(pairs) -> str:
+    """'ranks [0, 1]: why; rank 2: other' (identical reasons grouped)."""
+    groups = {}
+    for r, why in pairs:
+        groups.setdefault(why, []).append(r)
+    return "; ".join(f"rank {rs[0]}: {why}" if len(rs) == 1 else f"ranks {rs}: {why}"
+                     for why, rs in groups.items())
+
+
+def explain_transport(requested: str, metas: list) -> tuple:
+    """(transport, why) of a call, from every rank's agreement record;
+    raises :class:`InvalidInputError` (on every rank alike) when the transport
+    asked for cannot run."""
     if requested == "mpi":
-        return "mpi"
+        return "mpi", "requested"
     host = [r for r, m in enumerate(metas) if m["backend"] != "gpu"]
     no_nccl = [(r, m["can"].get("nccl_why", "")) for r, m in enumerate(metas)
                if m["backend"] == "gpu" and not m["can"].get("nccl")]
+    no_cuda_mpi = [(r, m["can"].get("mpi_cuda_why", "not probed"))
+                   for r, m in enumerate(metas) if not m["can"].get("mpi_cuda")]
     if requested == "nccl":
         if host:
             raise InvalidInputError(
@@ -45,5 +70,30 @@ def choose_transport(requested: str, metas: list) -> str:
         if no_nccl:
             detail = "; ".join(f"rank {r}: {why}" for r, why in no_nccl)
             raise InvalidInputError(f"transport='nccl' is not usable ({detail})")
-        return "nccl"
-    return "nccl" if not host and not no_nccl else "mpi"
+        return "nccl", "requested"
+    if requested == "mpi-cuda":
+        if no_cuda_mpi:
+            raise InvalidInputError(
+                f"transport='mpi-cuda' needs a CUDA-aware MPI on every rank "
+                f"({_by_reason(no_cuda_mpi)}); use transport='mpi' (host staging) or 'auto'")
+        if host:
+            raise InvalidInputError(
+                f"transport='mpi-cuda' needs device (CuPy) arrays on every rank; ranks {host} "
+                "passed host arrays (use transport='mpi' or 'auto')")
+        return "mpi-cuda", "requested"
+    # auto: NCCL, then CUDA-aware MPI, then host staging
+    if host:
+        return "mpi", f"auto: host arrays on ranks {host}"
+    if not no_nccl:
+        return "nccl", "auto: device arrays and NCCL usable on every rank"
+    nccl_why = f"NCCL not usable ({_by_reason(no_nccl)})"
+    if not no_cuda_mpi:
+        whys = sorted({m["can"].get("mpi_cuda_why", "") for m in metas})
+        return "mpi-cuda", f"auto: {nccl_why}; MPI CUDA-aware on every rank ({'; '.join(whys)})"
+    return "mpi", (f"auto: {nccl_why}; MPI not CUDA-aware ({_by_reason(no_cuda_mpi)}): "
+                   "device buffers staged through host memory")
+
+
+def choose_transport(requested: str, metas: list) -> str:
+    """The transport of a call, from every rank's agreement record."""
+    return explain_transport(requested, metas)[0]

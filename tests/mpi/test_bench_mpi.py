@@ -20,7 +20,7 @@ def test_bench_command_runs_on_host_arrays(capsys):
     topologies = "ring,butterfly"
     main(["bench", "--array", "numpy", "--sizes", "64K,2M", "--codec",
           "dynamiq:5,dynamiq:5:small_input=0,bf16", "--topology", topologies,
-          "-w", "1", "-n", "2", "--breakdown", "--json", path])
+          "-w", "1", "-n", "2", "--rounds", "2", "--breakdown", "--json", path])
     comm.Barrier()
     with open(path) as f:
         data = json.load(f)
@@ -39,7 +39,7 @@ def test_bench_command_runs_on_host_arrays(capsys):
                     "finish"} <= set(r["phases_us"])
         if r["codec"] == "dynamiq:5" and r["count"] < (1 << 21):
             assert r["fallback"] and r["bits"] == pytest.approx(16.0)
-    assert data["meta"]["ranks"] == N
+    assert data["meta"]["ranks"] == N and data["meta"]["args"]["rounds"] == 2
     out = capsys.readouterr().out
     if comm.rank == 0:
         assert "#wrong" in out and "speedup" in out and "breakdown" in out

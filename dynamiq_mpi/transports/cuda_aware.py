@@ -1,0 +1,217 @@
+"""Is the MPI that mpi4py loaded CUDA-aware?  Asked, never guessed.
+
+The answer decides whether ``transport="mpi-cuda"`` may hand device (CuPy)
+buffers to MPI; a wrong "yes" makes MPI read device pointers as host memory
+(a crash or silent garbage), so only an explicit answer counts as "yes".  In
+this order:
+
+1. ``DYNAMIQ_CUDA_AWARE_MPI=1`` or ``=0`` (the user knows better than any
+   probe, e.g. an MPI whose query lies, like MPItrampoline's constant 0);
+2. the MPI 4.1 info key ``mpi_memory_alloc_kinds`` of ``MPI_COMM_WORLD``: it
+   lists ``cuda`` (or ``cuda:device``) when CUDA device memory is supported.
+   A list without ``cuda`` is no "no": Open MPI only lists GPU kinds the user
+   requested (``mpiexec --memory-allocation-kinds``), so we go on;
+3. the vendor query in the libmpi that mpi4py loaded, through ctypes:
+   ``MPIX_GPU_query_support(CUDA, &flag)`` where it exists (MPICH: its
+   ``MPIX_Query_cuda_support`` asserts in MPICH < 4 built without GPU
+   support), else ``MPIX_Query_cuda_support()`` (Open MPI, MPICH).
+
+No answer from any of them is a "no", with the reason saying how to override.
+
+:func:`detect` is the pure procedure with every source injectable (the tests
+fake MPIs that say yes, no and nothing); :func:`cuda_aware_mpi` is what the
+library uses: the environment read on every call (cheap, and a test may
+change it), the MPI probes made once per process (and never where MPI is
+not initialised: the simulation must not start one).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+import threading
+from dataclasses import dataclass
+
+ENV = "DYNAMIQ_CUDA_AWARE_MPI"
+INFO_KEY = "mpi_memory_alloc_kinds"
+GPU_QUERY = "MPIX_GPU_query_support"
+CUDA_QUERY = "MPIX_Query_cuda_support"
+MPIX_GPU_SUPPORT_CUDA = 0     # MPICH's type id for CUDA in MPIX_GPU_query_support
+
+
+@dataclass(frozen=True)
+class CudaAwareness:
+    """``aware``: device buffers may go to MPI.  ``source``: which step
+    decided ("env", "info", "query", "none").  ``why``: one line for errors
+    and reports."""
+    aware: bool
+    source: str
+    why: str
+
+
+def detect(environ=None, info=None, libraries=None) -> CudaAwareness:
+    """The detection procedure, every source injectable.
+
+    ``environ``: a mapping (default ``os.environ``).  ``info``: an object with
+    ``Get(key) -> str | None`` (an ``MPI.Info``), or a callable returning one
+    (default: ``MPI.COMM_WORLD.Get_info()``).  ``libraries``: ``(name,
+    library)`` pairs where ``library`` is a ``ctypes.CDLL`` or anything whose
+    attributes are the C functions (default: :func:`loaded_mpi_library_paths`).
+    A source is touched only when the ones before it did not answer.
+    """
+    environ = os.environ if environ is None else environ
+    from_env = _from_env(environ.get(ENV, ""))
+    if from_env is not None:
+        return from_env
+    kinds = _alloc_kinds(info)
+    if _lists_cuda_device(kinds):
+        return CudaAwareness(True, "info", f"{INFO_KEY}={kinds!r} lists CUDA device memory")
+    seen = f"{INFO_KEY}={kinds!r}"
+    found = _query(_default_libraries() if libraries is None else libraries)
+    if found is not None:
+        aware, call, name = found
+        state = "CUDA-aware" if aware else "not CUDA-aware"
+        return CudaAwareness(aware, "query", f"{call} in {name}: {state} ({seen})")
+    return CudaAwareness(False, "none",
+                         f"cannot tell: {seen} and the loaded MPI library has neither "
+                         f"{GPU_QUERY} nor {CUDA_QUERY}; set {ENV}=1 if it is CUDA-aware")
+
+
+def _from_env(value: str):
+    value = value.strip()
+    if value == "1":
+        return CudaAwareness(True, "env", f"{ENV}=1")
+    if value == "0":
+        return CudaAwareness(False, "env", f"{ENV}=0")
+    if value:
+        # never raise here: this runs before the agreement, on one rank only
+        return CudaAwareness(False, "env", f"{ENV} must be 0 or 1, got {value!r}")
+    return None
+
+
+def _alloc_kinds(info):
+    """The info value, or None when the key (or the info) is absent."""
+    try:
+        if info is None:
+            from mpi4py import MPI
+            obj = MPI.COMM_WORLD.Get_info()
+            try:
+                return obj.Get(INFO_KEY)
+            finally:
+                obj.Free()
+        obj = info() if callable(info) and not hasattr(info, "Get") else info
+        return obj.Get(INFO_KEY)
+    except Exception:   # an MPI before 4.0 has no Comm_get_info: no answer, not an error
+        return None
+
+
+def _lists_cuda_device(kinds) -> bool:
+    """``cuda`` (every restrictor) or ``cuda:device`` in a comma list;
+    ``cuda:host`` or ``cuda:managed`` alone do not cover cudaMalloc'd buffers."""
+    if not kinds:
+        return False
+    return any(k.strip().lower() in ("cuda", "cuda:device") for k in str(kinds).split(","))
+
+
+def _query(libraries):
+    """(aware, call, library name) from the first library that exports a
+    query, or None."""
+    for name, lib in libraries:
+        gpu = _symbol(lib, GPU_QUERY)
+        if gpu is not None:
+            flag = ctypes.c_int(0)
+            try:
+                gpu.restype = ctypes.c_int
+                gpu.argtypes = (ctypes.c_int, ctypes.POINTER(ctypes.c_int))
+            except (AttributeError, TypeError):
+                pass
+            rc = gpu(MPIX_GPU_SUPPORT_CUDA, ctypes.byref(flag))
+            aware = rc == 0 and flag.value == 1
+            call = f"{GPU_QUERY}(CUDA) " + (f"= {flag.value}" if rc == 0 else f"failed ({rc})")
+            return aware, call, name
+        cuda = _symbol(lib, CUDA_QUERY)
+        if cuda is not None:
+            try:
+                cuda.restype = ctypes.c_int
+                cuda.argtypes = ()
+            except (AttributeError, TypeError):
+                pass
+            value = int(cuda())
+            return value == 1, f"{CUDA_QUERY}() = {value}", name
+    return None
+
+
+def _symbol(lib, name):
+    try:
+        return getattr(lib, name)
+    except (AttributeError, OSError):
+        return None
+
+
+def loaded_mpi_library_paths() -> list:
+    """Files of the MPI library mapped into this process (``/proc/self/maps``,
+    lines naming ``libmpi``), ``libmpi.so*`` first, then mpi4py's own
+    extension module, whose dependencies are the MPI it was built for."""
+    paths = []
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split()
+                if len(fields) >= 6 and "libmpi" in os.path.basename(fields[-1]):
+                    if fields[-1] not in paths:
+                        paths.append(fields[-1])
+    except OSError:      # not Linux
+        pass
+    paths.sort(key=lambda p: (not os.path.basename(p).startswith("libmpi.so"), p))
+    try:
+        from mpi4py import MPI
+        paths.append(MPI.__file__)
+    except Exception:
+        pass
+    return paths
+
+
+def _default_libraries():
+    """(path, CDLL) of :func:`loaded_mpi_library_paths`, opened lazily (the
+    library is already loaded: this only takes a handle)."""
+    for path in loaded_mpi_library_paths():
+        try:
+            yield path, ctypes.CDLL(path)
+        except OSError:
+            continue
+
+
+_probe_lock = threading.Lock()
+_probed = None
+
+
+def cuda_aware_mpi() -> CudaAwareness:
+    """This process's answer: the environment override, else the MPI probes
+    (made once; the MPI does not change while the process lives)."""
+    from_env = _from_env(os.environ.get(ENV, ""))
+    if from_env is not None:
+        return from_env
+    if not _mpi_running():
+        # e.g. simulate_allreduce: no MPI to ask, and asking must not start one
+        return CudaAwareness(False, "none", "MPI is not initialised in this process")
+    global _probed
+    with _probe_lock:
+        if _probed is None:
+            try:
+                _probed = detect(environ={})
+            except Exception as exc:   # a probe that breaks is no "yes"
+                _probed = CudaAwareness(False, "none", f"the CUDA-awareness probe failed: {exc}")
+        return _probed
+
+
+def _mpi_running() -> bool:
+    mpi = sys.modules.get("mpi4py.MPI")
+    try:
+        return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
+    except Exception:
+        return False
+
+
+def has_cuda_aware_mpi() -> bool:
+    """True if device buffers may be handed to this process's MPI."""
+    return cuda_aware_mpi().aware
