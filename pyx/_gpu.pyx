@@ -35,7 +35,6 @@ cdef extern from "dq_gpu_api.h":
     int dq_gpu_synchronize(uintptr_t stream) nogil
     int dq_gpu_last_error() nogil
     void dq_gpu_set_variant(int variant) nogil
-    void dq_gpu_set_stats_kernel(int which) nogil
     int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
                      int64_t* nonfinite, float* tail, uintptr_t stream) nogil
     int dq_gpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,
@@ -121,12 +120,6 @@ def set_variant(int variant):
     """Timing studies only: 1 selects a one-round hash in the 4-bit encoders
     (NOT bit-identical to the CPU).  0 (the default) is the real codec."""
     dq_gpu_set_variant(variant)
-
-
-def set_stats_kernel(int which):
-    """1 (the default): two super-groups per warp with 16-byte loads; 0: the
-    one-per-warp kernel.  Both give the same bits (tests compare them)."""
-    dq_gpu_set_stats_kernel(which)
 
 
 _cupy = None

@@ -80,9 +80,6 @@ int dq_gpu_exact_dar(const float* in, const DqSource* local, int64_t nsg, int64_
 // (Variant 1, a one-round-hash study, is gone: the header's generator now
 // hashes once per group; any other value runs the default.)
 void dq_gpu_set_variant(int variant);
-// Statistics kernel: 1 (default) two super-groups per warp, 0 the one-per-warp
-// reference; both give the same bits.
-void dq_gpu_set_stats_kernel(int which);
 
 #ifdef __cplusplus
 }

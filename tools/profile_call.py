@@ -52,19 +52,7 @@ def main():
         x = gradient_like_xp(cp, n, comm.rank, dtype=dq.backend.BFLOAT16)
         mean, norm2 = cp.empty(nsg, cp.float32), cp.empty(nsg, cp.float32)
         tail, scratch = cp.empty(2, cp.float32), cp.empty(1, cp.int64)
-        t_kernels = {}
-        outs = {}
-        for which in (0, 1):     # the one-per-warp reference and the default two-per-warp kernel
-            _gpu.set_stats_kernel(which)
-            t_kernels[which] = event_ms(cp, lambda: _gpu.stats_into(x, nsg, True, mean, norm2,
-                                                                    tail, scratch))
-            outs[which] = [cp.asnumpy(a).tobytes() for a in (mean, norm2, tail)]
-        _gpu.set_stats_kernel(1)
-        t_stats = t_kernels[1]
-        if comm.rank == 0:
-            print(f"== 2^{log2}: statistics kernel one-per-warp {t_kernels[0] * 1e3:.1f} us, "
-                  f"pairs {t_kernels[1] * 1e3:.1f} us ({2 * n / (t_kernels[1] * 1e-3) / 1e9:.0f} GB/s read); "
-                  f"same bits: {outs[0] == outs[1]}")
+        t_stats = event_ms(cp, lambda: _gpu.stats_into(x, nsg, True, mean, norm2, tail, scratch))
         widths, order = cp.empty(nsg, cp.int8), cp.empty(nsg, cp.int64)
         pos, header = cp.empty(nsg, cp.int64), cp.empty(10, cp.float64)
         pscratch = cp.empty(_gpu.plan_scratch_bytes(nsg), cp.uint8)

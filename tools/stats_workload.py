@@ -1,4 +1,4 @@
-"""One process, one GPU: the statistics kernels (both variants) and the device
+"""One process, one GPU: the statistics kernel and the device
 planner at 2^27 BF16 elements, for ncu (tools/device_fastpath.sh ncu):
 
     ncu -k regex:"k_stats|k_plan" --section SpeedOfLight ... python tools/stats_workload.py
@@ -19,10 +19,7 @@ def main():
     x = gradient_like_xp(cp, n, 0, dtype=dq.backend.BFLOAT16)
     mean, norm2 = cp.empty(nsg, cp.float32), cp.empty(nsg, cp.float32)
     tail, scratch = cp.empty(2, cp.float32), cp.empty(1, cp.int64)
-    for which in (1, 0):
-        _gpu.set_stats_kernel(which)
-        _gpu.stats_into(x, nsg, True, mean, norm2, tail, scratch)
-    _gpu.set_stats_kernel(1)
+    _gpu.stats_into(x, nsg, True, mean, norm2, tail, scratch)
     widths, order = cp.empty(nsg, cp.int8), cp.empty(nsg, cp.int64)
     pos, header = cp.empty(nsg, cp.int64), cp.empty(10, cp.float64)
     pscratch = cp.empty(_gpu.plan_scratch_bytes(nsg), cp.uint8)

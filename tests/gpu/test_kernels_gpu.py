@@ -348,17 +348,10 @@ def test_decompress_arbitrary_codes(width, hierarchical):
     assert np.array_equal(out_g.get().view(np.uint32), out_c.view(np.uint32))
 
 
-@pytest.fixture(params=[1, 0], ids=["pairs", "one-per-warp"])
-def stats_kernel(request):
-    _gpu.set_stats_kernel(request.param)
-    yield request.param
-    _gpu.set_stats_kernel(1)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("centre", [True, False])
-def test_stats_match_cpu(dtype, centre, stats_kernel):
-    """Both statistics kernels: tails, odd super-group counts (half a pair), a
+def test_stats_match_cpu(dtype, centre):
+    """The statistics kernel: tails, odd super-group counts (half a pair), a
     padded super-group, grid-stride loops (more pairs than resident warps) and
     buffers not 16-byte aligned (a view one element in) give the CPU's bits."""
     rng = np.random.default_rng(1 + centre)
