@@ -25,9 +25,12 @@ def errors_over_calls(xs, codec, topology, calls):
 @pytest.mark.parametrize("topology", ["ring", "butterfly"])
 def test_unbiased_without_correlated_rounding(topology):
     """E[S^] = S.  Over T = 400 calls (fresh randomness each):
-    * R = sum_i mean_i^2 / sum_i (var_i / T) is ~1 +- 0.06 when unbiased (measured);
-      any bias b adds T ||b||^2 / sum var (a 1 % relative bias at 4 bits: R ~ 5).
-      Bound |R - 1| < 0.35.
+    * R = sum_i mean_i^2 / sum_i (var_i / T) has mean 1 when unbiased; any bias b
+      adds T ||b||^2 / sum var (a 1 % relative bias at 4 bits: R ~ 5).  Bound
+      R < 1.35.  No lower bound: R below 1 is no sign of bias, and since the
+      scale codes are deterministic (spec 2.7) a group's largest value sits just
+      below the top level, so its 2-bit code jumps rarely but far: heavy-tailed
+      errors spread R on the low side (0.6-1.1 over seeds, measured).
     * per super-group error sums (256 coordinates: close to normal) have
       |z| < 5: false-alarm rate ~1e-5 for the 6 super-groups.
     Per-coordinate z-scores are not used: 2-bit codes of heavy-tailed groups
@@ -37,7 +40,7 @@ def test_unbiased_without_correlated_rounding(topology):
     errs = errors_over_calls(xs, dq.DynamiQ(small_input=0, bits=4, correlated=False), topology, 400)
     calls, length = errs.shape
     ratio = np.sum(errs.mean(axis=0) ** 2) / np.sum(errs.var(axis=0, ddof=1) / calls)
-    assert abs(ratio - 1.0) < 0.35, f"seed {seed}: R = {ratio:.3f}"
+    assert ratio < 1.35, f"seed {seed}: R = {ratio:.3f}"
     sums = np.add.reduceat(errs, np.arange(0, length, 256), axis=1)
     z = sums.mean(axis=0) / (sums.std(axis=0, ddof=1) / np.sqrt(calls))
     assert np.max(np.abs(z)) < 5.0, f"seed {seed}: z = {np.round(z, 2)}"
