@@ -95,67 +95,6 @@ def cmd_demo(args):
         raise RuntimeError("ranks disagree on the all-reduce result")
 
 
-def _ablation_ladder(bits):
-    """Paper Table 6 order, each row adding one technique, all at ``bits``."""
-    from . import DynamiQ
-    base = dict(bits=bits, uniform=True, variable_width=False, hierarchical=False,
-                correlated=False, zero_class=False)
-    steps = [("uniform, one width", {}), ("+ non-uniform levels", {"uniform": False}),
-             ("+ variable width, 0-bit class", {"variable_width": True, "zero_class": True}),
-             ("+ hierarchical scales", {"hierarchical": True}),
-             ("+ correlated rounding", {"correlated": True})]
-    rows = []
-    for name, change in steps:
-        base.update(change)
-        rows.append((name, DynamiQ(**base)))
-    return rows
-
-
-def cmd_vnmse(args):
-    """vNMSE of every codec in one process (simulated transport), many ranks."""
-    from . import BF16, DynamiQ, Exact, simulate_allreduce
-    from .gradients import gradient_like
-
-    n = args.ranks
-    data = {"skewed": [gradient_like(args.length, r, seed=args.seed) for r in range(n)],
-            "dense": [gradient_like(args.length, r, seed=args.seed, with_embedding=False)
-                      for r in range(n)]}
-    rows = [("exact", Exact()), ("bf16", BF16())]
-    rows += [(f"dynamiq b={b:g}", DynamiQ(bits=b)) for b in args.bits]
-    rows += [(f"ablation b={args.ablation_bits:g}: {name}", c)
-             for name, c in _ablation_ladder(args.ablation_bits)]
-    topologies = ["ring"] + (["butterfly"] if n & (n - 1) == 0 else [])
-    results = []
-    total = len(rows) * len(topologies) * len(data)
-    print(f"vNMSE study: {n} simulated ranks, {args.length} entries per rank, "
-          f"{args.repeats} calls each (mean), seed {args.seed}", flush=True)
-    for kind, xs in data.items():
-        exact = np.sum(np.stack(xs).astype(np.float64), axis=0)
-        norm = float(np.sum(exact ** 2))
-        for name, codec in rows:
-            for topo in topologies:
-                errs = []
-                for t in range(args.repeats):
-                    outs, reps = simulate_allreduce(xs, codec=codec, topology=topo,
-                                                    seed=args.seed, counter=t,
-                                                    return_reports=True)
-                    errs.append(float(np.sum((outs[0].astype(np.float64) - exact) ** 2)) / norm)
-                results.append(dict(data=kind, codec=name, topology=topo,
-                                    bits_per_coord=reps[0].bits_per_coord,
-                                    vnmse=float(np.mean(errs)), widths=_widths(reps[0])))
-                print(f"  [{len(results)}/{total}] {kind} {name} {topo}: "
-                      f"{results[-1]['vnmse']:.3e}", file=sys.stderr, flush=True)
-    print(f"{'data':7s} {'codec':48s} {'topology':10s} {'bits/coord':>10s} {'vNMSE':>10s}  "
-          "super-groups at 0/2/4/8 bits")
-    for r in results:
-        print(f"{r['data']:7s} {r['codec']:48s} {r['topology']:10s} {r['bits_per_coord']:10.3f} "
-              f"{r['vnmse']:10.3e}  {r['widths']}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(ranks=n, length=args.length, repeats=args.repeats, seed=args.seed,
-                           rows=results), f, indent=1)
-
-
 def cmd_schedule(args):
     from .schedules import build, describe
     print(describe(build(args.topology, args.n)))
@@ -174,16 +113,12 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="also write the table as JSON")
     p.add_argument("--gpu", action="store_true", help="all-reduce CuPy arrays (rank r on GPU r % count)")
     p.set_defaults(func=cmd_demo, mpi=True)
-    p = sub.add_parser("vnmse", help="error study of every codec, simulated ranks (no MPI)")
-    p.add_argument("--ranks", type=int, default=8)
-    p.add_argument("--length", type=int, default=1 << 20)
-    p.add_argument("--bits", type=lambda s: [float(b) for b in s.split(",")],
-                   default=[3, 4, 5, 6, 8.25])
-    p.add_argument("--ablation-bits", type=float, default=5.5)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", default=None)
-    p.set_defaults(func=cmd_vnmse, mpi=False)
+    from . import errorstudy       # the study lives in errorstudy.py
+    p = sub.add_parser("vnmse", help="error study of every codec, simulated ranks (no MPI)",
+                       description=errorstudy.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    errorstudy.add_arguments(p)
+    p.set_defaults(func=errorstudy.run, mpi=False)
     p = sub.add_parser("bench", help="nccl-tests-style benchmark against the uncompressed "
                                      "all-reduce (mpiexec)")
     from .bench import add_arguments, run as bench_run

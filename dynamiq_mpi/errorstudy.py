@@ -1,0 +1,525 @@
+"""``python -m dynamiq_mpi vnmse``: the error study, on simulated ranks (no MPI).
+
+    python -m dynamiq_mpi vnmse                                  # the default study
+    python -m dynamiq_mpi vnmse --data real --ranks 8 --topologies ring
+    python -m dynamiq_mpi vnmse --ablation --json ablation.json  # the ablation ladder
+    python -m dynamiq_mpi vnmse --data lognormal --ranks 8192 --length 1048576 \\
+        --codecs dynamiq:5 --topologies ring                     # the scale simulator
+
+For every data set, codec, topology and number of ranks ``n`` it prints the
+vNMSE of the all-reduce, ``||out - sum||^2 / ||sum||^2`` against the float64
+sum of the inputs, beside the bits per coordinate actually put on the wire
+(all bytes of all ranks, statistics included).  Every codec runs on the
+library's own engine: :func:`dynamiq_mpi.scale_sim.scale_allreduce` (bit for
+bit :func:`~dynamiq_mpi.simulate_allreduce`, in memory independent of ``n``)
+where it has an adapter for the codec, else ``simulate_allreduce``.
+
+Data sets (``--data``):
+
+* ``real``: gradients of a small LLaMA (transformers, word-level vocabulary
+  built from Python's standard library, the corpus of
+  mpi_examples/train_lm.py), captured by tools/capture_gradients.py: rank
+  ``r`` = micro-batch ``r`` at one model step.  The embedding rows of words
+  absent from every rank's micro-batch are exactly zero (the skew of the
+  paper's fine-tuning gradients).  A contiguous slice of whole tensors (the
+  embedding table, every decoder layer, the final norm; not the LM head)
+  of the captured length.  Captured on first use into ``--cache``.
+* ``real-dense``: the decoder layers of the same capture (no embedding; no
+  super-group is zero on every rank).
+* ``lognormal``: the paper's large-scale synthetic gradient (section 6.2):
+  super-group magnitudes from its two-component LogNormal mixture,
+  coordinates i.i.d. normal, generated on the fly (any ``n``).
+* ``gradient_like``: :func:`dynamiq_mpi.gradients.gradient_like` (layer
+  scales over five decades, Student-t entries, an embedding table with 90 %
+  of rows zero on every rank).
+
+DynamiQ codecs run with ``small_input=0`` unless the spelling sets it: the
+study measures the codec, not the library's hand-over of small inputs to BF16.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CACHE = REPO / ".cache" / "gradients"
+CAPTURE_SCRIPT = REPO / "tools" / "capture_gradients.py"
+REAL_NAME = "llama_words"
+
+# The default codec list; spellings that this installation's codec_from_string
+# does not accept (THC, OmniReduce before they land) are dropped at run time.
+DEFAULT_CODECS = ("exact", "bf16", "dynamiq:4.25", "dynamiq:5", "dynamiq:6.25", "dynamiq:8.25",
+                  "mxfp:e4m3", "mxfp:e3m2", "mxfp:e2m1", "thc", "omnireduce")
+DEFAULT_RANKS = (2, 4, 8, 16, 32, 64)
+DATASETS = ("real", "real-dense", "lognormal", "gradient_like")
+DEFAULT_DATA = ("real", "real-dense", "lognormal", "gradient_like")
+# Rows compared at equal wire bits: (MX format, DynamiQ budget at its bits).
+EQUAL_BITS = (("mxfp:e4m3", "dynamiq:8.25"), ("mxfp:e3m2", "dynamiq:6.25"),
+              ("mxfp:e2m1", "dynamiq:4.25"))
+
+
+# ----------------------------------------------------------------------------- codecs
+def parse_codec(spec: str):
+    """A codec from its spelling (``codec_from_string``); DynamiQ gets
+    ``small_input=0`` unless the spelling sets it."""
+    from .codecs import DynamiQ, codec_from_string
+    codec = codec_from_string(spec)
+    if isinstance(codec, DynamiQ) and "small_input" not in spec:
+        codec = dataclasses.replace(codec, small_input=0)
+    return codec
+
+
+def available_codecs(specs=DEFAULT_CODECS) -> list:
+    """The spellings of ``specs`` that codec_from_string accepts here."""
+    ok = []
+    for s in specs:
+        try:
+            parse_codec(s)
+        except (ValueError, TypeError):
+            continue
+        ok.append(s)
+    return ok
+
+
+def ablation_ladder(bits):
+    """Paper Table 6 order, each row adding one technique, all at ``bits``."""
+    from .codecs import DynamiQ
+    base = dict(bits=bits, uniform=True, variable_width=False, hierarchical=False,
+                correlated=False, zero_class=False, small_input=0)
+    steps = [("uniform, one width", {}), ("+ non-uniform levels", {"uniform": False}),
+             ("+ variable width, 0-bit class", {"variable_width": True, "zero_class": True}),
+             ("+ hierarchical scales", {"hierarchical": True}),
+             ("+ correlated rounding", {"correlated": True})]
+    rows = []
+    for name, change in steps:
+        base.update(change)
+        rows.append((name, DynamiQ(**base)))
+    return rows
+
+
+# ----------------------------------------------------------------------------- data
+def real_gradients(cache=DEFAULT_CACHE, capture=True, quiet=False):
+    """(gradients (ranks, length) float32, metadata) of the captured model;
+    runs tools/capture_gradients.py first when the capture is missing."""
+    cache = Path(cache)
+    npy, meta_path = cache / f"{REAL_NAME}.npy", cache / f"{REAL_NAME}.json"
+    if not (npy.exists() and meta_path.exists()):
+        if not capture:
+            raise FileNotFoundError(f"no captured gradients at {npy}")
+        if not CAPTURE_SCRIPT.exists():
+            raise FileNotFoundError(f"{npy} is missing and so is {CAPTURE_SCRIPT} to make it")
+        if not quiet:
+            print(f"capturing real gradients into {cache} (tools/capture_gradients.py) ...",
+                  file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, str(CAPTURE_SCRIPT), "--out", str(cache / REAL_NAME)],
+                       check=True, stdout=sys.stderr)
+    with open(meta_path) as f:
+        meta = json.load(f)
+    return np.load(npy, mmap_mode="r"), meta
+
+
+class _Data:
+    """One data set: a source for up to ``max_ranks`` ranks, and its notes."""
+
+    def __init__(self, name, args, max_ranks):
+        from .gradients import gradient_like
+        from .scale_sim import ArraySource, LogNormalMixture
+        self.name, self.notes = name, {}
+        if name in ("real", "real-dense"):
+            grads, meta = real_gradients(args.cache)
+            if grads.shape[0] < max_ranks:
+                raise SystemExit(f"the capture has {grads.shape[0]} ranks, {max_ranks} asked "
+                                 f"for: re-run tools/capture_gradients.py --ranks {max_ranks}")
+            start = meta["dense_start"] if name == "real-dense" else 0
+            xs = np.asarray(grads[:max_ranks, start:], dtype=np.float32)
+            self.source = ArraySource(xs)
+            self.notes = {"capture": {k: meta[k] for k in ("model", "tensors", "corpus", "steps",
+                                                             "micro_batch", "sha256")
+                                      if k in meta},
+                          "slice": "decoder layers and final norm" if start else
+                          "embedding table, decoder layers and final norm"}
+        elif name == "lognormal":
+            self.source = LogNormalMixture(args.length, seed=args.seed)
+            self.notes = {"mixture": "paper Appendix E, K=2: pi=(0.79, 0.21), "
+                          "mu=(-3.99, -16.41), sigma=(1.22, 4.63); M_j shared by the ranks"}
+        elif name in ("gradient_like", "gradient_like-dense"):
+            dense = name.endswith("-dense")
+            self.source = ArraySource([gradient_like(args.length, r, seed=args.seed,
+                                                     with_embedding=not dense)
+                                       for r in range(max_ranks)])
+        else:
+            raise SystemExit(f"unknown data set {name!r}; known: {DATASETS}")
+        self.length = self.source.length
+        self.notes["length"] = self.length
+        self.notes.update(_zero_fractions(self.source, max_ranks))
+
+    def xs(self, n):
+        return [self.source.rank_vector(np, r) for r in range(n)]
+
+
+def _zero_fractions(source, max_ranks):
+    """Fraction of super-groups that are zero on every rank, at a few n."""
+    from .scale_sim import ArraySource
+    if not isinstance(source, ArraySource):
+        return {}
+    nsg = -(-source.length // 256)
+    rows = source._data.reshape(source.ranks, nsg, 256)
+    live = np.zeros(nsg, dtype=bool)
+    out = {}
+    for n in range(1, max_ranks + 1):
+        live |= (rows[n - 1] != 0).any(axis=1)
+        if n in (1, 2, 8, 64) or n == max_ranks:
+            out[f"zero_supergroups_n{n}"] = round(1.0 - float(live.mean()), 4)
+    return {"zero_supergroup_fraction": out}
+
+
+# ----------------------------------------------------------------------------- one run
+def run_one(data, n, codec, topology, seed, counter, engine="auto", progress=False):
+    """(vNMSE, bits per coordinate, codec info, seconds) of one all-reduce."""
+    from . import simulate_allreduce
+    from .scale_sim import scale_allreduce, supports
+    t0 = time.perf_counter()
+    if engine != "simulate" and supports(codec):
+        r = scale_allreduce(data.source, n, codec=codec, topology=topology, seed=seed,
+                            counter=counter, progress=progress)
+        return r.vnmse, r.bits_per_coord, r.codec_info, time.perf_counter() - t0, "scale"
+    xs = data.xs(n)
+    outs, reps = simulate_allreduce(xs, codec=codec, topology=topology, seed=seed,
+                                    counter=counter, return_reports=True)
+    exact = np.sum(np.stack(xs).astype(np.float64), axis=0)
+    norm = float(np.sum(exact ** 2))
+    err = float(np.sum((outs[0].astype(np.float64) - exact) ** 2)) / norm if norm else float("nan")
+    return err, reps[0].bits_per_coord, reps[0].codec_info, time.perf_counter() - t0, "simulate"
+
+
+def _widths(info):
+    w = info.get("widths")
+    if not w:
+        return ""
+    text = "/".join(str(w.get(k, w.get(str(k), 0))) for k in (0, 2, 4, 8))
+    return text + ("" if info.get("budget_binds", True) else " (budget does not bind)")
+
+
+class _Bar:
+    def __init__(self, total, quiet):
+        self.total, self.done, self.bar, self.quiet = total, 0, None, quiet
+        if not quiet:
+            try:
+                from tqdm import tqdm
+                self.bar = tqdm(total=total, file=sys.stderr, unit="run",
+                                mininterval=1.0 if sys.stderr.isatty() else 30.0, miniters=1)
+            except ImportError:
+                pass
+
+    def update(self, text):
+        self.done += 1
+        if self.bar is not None:
+            self.bar.set_postfix_str(text, refresh=False)
+            self.bar.update(1)
+        elif not self.quiet:
+            print(f"  [{self.done}/{self.total}] {text}", file=sys.stderr, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _jsonable(v):
+    if isinstance(v, dict):
+        return {str(a): _jsonable(b) for a, b in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(b) for b in v]
+    if isinstance(v, (np.floating, np.integer, np.bool_)):
+        return v.item()
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if hasattr(v, "shape"):                    # arrays: a summary, not the data
+        return f"array{tuple(v.shape)}"
+    return str(v)
+
+
+def _jsonable_info(info):
+    return {str(k): _jsonable(v) for k, v in info.items()}
+
+
+def _rows_for(args, datasets, codecs, ranks_list, topologies, quiet):
+    total = len(datasets) * len(codecs) * len(topologies) * len(ranks_list)
+    bar = _Bar(total, quiet)
+    rows = []
+    for data in datasets:
+        for label, codec in codecs:
+            for topo in topologies:
+                for n in ranks_list:
+                    row = dict(data=data.name, codec=label, topology=topo, ranks=n,
+                               length=data.length)
+                    if topo == "butterfly" and n & (n - 1):
+                        row["error"] = "butterfly needs a power-of-two n"
+                    else:
+                        errs, secs = [], 0.0
+                        try:
+                            for t in range(args.repeats):
+                                err, bits, info, s, engine = run_one(
+                                    data, n, codec, topo, args.seed, t, args.engine,
+                                    progress=not quiet and n >= 1024)
+                                errs.append(err)
+                                secs += s
+                            row.update(bits_per_coord=bits, vnmse=float(np.mean(errs)),
+                                       vnmse_calls=errs, widths=_widths(info),
+                                       codec_info=_jsonable_info(info), seconds=secs,
+                                       engine=engine)
+                        except Exception as exc:          # recorded, the study goes on
+                            row["error"] = f"{type(exc).__name__}: {exc}"
+                    rows.append(row)
+                    v = row.get("vnmse")
+                    bar.update(f"{data.name} {label} {topo} n={n}: "
+                               + (f"{v:.3e}" if v is not None else row.get("error", "")))
+    bar.close()
+    return rows
+
+
+# ----------------------------------------------------------------------------- output
+def _fmt(v, spec=".2e"):
+    return "-" if v is None else format(v, spec)
+
+
+def print_sweep(rows, ranks_list, out=None):
+    """One table per data set and topology: codecs down, n across; the bits
+    column is at n = 8 (or the nearest n run)."""
+    out = out or sys.stdout
+    pick = min(ranks_list, key=lambda k: abs(np.log2(k) - 3))
+    keys = []
+    for r in rows:
+        k = (r["data"], r["topology"])
+        if k not in keys:
+            keys.append(k)
+    for data, topo in keys:
+        sel = [r for r in rows if r["data"] == data and r["topology"] == topo]
+        if all("error" in r for r in sel):
+            continue
+        length = sel[0]["length"]
+        print(f"\n{data}, {topo}, {length} elements per rank: vNMSE (bits/coordinate on the "
+              f"wire at n={pick})", file=out)
+        head = f"{'codec':16s} {'bits':>6s} " + " ".join(f"{'n=' + str(n):>9s}" for n in ranks_list)
+        print(head, file=out)
+        codecs = []
+        for r in sel:
+            if r["codec"] not in codecs:
+                codecs.append(r["codec"])
+        for c in codecs:
+            by_n = {r["ranks"]: r for r in sel if r["codec"] == c}
+            b = by_n.get(pick, {}).get("bits_per_coord")
+            cells = []
+            for n in ranks_list:
+                r = by_n.get(n, {})
+                cells.append(f"{_fmt(r.get('vnmse')):>9s}" if "error" not in r else f"{'err':>9s}")
+            print(f"{c:16s} {_fmt(b, '6.3f'):>6s} " + " ".join(cells), file=out)
+        for mx, dq in EQUAL_BITS:
+            a = {r["ranks"]: r for r in sel if r["codec"] == mx and r.get("vnmse")}
+            b = {r["ranks"]: r for r in sel if r["codec"] == dq and r.get("vnmse")}
+            common = [n for n in ranks_list if n in a and n in b]
+            if common:
+                ratios = " ".join(f"{a[n]['vnmse'] / b[n]['vnmse']:9.1f}" for n in common)
+                at = pick if pick in common else common[0]
+                print(f"equal bits: {mx} ({a[at]['bits_per_coord']:.2f} b) / {dq} "
+                      f"({b[at]['bits_per_coord']:.2f} b at n={at}) vNMSE ratio at n="
+                      f"{','.join(map(str, common))}: {ratios}", file=out)
+
+
+def print_ablation(rows, out=None):
+    out = out or sys.stdout
+    datas = []
+    for r in rows:
+        if r["data"] not in datas:
+            datas.append(r["data"])
+    cfgs = []
+    for r in sorted(rows, key=lambda r: (r["topology"] != "ring", r["ranks"])):
+        if (r["codec"], r["topology"], r["ranks"]) not in cfgs:
+            cfgs.append((r["codec"], r["topology"], r["ranks"]))
+    print(f"\nablation: vNMSE (bits/coordinate on the wire)", file=out)
+    print(f"{'configuration':32s} {'topology':9s} {'n':>4s} "
+          + " ".join(f"{d:>22s}" for d in datas), file=out)
+    for c, topo, n in cfgs:
+        cells = []
+        for d in datas:
+            r = next((r for r in rows if (r["data"], r["codec"], r["topology"], r["ranks"])
+                      == (d, c, topo, n)), {})
+            cells.append(f"{_fmt(r.get('vnmse')):>10s} ({_fmt(r.get('bits_per_coord'), '.3f')})"
+                         .rjust(22) if "error" not in r else f"{'err':>22s}")
+        print(f"{c:32s} {topo:9s} {n:4d} " + " ".join(cells), file=out)
+
+
+def plot_sweep(rows, path, ranks_list):
+    """vNMSE against n per codec, log axes: one panel per data set and
+    topology.  The exact codec (~1e-15) is left out; labels give the mean
+    bits per coordinate over n."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    datas, topos, codecs = [], [], []
+    for r in rows:
+        for lst, k in ((datas, "data"), (topos, "topology"), (codecs, "codec")):
+            if r[k] not in lst:
+                lst.append(r[k])
+    codecs = [c for c in codecs if c != "exact"]
+    families = {f: [c for c in codecs if c.split(":")[0] == f] for f in ("dynamiq", "mxfp")}
+    maps = {"dynamiq": plt.get_cmap("viridis"), "mxfp": plt.get_cmap("autumn")}
+
+    def color(c):
+        fam = c.split(":")[0]
+        if fam in families:
+            k, m = families[fam].index(c), len(families[fam])
+            return maps[fam](0.1 + 0.75 * k / max(1, m - 1))
+        if fam == "bf16":
+            return "0.5"
+        others = [c2 for c2 in codecs if c2.split(":")[0] not in families and c2 != "bf16"]
+        return ("tab:brown", "tab:pink", "tab:cyan", "tab:olive", "k")[min(others.index(c), 4)]
+
+    fig, axes = plt.subplots(len(datas), len(topos), figsize=(5.2 * len(topos), 3.4 * len(datas)),
+                             squeeze=False, sharex=True)
+    handles = {}
+    for i, d in enumerate(datas):
+        for j, t in enumerate(topos):
+            ax = axes[i][j]
+            for c in codecs:
+                sel = sorted((r for r in rows if (r["data"], r["topology"], r["codec"]) == (d, t, c)
+                              and r.get("vnmse") and r["vnmse"] > 0), key=lambda r: r["ranks"])
+                if not sel:
+                    continue
+                fam = c.split(":")[0]
+                style = {"dynamiq": "-", "mxfp": "--", "bf16": ":"}.get(fam, "-.")
+                line, = ax.plot([r["ranks"] for r in sel], [r["vnmse"] for r in sel], style,
+                                marker="o", ms=3, color=color(c), lw=1.4)
+                handles.setdefault(c, line)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            length = next((r["length"] for r in rows if r["data"] == d), 0)
+            ax.set_title(f"{d} ({length} elements), {t}", fontsize=9)
+            ax.grid(alpha=0.3, which="both")
+            if i == len(datas) - 1:
+                ax.set_xlabel("ranks n")
+            if j == 0:
+                ax.set_ylabel("vNMSE")
+
+    def label(c):
+        bits = [r["bits_per_coord"] for r in rows if r["codec"] == c and r.get("bits_per_coord")]
+        return f"{c} ({np.mean(bits):.2f} b)" if bits else c
+
+    fig.legend([handles[c] for c in codecs if c in handles],
+               [label(c) for c in codecs if c in handles], loc="upper center",
+               ncol=min(5, len(handles)), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.5 / (3.4 * len(datas))))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _git_state():
+    try:
+        head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
+                              text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--",
+                                "dynamiq_mpi", "src_cuda", "pyx"],
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("+local changes" if dirty else "")
+    except Exception:
+        return None
+
+
+# ----------------------------------------------------------------------------- command
+def add_arguments(p):
+    p.add_argument("--data", default=",".join(DEFAULT_DATA),
+                   help=f"comma list of data sets: {', '.join(DATASETS)}, gradient_like-dense")
+    p.add_argument("--codecs", default=None,
+                   help="comma list of codec spellings (codec_from_string), default: "
+                        + ",".join(DEFAULT_CODECS) + " (those this installation has)")
+    p.add_argument("--ranks", default=",".join(map(str, DEFAULT_RANKS)),
+                   help="comma list of world sizes")
+    p.add_argument("--topologies", default="ring,butterfly")
+    p.add_argument("--length", type=int, default=1 << 18,
+                   help="elements per rank of the synthetic data (real: the capture's length)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="calls per configuration (call counters 0..R-1), vNMSE averaged")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--engine", choices=["auto", "simulate"], default="auto",
+                   help="auto: the scale simulator where it has the codec; simulate: "
+                        "simulate_allreduce always")
+    p.add_argument("--ablation", action="store_true",
+                   help="run the ablation ladder (paper Table 6) instead of the codec sweep")
+    p.add_argument("--ablation-bits", type=float, default=5.5)
+    p.add_argument("--cache", default=str(DEFAULT_CACHE),
+                   help="folder of the captured real gradients")
+    p.add_argument("--json", default=None, help="write every row (and the set-up) here")
+    p.add_argument("--plot", default=None, help="PNG of vNMSE against n per codec (matplotlib)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def _int_list(text):
+    return [int(float(s)) for s in text.split(",") if s.strip()]
+
+
+def run(args, out=None):
+    out = out or sys.stdout
+    t0 = time.perf_counter()
+    git, started = _git_state(), datetime.datetime.now(datetime.timezone.utc)
+    if args.plot and not args.ablation:
+        try:                                  # fail now, not after the study
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise SystemExit("--plot needs matplotlib (pip install matplotlib)")
+    ranks_list = _int_list(args.ranks)
+    topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]
+    names = [d.strip() for d in args.data.split(",") if d.strip()]
+    if args.ablation:
+        codecs = [(name, c) for name, c in ablation_ladder(args.ablation_bits)]
+    else:
+        specs = ([s.strip() for s in args.codecs.split(",") if s.strip()] if args.codecs
+                 else available_codecs())
+        codecs = [(s, parse_codec(s)) for s in specs]
+    datasets = [_Data(d, args, max(ranks_list)) for d in names]
+    print(f"vNMSE study: data {', '.join(f'{d.name} ({d.length})' for d in datasets)}; "
+          f"n = {', '.join(map(str, ranks_list))}; {', '.join(topologies)}; "
+          f"{args.repeats} call(s) each, seed {args.seed}", file=out, flush=True)
+    rows = _rows_for(args, datasets, codecs, ranks_list, topologies, args.quiet)
+    if args.ablation:
+        print_ablation(rows, out)
+    else:
+        print_sweep(rows, ranks_list, out)
+    seconds = time.perf_counter() - t0
+    print(f"\n({seconds:.0f} s)", file=out)
+    result = dict(
+        kind="ablation" if args.ablation else "sweep",
+        command="python -m dynamiq_mpi vnmse " + " ".join(sys.argv[2:]) if
+        sys.argv[1:2] == ["vnmse"] else None,
+        date=started.isoformat(timespec="seconds"), git=git, host=platform.node(),
+        cpu=platform.processor() or platform.machine(),
+        seconds=seconds, ranks=ranks_list, topologies=topologies, repeats=args.repeats,
+        seed=args.seed, ablation_bits=args.ablation_bits if args.ablation else None,
+        codecs=[c for c, _ in codecs],
+        codec_signatures={c: list(map(str, codec.signature())) for c, codec in codecs},
+        datasets={d.name: d.notes for d in datasets}, rows=rows)
+    if args.json:
+        text = json.dumps(result, indent=1)        # all of it or nothing
+        with open(args.json, "w") as f:
+            f.write(text)
+    if args.plot and not args.ablation:
+        plot_sweep(rows, args.plot, ranks_list)
+    return result
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m dynamiq_mpi vnmse", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,156 @@
+"""The scale simulator (dynamiq_mpi/scale_sim.py): bit for bit
+simulate_allreduce at small n, memory independent of n, its sources."""
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import dynamiq_mpi as dq
+from dynamiq_mpi.codecs.base import Codec
+from dynamiq_mpi.errors import NonFiniteInputError
+from dynamiq_mpi.gradients import gradient_like
+from dynamiq_mpi.scale_sim import ArraySource, LogNormalMixture, scale_allreduce, supports
+
+from helpers import exact_sum, fresh_seed
+
+CODECS = {
+    "dynamiq:5": dq.DynamiQ(bits=5, small_input=0),
+    "dynamiq:3.5 flat": dq.DynamiQ(bits=3.5, small_input=0, centring=False, hierarchical=False),
+    "dynamiq:5.5 ablation": dq.DynamiQ(bits=5.5, small_input=0, uniform=True,
+                                       variable_width=False, correlated=False, zero_class=False),
+    "dynamiq:5 small-input": dq.DynamiQ(bits=5),          # hands these lengths to BF16
+    "bf16": dq.BF16(),
+    "exact": dq.Exact(),
+    "mxfp:e4m3": dq.MXFP("e4m3"),
+    "mxfp:e3m2": dq.MXFP("e3m2"),
+    "mxfp:e2m1": dq.MXFP("e2m1"),
+}
+
+
+def _same_bits(a, b):
+    return np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+def _check(source, n, codec, topology, seed, counter=0, op="sum"):
+    xs = [source.rank_vector(np, r) for r in range(n)]
+    outs, reps = dq.simulate_allreduce(xs, codec=codec, topology=topology, seed=seed,
+                                       counter=counter, op=op, return_reports=True)
+    res = scale_allreduce(source, n, codec=codec, topology=topology, seed=seed, counter=counter,
+                          op=op)
+    assert _same_bits(res.out, outs[0]), (n, codec, topology)
+    assert res.bits_per_coord == pytest.approx(reps[0].bits_per_coord, rel=1e-12)
+    assert res.wire_bytes_total == reps[0].wire_bytes_total
+    ref = exact_sum(xs) / (n if op == "mean" else 1)
+    assert np.allclose(res.exact / (n if op == "mean" else 1), ref, rtol=1e-12, atol=0)
+    err = float(np.sum((outs[0].astype(np.float64) - ref) ** 2) / np.sum(ref ** 2))
+    assert res.vnmse == pytest.approx(err, rel=1e-9)
+    return res
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("topology", ["ring", "butterfly"])
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_bit_identical_to_simulate_allreduce_synthetic(n, topology, name):
+    seed = fresh_seed()
+    source = LogNormalMixture(9 * 256 * 3 + 37, seed=seed % 1000)   # a partial super-group
+    _check(source, n, CODECS[name], topology, seed, counter=seed % 5)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("topology", ["ring", "butterfly"])
+@pytest.mark.parametrize("name", ["dynamiq:5", "bf16", "exact", "mxfp:e4m3"])
+def test_bit_identical_to_simulate_allreduce_zero_supergroups(n, topology, name):
+    # gradient_like: an embedding table whose rows are zero on every rank (0-bit class)
+    seed = fresh_seed()
+    source = ArraySource([gradient_like(12 * 1024 + 100, r, seed=seed % 997) for r in range(n)])
+    res = _check(source, n, CODECS[name], topology, seed, op="mean" if n == 4 else "sum")
+    if name == "dynamiq:5":
+        assert res.codec_info["widths"][0] > 0     # the 0-bit class was exercised
+
+
+def test_tile_size_and_more_ranks_than_records():
+    # n larger than the number of super-groups: most chunks are empty
+    source = LogNormalMixture(5 * 256, seed=3)
+    for codec in (CODECS["dynamiq:5"], CODECS["mxfp:e4m3"], CODECS["bf16"]):
+        res = _check(source, 16, codec, "ring", seed=11)
+        small = scale_allreduce(source, 16, codec=codec, seed=11, tile_bytes=300)
+        assert _same_bits(small.out, res.out)
+    _check(source, 16, CODECS["dynamiq:5"], "butterfly", seed=12)
+
+
+def test_memory_does_not_grow_with_ranks():
+    source = LogNormalMixture(1 << 15, seed=1)
+    codec = CODECS["dynamiq:5"]
+    peaks = {}
+    for topology in ("ring", "butterfly"):
+        for n in (8, 64):
+            scale_allreduce(source, 2, codec=codec, topology=topology)   # warm caches
+            tracemalloc.start()
+            scale_allreduce(source, n, codec=codec, topology=topology)
+            peaks[topology, n] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+    vector = source.length * 4
+    for topology in ("ring", "butterfly"):
+        assert peaks[topology, 64] < 1.3 * peaks[topology, 8], peaks
+        assert peaks[topology, 64] < 30 * vector, peaks       # a few vectors, not n of them
+
+
+def test_sources():
+    src = LogNormalMixture(3 * 256 + 40, seed=5)
+    ranks = np.array([3, 0, 7, 7])
+    a = src.rows(np, ranks, 256)
+    b = src.rows(np, np.repeat(ranks, 8)[:-(-src.length // 32)], 32)
+    assert _same_bits(a, b)                                   # rows of any size agree
+    for k, r in enumerate(ranks):
+        whole = src.rank_vector(np, int(r))
+        assert _same_bits(a[k * 256:(k + 1) * 256], whole[k * 256:(k + 1) * 256])
+    assert not np.array_equal(src.rank_vector(np, 0), src.rank_vector(np, 1))
+    again = LogNormalMixture(src.length, seed=5)
+    assert _same_bits(src.rank_vector(np, 2), again.rank_vector(np, 2))
+    # coordinates ~ N(0, M_j^2 / 256): normalised values have unit variance, mean 0
+    big = LogNormalMixture(1 << 16, seed=9)
+    z = big.rank_vector(np, 4).astype(np.float64).reshape(-1, 256) / (big.magnitude[:, None] / 16)
+    assert abs(z.mean()) < 0.02 and abs(z.std() - 1) < 0.02
+    assert abs(np.mean(z ** 4) - 3) < 0.1                     # normal kurtosis
+    xs = [np.arange(10, dtype=np.float32) + r for r in range(3)]
+    s = ArraySource(xs)
+    assert _same_bits(s.rows(np, np.array([2]), 256), xs[2])
+    with pytest.raises(ValueError):
+        scale_allreduce(s, 4, codec=dq.Exact())
+
+
+def test_edges():
+    src = LogNormalMixture(1000, seed=2)
+    one = scale_allreduce(src, 1, codec=CODECS["dynamiq:5"])
+    assert _same_bits(one.out, src.rank_vector(np, 0)) and one.vnmse == 0.0
+
+    assert supports(dq.Exact()) and supports(dq.MXFP("e5m2"))
+
+    class Unknown(Codec):
+        name = "unknown"
+    assert not supports(Unknown())
+    with pytest.raises(NotImplementedError):
+        scale_allreduce(src, 2, codec=Unknown())
+    with pytest.raises(dq.TopologyError):
+        scale_allreduce(src, 6, codec=dq.Exact(), topology="butterfly")
+    xs = [src.rank_vector(np, r) for r in range(4)]
+    xs[2][17] = np.nan
+    for codec in (CODECS["dynamiq:5"], CODECS["mxfp:e4m3"]):
+        with pytest.raises(NonFiniteInputError):
+            dq.simulate_allreduce(xs, codec=codec)
+        with pytest.raises(NonFiniteInputError):
+            scale_allreduce(ArraySource(xs), 4, codec=codec)
+
+
+def test_progress_lines(capsys, monkeypatch):
+    import builtins
+    real_import = builtins.__import__
+
+    def no_tqdm(name, *a, **k):
+        if name == "tqdm":
+            raise ImportError(name)
+        return real_import(name, *a, **k)
+    monkeypatch.setattr(builtins, "__import__", no_tqdm)
+    scale_allreduce(LogNormalMixture(2048, seed=1), 16, codec=CODECS["dynamiq:5"], progress=True)
+    err = capsys.readouterr().err
+    assert "32/32 roles" in err
