@@ -344,7 +344,7 @@ def print_ablation(rows, out=None):
     for r in sorted(rows, key=lambda r: (r["topology"] != "ring", r["ranks"])):
         if (r["codec"], r["topology"], r["ranks"]) not in cfgs:
             cfgs.append((r["codec"], r["topology"], r["ranks"]))
-    print(f"\nablation: vNMSE (bits/coordinate on the wire)", file=out)
+    print("\nablation: vNMSE (bits/coordinate on the wire)", file=out)
     print(f"{'configuration':32s} {'topology':9s} {'n':>4s} "
           + " ".join(f"{d:>22s}" for d in datas), file=out)
     for c, topo, n in cfgs:
@@ -470,9 +470,8 @@ def run(args, out=None):
     t0 = time.perf_counter()
     git, started = _git_state(), datetime.datetime.now(datetime.timezone.utc)
     if args.plot and not args.ablation:
-        try:                                  # fail now, not after the study
-            import matplotlib  # noqa: F401
-        except ImportError:
+        import importlib.util                 # fail now, not after the study
+        if importlib.util.find_spec("matplotlib") is None:
             raise SystemExit("--plot needs matplotlib (pip install matplotlib)")
     ranks_list = _int_list(args.ranks)
     topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]

@@ -57,7 +57,6 @@ from .codecs.dynamiq import DynamiQ
 from .codecs.mxfp import BLOCK as MX_BLOCK
 from .codecs.mxfp import MXFP, _padded_blocks
 from .codecs.plain import BF16, ElementwisePlan, Exact
-from .errors import NonFiniteInputError
 from .rng import call_keys, splitmix64
 from .workspace import FRESH
 
@@ -283,6 +282,9 @@ class _DynamiQAdapter:
     width-sorted order ``plan.order``."""
     row = SUPER
 
+    def __init__(self, codec):
+        self._centring = bool(codec.centring)     # the local means are the only state
+
     def reduce_stats(self, sim):
         xp, n, codec, length = sim.xp, sim.n, sim.codec, sim.length
         nsg = -(-length // SUPER)
@@ -362,9 +364,6 @@ class _DynamiQAdapter:
 
     def needs_local_stats(self):
         return self._centring
-
-    def __init__(self, codec=None):
-        self._centring = bool(getattr(codec, "centring", True))
 
 
 def _adapter_for(codec):
