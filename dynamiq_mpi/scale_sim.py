@@ -58,6 +58,7 @@ from .codecs.mxfp import BLOCK as MX_BLOCK
 from .codecs.mxfp import MXFP, _padded_blocks
 from .codecs.plain import BF16, ElementwisePlan, Exact
 from .rng import call_keys, splitmix64
+from .schedules import _trailing_ones
 from .workspace import FRESH
 
 SUPER = 256
@@ -388,14 +389,6 @@ def supports(codec) -> bool:
 
 
 # ----------------------------------------------------------------------------- the walk
-def _trailing_ones(v: int) -> int:
-    t = 0
-    while v & 1:
-        v >>= 1
-        t += 1
-    return t
-
-
 def _reduce(plan, bind, topology, n):
     """The sink's final compressed stream (tile 0 = the whole stream) of a
     reduce-scatter in which role ``v`` adds the local values ``bind(v)``
