@@ -46,6 +46,23 @@ def digest(a) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8).tobytes()).hexdigest()
 
 
+def shared_seed(comm) -> int:
+    """A fresh seed, the same on every rank of ``comm`` (rank 0 draws it)."""
+    return comm.bcast(fresh_seed() if comm.rank == 0 else None)
+
+
+def same_everywhere(comm, value) -> bool:
+    """True if every rank of ``comm`` holds an equal ``value``."""
+    values = comm.allgather(value)
+    return all(v == values[0] for v in values)
+
+
+def assert_identical_everywhere(comm, out):
+    """Every rank's ``out`` has the same bytes."""
+    digests = comm.allgather(digest(out))
+    assert len(set(digests)) == 1, f"ranks disagree: {digests}"
+
+
 def load_example(name: str):
     """A script of mpi_examples/ imported as a module (they are not a package)."""
     import importlib.util

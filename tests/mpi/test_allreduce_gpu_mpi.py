@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 import dynamiq_mpi as dq
-from helpers import BF16, digest, exact_sum, fresh_seed, rank_inputs, vnmse
+from helpers import BF16, digest, exact_sum, rank_inputs, shared_seed, vnmse
 
 comm = MPI.COMM_WORLD
 N = comm.size
@@ -26,10 +26,6 @@ def cp():
     import cupy
     cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount()).use()
     return cupy
-
-
-def shared_seed():
-    return comm.bcast(fresh_seed() if comm.rank == 0 else None)
 
 
 def _one_gpu_per_rank():
@@ -66,7 +62,7 @@ def colls(cp):
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: "-".join(map(str, c.signature()[:2])))
 def test_gpu_equals_cpu_bit_for_bit(cp, colls, codec, topology, dtype, transport, tile_bytes):
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 256 * 300 + 77, dtype=dtype)
     for x in xs:
         x[256 * 5:256 * 9] = 0          # zero super-groups on every rank
@@ -97,7 +93,7 @@ def test_gpu_bad_input_raises_everywhere(cp):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_gpu_in_place_other_stream_and_profile(cp, colls, transport):
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 1 << 17, dtype=BF16)
     coll = colls(transport, 1 << 16)
     codec = dq.DynamiQ(bits=5, small_input=0)
@@ -122,7 +118,7 @@ def test_gpu_in_place_other_stream_and_profile(cp, colls, transport):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_gpu_float16_input(cp, colls, transport):
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = [x.astype(np.float16) for x in rank_inputs(seed, N, 70000, kind="normal")]
     out = colls(transport, 8 << 20).allreduce(cp.asarray(xs[comm.rank]), codec=dq.DynamiQ(bits=6, small_input=0))
     assert out.dtype == np.float16

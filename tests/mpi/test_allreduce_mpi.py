@@ -9,7 +9,8 @@ import pytest
 from mpi4py import MPI
 
 import dynamiq_mpi as dq
-from helpers import BF16, digest, exact_sum, fresh_seed, rank_inputs, vnmse
+from helpers import (BF16, assert_identical_everywhere, digest, exact_sum,
+                     rank_inputs, shared_seed, vnmse)
 
 comm = MPI.COMM_WORLD
 N = comm.size
@@ -18,27 +19,18 @@ CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(small_input=0, bits=5), dq.DynamiQ(s
           dq.DynamiQ(small_input=0, bits=5, correlated=False, hierarchical=False, uniform=True)]
 
 
-def shared_seed():
-    return comm.bcast(fresh_seed() if comm.rank == 0 else None)
-
-
-def assert_identical_everywhere(out):
-    digests = comm.allgather(digest(out))
-    assert len(set(digests)) == 1, f"ranks disagree: {digests}"
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: "-".join(map(str, c.signature()[:2])))
 def test_identical_on_every_rank_and_equal_to_simulation(codec, topology):
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 5003)
     x = xs[comm.rank].copy()
     out, rep = dq.allreduce(x, codec=codec, topology=topology, seed=seed % 1000,
                             return_report=True)
     assert np.array_equal(x, xs[comm.rank]), "the input was modified"
     assert out.dtype == np.float32 and out.shape == x.shape
-    assert_identical_everywhere(out)
+    assert_identical_everywhere(comm, out)
     # The same call in one process gives the same bytes (same counter).
     sim = dq.simulate_allreduce(xs, codec=codec, topology=topology, seed=seed % 1000,
                                 counter=rep.call_counter)
@@ -58,24 +50,24 @@ ELEMENT_BOUNDS = {"exact": 2.0 ** -24, "bf16": 2.0 ** -8}
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("codec", [dq.Exact(), dq.BF16()], ids=lambda c: c.name)
 def test_uncompressed_codecs_within_rounding_bounds(codec, topology):
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 4099)
     out = dq.allreduce(xs[comm.rank], codec=codec, topology=topology)
     mag = np.sum(np.abs(np.stack(xs).astype(np.float64)), axis=0)
     bound = N * ELEMENT_BOUNDS[codec.name] * mag
     assert np.all(np.abs(out - exact_sum(xs)) <= bound), f"seed {seed}"
-    assert_identical_everywhere(out)
+    assert_identical_everywhere(comm, out)
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("codec", [dq.Exact(), dq.BF16(), dq.DynamiQ(small_input=0, bits=5)],
                          ids=lambda c: c.name)
 def test_bfloat16_inputs(codec):
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 2000, dtype=BF16)
     out = dq.allreduce(xs[comm.rank], codec=codec)
     assert out.dtype == BF16 and out.shape == (2000,)
-    assert_identical_everywhere(out)
+    assert_identical_everywhere(comm, out)
     assert vnmse(out, exact_sum(xs)) < 0.05
 
 
@@ -83,14 +75,14 @@ def test_bfloat16_inputs(codec):
 @pytest.mark.parametrize("length", [0, 1, 2, 7, 255, 256, 257, 1021, 4093])
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_lengths(length, topology):
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, length)
     # bits=12: every super-group at 8-bit codes, whatever the padding costs
     for codec, bound in ((dq.Exact(), None), (dq.DynamiQ(small_input=0, bits=12), 0.05),
                          (dq.DynamiQ(small_input=0, bits=5), None)):
         out = dq.allreduce(xs[comm.rank], codec=codec, topology=topology)
         assert out.shape == (length,) and np.all(np.isfinite(out))
-        assert_identical_everywhere(out)
+        assert_identical_everywhere(comm, out)
         if length and bound:
             assert vnmse(out, exact_sum(xs)) < bound, f"seed {seed}"
         if length and codec.name == "exact":
@@ -100,7 +92,7 @@ def test_lengths(length, topology):
 
 @pytest.mark.mpi(min_size=2)
 def test_shapes_and_mean():
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = [x.reshape(3, 5, 67) for x in rank_inputs(seed, N, 3 * 5 * 67)]
     out = dq.allreduce(xs[comm.rank], codec=dq.Exact(), op="mean")
     assert out.shape == (3, 5, 67)
@@ -112,7 +104,7 @@ def test_shapes_and_mean():
 
 @pytest.mark.mpi(min_size=2)
 def test_zero_supergroups_come_back_exactly_zero_and_cost_nothing():
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 256 * 40)
     for x in xs:
         x[256 * 3:256 * 20] = 0.0        # zero on every rank
@@ -120,12 +112,12 @@ def test_zero_supergroups_come_back_exactly_zero_and_cost_nothing():
     out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0, bits=5), return_report=True)
     assert np.all(out[256 * 3:256 * 20] == 0.0)
     assert rep.codec_info["widths"][0] == 17
-    assert_identical_everywhere(out)
+    assert_identical_everywhere(comm, out)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_statistics_identical_on_every_rank():
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 256 * 300 + 17)
     out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0, bits=5), return_report=True)
     info = rep.codec_info
@@ -136,7 +128,7 @@ def test_statistics_identical_on_every_rank():
 
 @pytest.mark.mpi(min_size=2)
 def test_extreme_values_do_not_raise():
-    seed = shared_seed()
+    seed = shared_seed(comm)
     rng = np.random.default_rng(seed)
     length = 256 * 8
     xs = []
@@ -149,7 +141,7 @@ def test_extreme_values_do_not_raise():
         xs.append(x)
     out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0, bits=5), return_report=True)
     assert np.all(np.isfinite(out))
-    assert_identical_everywhere(out)
+    assert_identical_everywhere(comm, out)
     info = rep.codec_info
     assert 0.0 < info["norm2_min_positive"] and np.isfinite(info["norm2_max"])
     assert vnmse(out, exact_sum(xs)) < 0.05
@@ -157,7 +149,7 @@ def test_extreme_values_do_not_raise():
 
 @pytest.mark.mpi(min_size=2)
 def test_budget_binds_within_005_bit():
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 256 * 4096)
     for bits in (4.0, 5.0, 6.5):
         out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0, bits=bits), return_report=True)

@@ -8,7 +8,7 @@ from mpi4py import MPI
 import dynamiq_mpi as dq
 from dynamiq_mpi.codecs.omnireduce import OmniReduce
 from dynamiq_mpi.codecs.thc import THC
-from helpers import digest, exact_sum, fresh_seed, rank_inputs, vnmse
+from helpers import assert_identical_everywhere, exact_sum, rank_inputs, shared_seed, vnmse
 
 comm = MPI.COMM_WORLD
 N = comm.size
@@ -16,28 +16,19 @@ TOPOLOGIES = ["ring"] + (["butterfly"] if N & (N - 1) == 0 else [])
 CODECS = [THC(), THC(agg_bits=12, max_block_log2=12), OmniReduce(0.5), OmniReduce(0.25)]
 
 
-def shared_seed():
-    return comm.bcast(fresh_seed() if comm.rank == 0 else None)
-
-
-def assert_identical_everywhere(out):
-    digests = comm.allgather(digest(out))
-    assert len(set(digests)) == 1, f"ranks disagree: {digests}"
-
-
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("length", [5003, 70_000])
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: "-".join(map(str, c.signature())))
 def test_identical_on_every_rank_and_equal_to_simulation(codec, topology, length):
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, length)
     x = xs[comm.rank].copy()
     out, rep = dq.allreduce(x, codec=codec, topology=topology, seed=seed % 1000,
                             return_report=True)
     assert np.array_equal(x, xs[comm.rank]), "the input was modified"
     assert out.dtype == np.float32 and out.shape == x.shape
-    assert_identical_everywhere(out)
+    assert_identical_everywhere(comm, out)
     sims, sim_reps = dq.simulate_allreduce(xs, codec=codec, topology=topology, seed=seed % 1000,
                                            counter=rep.call_counter, return_reports=True)
     assert np.array_equal(out.view(np.uint32), sims[comm.rank].view(np.uint32)), f"seed {seed}"
@@ -52,7 +43,7 @@ def test_identical_on_every_rank_and_equal_to_simulation(codec, topology, length
 def test_thc_result_does_not_depend_on_the_topology():
     if N & (N - 1):
         pytest.skip("butterfly needs a power-of-two world")
-    seed = shared_seed()
+    seed = shared_seed(comm)
     x = rank_inputs(seed, N, 20_000)[comm.rank]
     col = dq.Collective(comm)
     col.counter = 4

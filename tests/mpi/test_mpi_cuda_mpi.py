@@ -23,22 +23,13 @@ from dynamiq_mpi.transports.mpi_cuda import MPICudaTransport
 from dynamiq_mpi.transports.mpi_host import MPITransport
 from dynamiq_mpi.transports.ops import Route, drive
 from dynamiq_mpi.workspace import Workspace
-from helpers import BF16, digest, fresh_seed, rank_inputs
+from helpers import BF16, digest, rank_inputs, same_everywhere, shared_seed
 
 comm = MPI.COMM_WORLD
 N = comm.size
 TOPOLOGIES = ["ring"] + (["butterfly"] if N & (N - 1) == 0 else [])
 CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(bits=5, small_input=0),
           dq.DynamiQ(bits=3, correlated=False, small_input=0), dq.MXFP("e4m3")]
-
-
-def shared_seed():
-    return comm.bcast(fresh_seed() if comm.rank == 0 else None)
-
-
-def same_everywhere(value):
-    values = comm.allgather(value)
-    return all(v == values[0] for v in values)
 
 
 def run_on(transport, x, spec, workspace=None):
@@ -128,7 +119,7 @@ def host():
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: "-".join(map(str, c.signature()[:3])))
 def test_mpi_cuda_logic_equals_host_staged_mpi(recorded, host, codec, topology):
     transport, rec = recorded
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 256 * 61 + 19)
     for tile_bytes in (100, 700, 1 << 20):
         spec = CallSpec(codec, topology, "sum", seed % 997, 5, "auto", tile_bytes)
@@ -136,7 +127,7 @@ def test_mpi_cuda_logic_equals_host_staged_mpi(recorded, host, codec, topology):
         out, rep = run_on(transport, xs[comm.rank], spec)
         ref, ref_rep = run_on(host, xs[comm.rank], spec)
         assert digest(out) == digest(ref), f"seed {seed}, tile_bytes {tile_bytes}"
-        assert same_everywhere(digest(out))
+        assert same_everywhere(comm, digest(out))
         sim = dq.simulate_allreduce(xs, codec=codec, topology=topology, seed=seed % 997,
                                     counter=5, tile_bytes=tile_bytes)[comm.rank]
         assert digest(out) == digest(sim)
@@ -160,7 +151,7 @@ def test_mpi_cuda_logic_equals_host_staged_mpi(recorded, host, codec, topology):
 def test_successive_calls_reuse_the_workspace(recorded, dtype):
     """Calls back to back on one workspace (buffers reused across calls)."""
     transport, _ = recorded
-    seed = shared_seed()
+    seed = shared_seed(comm)
     ws = Workspace()
     codec = dq.DynamiQ(bits=4, small_input=0)
     for counter in range(3):
@@ -177,7 +168,7 @@ def test_a_call_that_fails_after_data_moved_leaves_nothing_in_flight(recorded):
     """NaN on one rank: every rank raises after the statistics exchange; the
     requests still posted are completed by end_call, and the next call works."""
     transport, _ = recorded
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 256 * 30)
     bad = xs[comm.rank].copy()
     if comm.rank == N - 1:
@@ -195,7 +186,7 @@ def test_a_call_that_fails_after_data_moved_leaves_nothing_in_flight(recorded):
 @pytest.mark.mpi(min_size=2)
 def test_profiled_marks_serialise_and_drain(recorded):
     transport, rec = recorded
-    xs = rank_inputs(shared_seed(), N, 256 * 20)
+    xs = rank_inputs(shared_seed(comm), N, 256 * 20)
     transport.start_profile(device=True)
     rec.reset()
     run_on(transport, xs[comm.rank], CallSpec(dq.BF16(), "ring", "sum", 0, 0, "auto", 400))
@@ -207,7 +198,7 @@ def test_profiled_marks_serialise_and_drain(recorded):
 
 @pytest.mark.mpi(min_size=2)
 def test_asking_for_mpi_cuda_without_it_raises_on_every_rank(monkeypatch):
-    seed = shared_seed()
+    seed = shared_seed(comm)
     x = rank_inputs(seed, N, 3000)[comm.rank]
     out = np.full_like(x, 9)
     monkeypatch.delenv(ENV, raising=False)
@@ -224,7 +215,7 @@ def test_asking_for_mpi_cuda_without_it_raises_on_every_rank(monkeypatch):
         dq.allreduce(x, codec=dq.BF16(), transport="mpi-cuda")
     text = str(err.value)
     assert "rank 0" not in text and ("rank 1:" in text or "ranks [1" in text)
-    assert same_everywhere(text)
+    assert same_everywhere(comm, text)
     # overridden everywhere: the MPI passes, the host arrays do not
     monkeypatch.setenv(ENV, "1")
     with pytest.raises(dq.InvalidInputError, match=r"needs device \(CuPy\) arrays"):
@@ -233,7 +224,7 @@ def test_asking_for_mpi_cuda_without_it_raises_on_every_rank(monkeypatch):
     monkeypatch.delenv(ENV)
     got, rep = dq.allreduce(x, codec=dq.BF16(), return_report=True)
     assert rep.transport == "mpi" and rep.transport_reason.startswith("auto: host arrays")
-    assert same_everywhere(digest(got))
+    assert same_everywhere(comm, digest(got))
 
 
 # -- the real thing: CuPy arrays through a CUDA-aware MPI -------------------------------
@@ -257,7 +248,7 @@ needs_gpu = pytest.mark.skipif(not GPU_OK,
 def test_gpu_mpi_cuda_equals_cpu_bit_for_bit(codec, topology, dtype, tile_bytes):
     import cupy as cp
     cp.cuda.Device(comm.rank % cp.cuda.runtime.getDeviceCount()).use()
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 256 * 300 + 77, dtype=dtype)
     d_x = cp.asarray(xs[comm.rank])
     coll = dq.Collective(comm, transport="mpi-cuda", tile_bytes=tile_bytes)
@@ -269,7 +260,7 @@ def test_gpu_mpi_cuda_equals_cpu_bit_for_bit(codec, topology, dtype, tile_bytes)
         cpu = dq.simulate_allreduce(xs, codec=codec, topology=topology, seed=seed % 1000,
                                     counter=rep.call_counter, tile_bytes=tile_bytes)[comm.rank]
         assert digest(out) == digest(cpu), f"seed {seed}"
-        assert same_everywhere(digest(out))
+        assert same_everywhere(comm, digest(out))
         # in place, on another stream, a second call: still the same bits
         with cp.cuda.Stream(non_blocking=True):
             coll.counter = rep.call_counter
@@ -289,7 +280,7 @@ def test_gpu_auto_uses_mpi_cuda_when_nccl_is_refused(monkeypatch):
     import dynamiq_mpi.transports.nccl as nccl_mod
     cp.cuda.Device(comm.rank % cp.cuda.runtime.getDeviceCount()).use()
     monkeypatch.setattr(nccl_mod, "_status", (False, "NCCL refused by the test"))
-    x = cp.asarray(rank_inputs(shared_seed(), N, 5000)[comm.rank])
+    x = cp.asarray(rank_inputs(shared_seed(comm), N, 5000)[comm.rank])
     _, rep = dq.allreduce(x, codec=dq.BF16(), return_report=True)
     assert rep.transport == "mpi-cuda"
     assert "NCCL refused by the test" in rep.transport_reason

@@ -15,7 +15,7 @@ from dynamiq_mpi.transports.nccl import NCCLTransport
 from dynamiq_mpi.transports.ops import Route, drive
 from dynamiq_mpi.workspace import Workspace
 from fake_nccl import modules as fake_modules
-from helpers import BF16, digest, exact_sum, fresh_seed, rank_inputs, vnmse
+from helpers import BF16, digest, exact_sum, rank_inputs, same_everywhere, shared_seed, vnmse
 
 comm = MPI.COMM_WORLD
 N = comm.size
@@ -23,15 +23,6 @@ TOPOLOGIES = ["ring"] + (["butterfly"] if N & (N - 1) == 0 else [])
 CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(bits=5, small_input=0),
           dq.DynamiQ(bits=3, correlated=False, small_input=0), dq.MXFP("e4m3"),
           dq.MXFP("e3m2"), dq.MXFP("e2m1")]
-
-
-def shared_seed():
-    return comm.bcast(fresh_seed() if comm.rank == 0 else None)
-
-
-def same_everywhere(value):
-    values = comm.allgather(value)
-    return all(v == values[0] for v in values)
 
 
 def run_on(transport, x, spec, out=None):
@@ -55,7 +46,7 @@ def fake_nccl(request):
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: "-".join(map(str, c.signature()[:3])))
 def test_nccl_transport_logic_equals_simulation(fake_nccl, codec, topology):
     transport, nccl = fake_nccl
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 256 * 61 + 19)
     for tile_bytes in (700, 1 << 20):
         spec = CallSpec(codec, topology, "sum", seed % 997, 3, "auto", tile_bytes)
@@ -64,7 +55,7 @@ def test_nccl_transport_logic_equals_simulation(fake_nccl, codec, topology):
         sim = dq.simulate_allreduce(xs, codec=codec, topology=topology, seed=seed % 997,
                                     counter=3, tile_bytes=tile_bytes)[comm.rank]
         assert digest(out) == digest(sim), f"seed {seed}, tile_bytes {tile_bytes}"
-        assert same_everywhere(digest(out))
+        assert same_everywhere(comm, digest(out))
         assert rep.transport == "nccl"
         if transport.pair_allgather:      # two ranks: every exchange is one all-gather
             assert N == 2 and {op for op, _, _ in nccl.calls} == {"allgather"}
@@ -78,7 +69,7 @@ def test_nccl_transport_logic_equals_simulation(fake_nccl, codec, topology):
 
 @pytest.mark.mpi(min_size=2)
 def test_transport_selection():
-    x = rank_inputs(shared_seed(), N, 3000)[comm.rank]
+    x = rank_inputs(shared_seed(comm), N, 3000)[comm.rank]
     out, rep = dq.allreduce(x, codec=dq.BF16(), return_report=True)
     assert rep.transport == "mpi"                 # auto on host arrays
     with pytest.raises(dq.InvalidInputError, match="transport='nccl' needs device"):
@@ -97,7 +88,7 @@ def test_transport_selection():
 @pytest.mark.parametrize("codec", CODECS[1:3], ids=lambda c: c.name)
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 def test_out_parameter_and_in_place(codec, dtype):
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 256 * 50 + 3, dtype=dtype)
     coll = dq.Collective(comm)
     coll.counter = 7
@@ -111,13 +102,13 @@ def test_out_parameter_and_in_place(codec, dtype):
     x = xs[comm.rank].reshape(-1, 7).copy()
     got = coll.allreduce(x, codec=codec, op="mean", out=x)       # in place, as NCCL users do
     assert got is x and digest(x) == digest(fresh)
-    assert same_everywhere(digest(x))
+    assert same_everywhere(comm, digest(x))
     coll.free()
 
 
 @pytest.mark.mpi(min_size=2)
 def test_bad_out_raises_everywhere_and_writes_nothing():
-    x = rank_inputs(shared_seed(), N, 4000)[comm.rank]
+    x = rank_inputs(shared_seed(comm), N, 4000)[comm.rank]
     out = np.full(4000 if comm.rank else 3999, 5.0, np.float32)
     with pytest.raises(dq.InvalidInputError, match="rank 0: ValueError: out must have"):
         dq.allreduce(x, codec=dq.DynamiQ(small_input=0), out=out)
@@ -131,7 +122,7 @@ def test_bad_out_raises_everywhere_and_writes_nothing():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("length", [1, 255, 256 * 37 + 5, 70001])
 def test_tiles_do_not_change_the_result(length):
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, length)
     codec = dq.DynamiQ(bits=5, small_input=0)
     results = []
@@ -144,24 +135,24 @@ def test_tiles_do_not_change_the_result(length):
             assert rep.tiles_per_chunk > 1
         coll.free()
     assert len(set(results)) == 1, f"seed {seed}"
-    assert same_everywhere(results[0])
+    assert same_everywhere(comm, results[0])
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("dtype", [np.float16, np.float64])
 def test_float16_and_float64_inputs(dtype):
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = [x.astype(dtype) for x in rank_inputs(seed, N, 80000, kind="normal")]
     for codec, bound in ((dq.Exact(), 1e-6), (dq.DynamiQ(bits=6), 0.05)):
         out = dq.allreduce(xs[comm.rank], codec=codec)
         assert out.dtype == dtype and out.shape == xs[0].shape
-        assert same_everywhere(digest(out))
+        assert same_everywhere(comm, digest(out))
         assert vnmse(out, exact_sum(xs)) < bound + (1e-6 if dtype == np.float16 else 0)
 
 
 @pytest.mark.mpi(min_size=2)
 def test_small_inputs_go_as_bf16_and_report_it():
-    seed = shared_seed()
+    seed = shared_seed(comm)
     for length in (1, 255, 257, 4095):
         xs = rank_inputs(seed, N, length)
         out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(bits=5), return_report=True)
@@ -181,7 +172,7 @@ def test_small_inputs_go_as_bf16_and_report_it():
 
 @pytest.mark.mpi(min_size=2)
 def test_small_input_with_nan_still_raises_everywhere():
-    x = rank_inputs(shared_seed(), N, 300)[comm.rank]
+    x = rank_inputs(shared_seed(comm), N, 300)[comm.rank]
     if comm.rank == N - 1:
         x[7] = np.nan
     keep = x.copy()
@@ -193,7 +184,7 @@ def test_small_input_with_nan_still_raises_everywhere():
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2", "e2m3"])
 def test_mx_codecs_identical_everywhere_and_equal_to_simulation(fmt):
-    seed = shared_seed()
+    seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 32 * 400 + 5)
     for topology in TOPOLOGIES:
         out, rep = dq.allreduce(xs[comm.rank], codec=dq.MXFP(fmt), topology=topology,
@@ -201,5 +192,5 @@ def test_mx_codecs_identical_everywhere_and_equal_to_simulation(fmt):
         sim = dq.simulate_allreduce(xs, codec=dq.MXFP(fmt), topology=topology,
                                     counter=rep.call_counter)[comm.rank]
         assert digest(out) == digest(sim), f"seed {seed}"
-        assert same_everywhere(digest(out))
+        assert same_everywhere(comm, digest(out))
         assert rep.codec_info["format"] == fmt
