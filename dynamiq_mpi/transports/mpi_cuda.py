@@ -35,8 +35,8 @@ from __future__ import annotations
 import time
 import warnings
 
-from .mpi_host import Timeline, agree
-from .ops import Agree, Claim, Exchange, Mark, Received
+from .mpi_host import RequestAnswers, Timeline
+from .ops import Received
 
 _TAG = 0x5D18
 
@@ -47,7 +47,7 @@ def _address(array) -> int:
     return data.ptr if hasattr(data, "ptr") else array.ctypes.data
 
 
-class MPICudaTransport:
+class MPICudaTransport(RequestAnswers):
     name = "mpi-cuda"
 
     def __init__(self, comm, xp=None, synchronize=None):
@@ -63,7 +63,7 @@ class MPICudaTransport:
                 xp.cuda.get_current_stream().synchronize()
         self.xp = xp
         self.synchronize = synchronize
-        self.comm = comm.Dup()
+        self.comm = self.agreement_comm = comm.Dup()
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.profile = None
         self._sends = []          # (request, buffer, first byte, end): in flight
@@ -152,17 +152,6 @@ class MPICudaTransport:
             self._drain()
             self.profile.mark(name)
 
-    def answer(self, request):
-        if isinstance(request, Exchange):
-            return self._exchange(request)
-        if isinstance(request, Claim):
-            return self._claim(request.handle)
-        if isinstance(request, Agree):
-            return agree(self.comm, request.value)
-        if isinstance(request, Mark):
-            return self._mark(request.name)
-        raise RuntimeError(f"unknown request {request!r}")
-
     def end_call(self, failed: bool = False, patience: float = 30.0):
         """Called when a call ends (normally a no-op: the ``done`` mark
         drained).  After a failure the requests still posted are completed if
@@ -195,10 +184,6 @@ class MPICudaTransport:
     # -- profiling ---------------------------------------------------------------
     def start_profile(self, device=True):
         self.profile = Timeline(device)
-
-    def stop_profile(self):
-        prof, self.profile = self.profile, None
-        return prof
 
     def free(self):
         if self.comm is not None:

@@ -50,13 +50,37 @@ class Timeline:
         return {}
 
 
-class MPITransport:
+class RequestAnswers:
+    """What every transport does with the engine's requests: data requests go
+    to its own ``_exchange``, ``_claim`` and ``_mark``; agreement always goes
+    over MPI (the transport's ``agreement_comm``)."""
+
+    profile = None
+    agreement_comm = None
+
+    def answer(self, request):
+        if isinstance(request, Exchange):
+            return self._exchange(request)
+        if isinstance(request, Claim):
+            return self._claim(request.handle)
+        if isinstance(request, Agree):
+            return agree(self.agreement_comm, request.value)
+        if isinstance(request, Mark):
+            return self._mark(request.name)
+        raise RuntimeError(f"unknown request {request!r}")
+
+    def stop_profile(self):
+        prof, self.profile = self.profile, None
+        return prof
+
+
+class MPITransport(RequestAnswers):
     name = "mpi"
 
     def __init__(self, comm):
         # A private duplicate: our point-to-point traffic never matches the
         # caller's messages on the same communicator.
-        self.comm = comm.Dup()
+        self.comm = self.agreement_comm = comm.Dup()
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self._stager = None
@@ -93,27 +117,17 @@ class MPITransport:
             self._stager.to_device(recv_host, recv)
         return Received(recv)
 
-    def answer(self, request):
-        if isinstance(request, Exchange):
-            return self._exchange(request)
-        if isinstance(request, Claim):
-            return request.handle.buffer
-        if isinstance(request, Agree):
-            return agree(self.comm, request.value)
-        if isinstance(request, Mark):
-            if self.profile is not None:
-                if self.profile.device:      # device kernels are asynchronous
-                    sys.modules["cupy"].cuda.get_current_stream().synchronize()
-                self.profile.mark(request.name)
-            return None
-        raise RuntimeError(f"unknown request {request!r}")
+    def _claim(self, handle):
+        return handle.buffer          # every exchange completed before its answer
+
+    def _mark(self, name):
+        if self.profile is not None:
+            if self.profile.device:      # device kernels are asynchronous
+                sys.modules["cupy"].cuda.get_current_stream().synchronize()
+            self.profile.mark(name)
 
     def start_profile(self, device=False):
         self.profile = Timeline(device)
-
-    def stop_profile(self):
-        prof, self.profile = self.profile, None
-        return prof
 
     def free(self):
         if self.comm is not None:

@@ -23,8 +23,8 @@ from __future__ import annotations
 import threading
 import time
 
-from .mpi_host import agree
-from .ops import Agree, Claim, Exchange, Mark, Received, payload_array
+from .mpi_host import RequestAnswers
+from .ops import Received, payload_array
 
 _status_lock = threading.Lock()
 _status = None
@@ -117,7 +117,7 @@ def _union(intervals):
     return total
 
 
-class NCCLTransport:
+class NCCLTransport(RequestAnswers):
     name = "nccl"
 
     def __init__(self, mpi_comm, device_id: int, lanes: int = 1, lane_bytes: int = MIN_LANE_BYTES,
@@ -135,7 +135,7 @@ class NCCLTransport:
             modules = (cupy, nccl)
         cupy, nccl = modules
         self.cupy, self.nccl = cupy, nccl
-        self.mpi = mpi_comm
+        self.mpi = self.agreement_comm = mpi_comm
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.device_id = int(device_id)
         self.lanes = max(1, int(lanes))
@@ -258,23 +258,8 @@ class NCCLTransport:
             lane.synchronize()
         self.profile.marks.append((name, time.perf_counter()))
 
-    def answer(self, request):
-        if isinstance(request, Exchange):
-            return self._exchange(request)
-        if isinstance(request, Claim):
-            return self._claim(request.handle)
-        if isinstance(request, Agree):
-            return agree(self.mpi, request.value)
-        if isinstance(request, Mark):
-            return self._mark(request.name)
-        raise RuntimeError(f"unknown request {request!r}")
-
     def start_profile(self, device=True):
         self.profile = _Profile(self.cupy, self.cupy.cuda.get_current_stream())
-
-    def stop_profile(self):
-        prof, self.profile = self.profile, None
-        return prof
 
     def free(self):
         for c in getattr(self, "comms", ()):
