@@ -73,7 +73,7 @@ class BuildExtNvcc(build_ext):
             os.makedirs(self.build_temp, exist_ok=True)
             for src in cu:
                 obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
-                deps = [src] + [os.path.join(SRC, f) for f in os.listdir(SRC) if f.endswith(".h")]
+                deps = [src] + [os.path.join(SRC, f) for f in os.listdir(SRC) if f.endswith((".h", ".cuh"))]
                 if self.force or not os.path.exists(obj) or \
                         max(os.path.getmtime(d) for d in deps) > os.path.getmtime(obj):
                     cmd = [nvcc, "-c", src, "-o", obj, *NVCC_FLAGS, *_gencode_flags(),
@@ -109,7 +109,7 @@ else:
                     if os.path.isdir(d)]
         gpu = Extension(
             "dynamiq_mpi._gpu",
-            sources=["pyx/_gpu.pyx", f"{SRC}/dq_kernels.cu", f"{SRC}/dq_plan.cu"],
+            sources=["pyx/_gpu.pyx", f"{SRC}/dq_kernels.cu", f"{SRC}/dq_plan.cu", f"{SRC}/mx_kernels.cu"],
             include_dirs=[SRC, os.path.join(cuda_home, "include"), np.get_include()],
             library_dirs=lib_dirs,
             # static CUDA runtime: importing needs no driver, ldd shows no CUDA library

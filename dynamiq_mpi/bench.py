@@ -229,7 +229,8 @@ def run(args) -> list:
                            speedup=(ref_time / t) if ref_time else None,
                            tiles_per_chunk=rep.tiles_per_chunk,
                            fallback=rep.codec_info.get("fallback", ""),
-                           widths=rep.codec_info.get("widths"))
+                           widths=rep.codec_info.get("widths"),
+                           array_code=bool(use_gpu and not codec.fused_gpu))
                 if args.breakdown:
                     row["phases_us"] = {k: v * 1e6 for k, v in rep.phases.items()
                                         if k != "timeline"}
@@ -281,6 +282,8 @@ def print_table(rows, n, device, args):
     for r in rows:
         sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
         note = "  (BF16 fallback)" if r.get("fallback") else ""
+        if r.get("array_code"):
+            note += "  (array code: time not representative)"
         print(f" {r['size']:>11d} {r['count']:>11d} {r['dtype']:>5s} {r['codec']:>18s} "
               f"{r['bits']:6.2f} {r['topology']:>9s} {r['transport']:>9s} {r['time_us']:10.1f} "
               f"{r['algbw']:7.2f} {r['busbw']:7.2f} {r['vnmse']:9.2e} {r['wrong']:>6d} {sp:>7s}{note}")
@@ -312,7 +315,8 @@ def add_arguments(p):
     p.add_argument("-f", "--stepfactor", type=int, default=2, help="size multiplier")
     p.add_argument("--sizes", default=None, help="explicit comma-separated sizes (overrides -b/-e/-f)")
     p.add_argument("--codec", default="dynamiq:5,bf16",
-                   help="comma-separated codecs: dynamiq[:bits[:field=value...]], bf16, exact")
+                   help="comma-separated codecs: dynamiq[:bits[:field=value...]], bf16, exact, "
+                        "mxfp:e4m3 (e5m2, e3m2, e2m3, e2m1), thc, omnireduce[:density]")
     p.add_argument("--topology", default="ring", help="ring,butterfly")
     p.add_argument("--transport", default="auto", choices=list(TRANSPORTS),
                    help="auto: NCCL, else CUDA-aware MPI (mpi-cuda), else host-staged MPI")

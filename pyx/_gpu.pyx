@@ -59,6 +59,18 @@ cdef extern from "dq_gpu_api.h":
     int dq_gpu_exact_dar(const float* inp, const DqSource* local, int64_t nsg, int64_t n,
                          float* out, uintptr_t stream) nogil
 
+cdef extern from "mx_api.h":
+    ctypedef struct DqMxFormat:
+        int32_t bits, mbits, bias
+        float max_normal
+    int dq_gpu_mx_stats(const DqSource* S, int64_t nblocks, uint8_t* out, uintptr_t stream) nogil
+    int dq_gpu_mx_encode(DqMxFormat f, const uint8_t* reduced, int32_t headroom,
+                         const DqSource* local, int64_t elem_base, const uint8_t* inp,
+                         int64_t nblocks, uint8_t* out, uintptr_t stream) nogil
+    int dq_gpu_mx_decode(DqMxFormat f, const uint8_t* reduced, int32_t headroom,
+                         const uint8_t* inp, int64_t nblocks, const DqSource* local,
+                         int64_t elem_base, float* out, int accumulate, uintptr_t stream) nogil
+
 cdef extern from "dq_plan_api.h":
     size_t dq_gpu_plan_scratch_bytes(int64_t nsg) nogil
     int dq_gpu_plan(const DqPlanArgs* A, const float* norm2, const float* mean_sum,
@@ -458,6 +470,80 @@ def exact_dar(inp, Source local, int64_t nsg, out, stream=None):
     with nogil:
         rc = dq_gpu_exact_dar(ip, &local.src, nsg, n, op, st)
     _check(rc, "exact_dar")
+
+
+# ------------------------------------------------------------------ MX baselines
+# Blocks of 32 elements; `fmt` = (bits, mbits, bias, max_normal) of an element
+# format; `reduced` the uint8 shared-exponent bytes of the tile's blocks.
+
+cdef DqMxFormat _mx_format(fmt) except *:
+    cdef DqMxFormat f
+    f.bits, f.mbits, f.bias, f.max_normal = fmt
+    return f
+
+
+cdef int _mx_wire(a, int64_t nblocks, int bits, what) except -1:
+    _expect(a, np.uint8, nblocks * 4 * bits, what)
+    return 0
+
+
+def mx_stats(Source x, int64_t nblocks, out, stream=None):
+    """out[b] = the shared-exponent byte of block b of x (mx_api.h)."""
+    _expect(out, np.uint8, nblocks, "mx_stats out")
+    if nblocks == 0:
+        return
+    cdef uint8_t* op = <uint8_t*>_dptr(out, "mx_stats out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_mx_stats(&x.src, nblocks, op, st)
+    _check(rc, "mx_stats")
+
+
+def mx_encode(fmt, reduced, int headroom, Source local, int64_t elem_base, inp,
+              int64_t nblocks, out, stream=None):
+    """out = packed codes of local(elem_base + j) (+ decode(inp)[j]) for the
+    nblocks blocks of a tile; inp may be None or out itself."""
+    cdef DqMxFormat f = _mx_format(fmt)
+    _expect(reduced, np.uint8, nblocks, "mx_encode reduced")
+    _mx_wire(out, nblocks, f.bits, "mx_encode out")
+    if nblocks == 0:
+        return
+    cdef const uint8_t* ip = NULL
+    if inp is not None:
+        _mx_wire(inp, nblocks, f.bits, "mx_encode input")
+        ip = <const uint8_t*>_dptr(inp, "mx_encode input")
+    cdef const uint8_t* rp = <const uint8_t*>_dptr(reduced, "mx_encode reduced")
+    cdef uint8_t* op = <uint8_t*>_dptr(out, "mx_encode out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_mx_encode(f, rp, headroom, &local.src, elem_base, ip, nblocks, op, st)
+    _check(rc, "mx_encode")
+
+
+def mx_decode(fmt, reduced, int headroom, inp, int64_t nblocks, out, bint accumulate,
+              Source local=None, int64_t elem_base=0, stream=None):
+    """out[j] = decode(inp)[j] + (local(elem_base + j) if local, else out[j] if
+    accumulate, else nothing), float32, 32 * nblocks values."""
+    cdef DqMxFormat f = _mx_format(fmt)
+    _expect(reduced, np.uint8, nblocks, "mx_decode reduced")
+    _mx_wire(inp, nblocks, f.bits, "mx_decode input")
+    _expect(out, np.float32, nblocks * 32, "mx_decode out")
+    if nblocks == 0:
+        return
+    cdef const DqSource* lp = NULL
+    if local is not None:
+        lp = &local.src
+    cdef const uint8_t* rp = <const uint8_t*>_dptr(reduced, "mx_decode reduced")
+    cdef const uint8_t* ip = <const uint8_t*>_dptr(inp, "mx_decode input")
+    cdef float* op = <float*>_dptr(out, "mx_decode out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_mx_decode(f, rp, headroom, ip, nblocks, lp, elem_base, op,
+                              1 if accumulate else 0, st)
+    _check(rc, "mx_decode")
 
 
 # ------------------------------------------------------------------ planner

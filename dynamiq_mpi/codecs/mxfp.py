@@ -21,8 +21,10 @@ saturated at the format's largest normal.  The multi-hop adaptation:
 Every rank derives ``X_j`` from the reduced bytes, so the scales never travel
 with the data: a message is the packed element codes alone (8, 6 or 4 bits
 per element; 6-bit codes four to three bytes, 4-bit codes two to a byte, low
-bits first).  Array code (NumPy or CuPy); no fused GPU kernels yet, so GPU
-timings of these codecs are not representative.
+bits first).  On the GPU every hop is one fused kernel
+(src_cuda/mx_kernels.cu: statistics bytes, cast-and-pack, and
+decode-add-recast-pack), bit for bit this module's NumPy code, which stays
+the CPU path and the reference.
 """
 from __future__ import annotations
 
@@ -146,6 +148,10 @@ class MXFP(Codec):
     def local_stats(self, x, backend, workspace, keys=None):
         xp = backend.xp
         nb = -(-x.shape[0] // BLOCK)
+        if backend.name == "gpu":          # the kernels read x itself: no local copy
+            byte = workspace.take(xp, "mx.stats", nb, np.uint8)
+            backend.kernels.mx_stats(backend.kernels.Source(x), nb, byte)
+            return byte, None
         vals = _padded_blocks(xp, x, nb)
         with np.errstate(invalid="ignore"):
             amax = xp.max(xp.abs(vals), axis=1)
@@ -172,8 +178,13 @@ class _MXPlan(Plan):
         xp = self.xp
         self.fmt = element_format(codec.fmt)
         self.length = x.shape[0]
-        self.nb = local.shape[0]
-        self.local = local
+        self.nb = -(-self.length // BLOCK)
+        self.local = local                  # float32 blocks (host path) or None (GPU)
+        self.gpu = backend.name == "gpu"
+        if self.gpu:
+            self.source = self.k.Source(x)
+            self.kfmt = (self.fmt.bits, self.fmt.mbits, self.fmt.bias, self.fmt.max_normal)
+            self.reduced = reduced
         top = int(xp.max(reduced)) if self.nb else 0
         if top == 255:
             raise NonFiniteInputError("input holds NaN or Inf on at least one rank")
@@ -181,9 +192,10 @@ class _MXPlan(Plan):
         if top and top - 127 + 1 + self.headroom > 127:
             raise SumOverflowError("the inputs' block maxima times the number of ranks exceed "
                                    "the float32 range: partial sums could overflow")
-        E = reduced.astype(np.int32) - 127
-        self.X = xp.where(reduced == 0, 0, E + 1 + self.headroom - self.fmt.emax).astype(np.int32)
-        self.table = xp.asarray(self.fmt.table())
+        if not self.gpu:                    # the kernels derive X from the bytes
+            E = reduced.astype(np.int32) - 127
+            self.X = xp.where(reduced == 0, 0, E + 1 + self.headroom - self.fmt.emax).astype(np.int32)
+            self.table = xp.asarray(self.fmt.table())
         unit = BLOCK * self.fmt.bits // 8
         layout = StreamLayout([(self.nb, unit)])
         self.tiling = tile_stream(layout, n, tile_bytes)
@@ -207,26 +219,58 @@ class _MXPlan(Plan):
         codes = unpack(xp, payload, self.fmt.bits).reshape(b1 - b0, BLOCK)
         return xp.ldexp(self.table[codes], self.X[b0:b1, None])
 
+    # -- the GPU kernels (mx_api.h): the local values of block b of the stream
+    # are source elements b * 32 ..; an accumulator holds a tile's blocks from 0
+    def _gpu_local(self, b0, acc):
+        if acc is None:
+            return self.source, b0 * BLOCK
+        return self.k.Source(acc.reshape(-1)), 0
+
+    def _gpu_encode(self, b0, b1, payload, acc, slot):
+        src, base = self._gpu_local(b0, acc)
+        self.k.mx_encode(self.kfmt, self.reduced[b0:b1], self.headroom, src, base, payload,
+                         b1 - b0, slot)
+
     def compress(self, tile, event):
         b0, b1 = self._blocks(tile)
         slot = self.wire_slot(tile)
-        slot[...] = self._encode(self.local[b0:b1], b0, b1)
+        if self.gpu:
+            self._gpu_encode(b0, b1, None, None, slot)
+        else:
+            slot[...] = self._encode(self.local[b0:b1], b0, b1)
         return slot
 
     def accumulate(self, tile, payload, acc):
         b0, b1 = self._blocks(tile)
+        if self.gpu:
+            if acc is None:
+                out = self.xp.empty((b1 - b0) * BLOCK, dtype=np.float32)
+                self.k.mx_decode(self.kfmt, self.reduced[b0:b1], self.headroom, payload,
+                                 b1 - b0, out, False, self.source, b0 * BLOCK)
+                return out
+            acc = acc.reshape(-1)
+            self.k.mx_decode(self.kfmt, self.reduced[b0:b1], self.headroom, payload,
+                             b1 - b0, acc, True)
+            return acc
         base = self.local[b0:b1] if acc is None else acc
         return base + self._decode(payload, b0, b1)
 
     def dar(self, tile, payload, acc, event):
         b0, b1 = self._blocks(tile)
         slot = self.wire_slot(tile)
-        slot[...] = self._encode(self.accumulate(tile, payload, acc), b0, b1)
+        if self.gpu:
+            self._gpu_encode(b0, b1, payload, acc, slot)
+        else:
+            slot[...] = self._encode(self.accumulate(tile, payload, acc), b0, b1)
         return slot
 
     def decode(self, tile, payload):
         b0, b1 = self._blocks(tile)
-        self.result[b0 * BLOCK:b1 * BLOCK] = self._decode(payload, b0, b1).reshape(-1)
+        if self.gpu:
+            self.k.mx_decode(self.kfmt, self.reduced[b0:b1], self.headroom, payload, b1 - b0,
+                             self.result[b0 * BLOCK:b1 * BLOCK], False)
+        else:
+            self.result[b0 * BLOCK:b1 * BLOCK] = self._decode(payload, b0, b1).reshape(-1)
 
     def finish(self, divisor, out):
         return finish_in_order(self.k, self.xp, self.ws, self.result, divisor, out)

@@ -86,6 +86,7 @@ class OmniReduce(Codec):
     density: float = 0.5
 
     name = "omnireduce"
+    fused_gpu = False             # CuPy array code on the GPU
     rejects_nonfinite = True
 
     def __post_init__(self):

@@ -203,6 +203,7 @@ class THC(Codec):
     rotation_seed: int = 0
 
     name = "thc"
+    fused_gpu = False             # CuPy array code on the GPU
     rejects_nonfinite = True
 
     def __post_init__(self):

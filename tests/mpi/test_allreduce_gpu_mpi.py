@@ -17,8 +17,11 @@ N = comm.size
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not dq.has_cuda(), reason="needs the CUDA kernels and a GPU")]
 TOPOLOGIES = ["ring"] + (["butterfly"] if N & (N - 1) == 0 else [])
+# MXFP runs its fused kernels (mx_kernels.cu); THC and OmniReduce are array code on CuPy
 CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(small_input=0, bits=5), dq.DynamiQ(small_input=0, bits=3),
-          dq.DynamiQ(small_input=0, bits=6, correlated=False, hierarchical=False, uniform=True)]
+          dq.DynamiQ(small_input=0, bits=6, correlated=False, hierarchical=False, uniform=True),
+          dq.MXFP("e4m3"), dq.MXFP("e5m2"), dq.MXFP("e3m2"), dq.MXFP("e2m1"), dq.THC(),
+          dq.OmniReduce(0.5)]
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +82,26 @@ def test_gpu_equals_cpu_bit_for_bit(cp, colls, codec, topology, dtype, transport
     digests = comm.allgather(digest(out))
     assert len(set(digests)) == 1
     assert vnmse(out, exact_sum(xs)) < 0.5
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("codec", [dq.MXFP("e4m3"), dq.MXFP("e2m3")], ids=["e4m3", "e2m3"])
+def test_gpu_mx_extreme_blocks_equal_cpu(cp, colls, codec):
+    """Blocks from denormal to near-overflow scales, ties of the element grid
+    and signed zeros: the fused kernels round like the NumPy path."""
+    seed = shared_seed(comm)
+    xs = []
+    for r in range(N):
+        g = np.random.default_rng(seed * 31 + r)
+        x = g.standard_normal((900, 32)).astype(np.float32)
+        x *= (2.0 ** g.integers(-140, 120, 900)).astype(np.float32)[:, None]
+        x[::7] = np.float32(1.5) * np.float32(2.0) ** g.integers(-30, 30, (x[::7].shape[0], 1))
+        x[3] = -0.0
+        xs.append(x.reshape(-1)[:-5].copy())
+    out = colls("mpi", 4096).allreduce(cp.asarray(xs[comm.rank]), codec=codec, topology="ring")
+    cpu = dq.simulate_allreduce(xs, codec=codec, topology="ring", tile_bytes=4096)[comm.rank]
+    assert digest(cp.asnumpy(out)) == digest(cpu), f"seed {seed}"
+    assert len(set(comm.allgather(digest(cp.asnumpy(out))))) == 1
 
 
 @pytest.mark.mpi(min_size=2)

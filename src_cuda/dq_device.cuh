@@ -1,0 +1,61 @@
+// dq_device.cuh -- device helpers shared by the kernel files (dq_kernels.cu,
+// mx_kernels.cu): alignment tests and the loader of local values from a
+// DqSource.  Included inside each file's anonymous namespace (internal
+// linkage), after dq_codec.h.
+#pragma once
+
+__device__ __forceinline__ bool aligned(const void* p, int a) {
+    return (reinterpret_cast<uintptr_t>(p) & (uintptr_t)(a - 1)) == 0;
+}
+__device__ __forceinline__ uint16_t ld_u16(const uint8_t* p) {
+    if (aligned(p, 2)) return *reinterpret_cast<const uint16_t*>(p);
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
+// N consecutive source values of input row `row` from element offset i0
+// (dq_source_value: zero beyond length, minus mean[row] when centring).
+// The mean is subtracted unconditionally (0 when there is none): v - 0 == v.
+template <int N>
+__device__ __forceinline__ void load_source(const DqSource& S, int64_t row, int i0, float (&x)[N]) {
+    const int64_t k0 = row * DQ_SUPER + i0;
+    const float m = S.mean ? __ldg(S.mean + row) : 0.0f;   // dq_source_value
+    if (S.dtype) {
+        const uint16_t* p = static_cast<const uint16_t*>(S.x) + k0;
+        if (k0 + N <= S.length && aligned(p, 16)) {
+#pragma unroll
+            for (int v = 0; v < N / 8; v++) {
+                uint4 q = __ldg(reinterpret_cast<const uint4*>(p) + v);
+                uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+                for (int i = 0; i < 4; i++) {
+                    x[8 * v + 2 * i] = __uint_as_float(w[i] << 16);
+                    x[8 * v + 2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+                }
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < N; j++)
+                x[j] = (k0 + j < S.length) ? dq_bf16_to_f32(__ldg(p + j)) : 0.0f;
+        }
+    } else {
+        const float* p = static_cast<const float*>(S.x) + k0;
+        if (k0 + N <= S.length && aligned(p, 16)) {
+#pragma unroll
+            for (int v = 0; v < N / 4; v++) {
+                float4 q = __ldg(reinterpret_cast<const float4*>(p) + v);
+                x[4 * v] = q.x; x[4 * v + 1] = q.y; x[4 * v + 2] = q.z; x[4 * v + 3] = q.w;
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < N; j++) x[j] = (k0 + j < S.length) ? __ldg(p + j) : 0.0f;
+        }
+    }
+    if (S.mean) {
+#pragma unroll
+        for (int j = 0; j < N; j++) x[j] = x[j] - m;
+    }
+}
+
+__device__ __forceinline__ int64_t source_row(const DqSource& S, int64_t s) {
+    return S.sg_map ? __ldg(S.sg_map + s) : s - S.sg_offset;
+}
+
