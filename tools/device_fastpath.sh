@@ -1,7 +1,7 @@
 #!/bin/bash
 # The fast-path run on a two-GPU machine (device kind nvidia-h200-x2), one call:
 #   bash tools/device_fastpath.sh [STAGES]   STAGES: any of build tests profile ncu timeline
-#                                            nvlink shm sockets probe
+#                                            nvlink shm sockets probe tune hostid lanes mx
 # build: the extension in place; tests: GPU kernel/planner tests, then the MPI
 # suites with CuPy arrays over NCCL and host-staged MPI (one rank per GPU);
 # nvlink/shm/sockets: `python -m dynamiq_mpi bench` against NCCL's own BF16
@@ -9,7 +9,8 @@
 # profile: kernel times of statistics and planner, cProfile of the host side;
 # ncu: the statistics kernels and the planner under Nsight Compute (one GPU);
 # timeline: every message of one profiled 2^27 call on sockets and shm (GB/s per tile);
-# probe: lanes and tile sizes on sockets and NVLink.
+# probe: lanes and tile sizes on sockets and NVLink; hostid: sockets between two
+# emulated hosts; lanes: shared memory with 1/2/4 communicators; mx: the baselines.
 # Needs .whl/pytest_mpi*.whl (make wheels) carried along.  Output under $OUT.
 set -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
@@ -34,13 +35,14 @@ if has build; then
   echo "== build"; t0=$(date +%s)
   $PY setup.py build_ext --inplace > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exit 1; }
   echo "build took $(( $(date +%s) - t0 )) s"
+  mkdir -p "$OUT/so" && cp dynamiq_mpi/*.cpython-3*.so "$OUT/so/"   # carry them to skip the next build
 fi
 
 if has tests; then
   echo "== tests"; t0=$(date +%s)
   { timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tail -15
     SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_transports_mpi.py" \
-      MPI_TIMEOUT=300 timeout 330 tools/run_tests.sh $PY 2 2>&1 | tail -25
+      MPI_TIMEOUT=360 timeout 390 tools/run_tests.sh $PY 2 2>&1 | tail -25
   } 2>&1 | tee "$OUT/tests.txt"
   echo "tests took $(( $(date +%s) - t0 )) s"
 fi
@@ -94,6 +96,40 @@ if has tune; then   # socket and shm settings for the point-to-point path, 2^27 
     echo "== tune $name ($envs)" | tee -a "$OUT/tune.txt"
     env $envs timeout 120 mpiexec -n 2 $BENCH --codec dynamiq:5 --sizes 256M --tile-bytes $tile 2>&1 \
       | grep -v '^\[' | grep -E "^ +[0-9]" | tee -a "$OUT/tune.txt"
+  done
+fi
+
+# Socket link emulated as two hosts (tools/per_rank_host.sh): the point-to-point
+# path gets NCCL_NCHANNELS_PER_NET_PEER channels; NCCL's all-reduce in the same
+# environment is the reference of each row, and the same-host rows beside it.
+if has hostid; then
+  for peer in 4 8; do
+    envs="$SOCKETS ${TUNED/NCCL_NCHANNELS_PER_NET_PEER=4/NCCL_NCHANNELS_PER_NET_PEER=$peer}"
+    echo "== hostid sockets, $peer channels per peer: $envs" | tee -a "$OUT/hostid.txt"
+    env $envs timeout 150 mpiexec -n 2 tools/per_rank_host.sh $BENCH --sizes 16M,128M,256M,512M \
+      --json "$OUT/bench_hostid_$peer.json" 2>&1 | grep -v '^\[' | tee -a "$OUT/hostid.txt"
+  done
+  echo "== same host, sockets tuned (for comparison)" | tee -a "$OUT/hostid.txt"
+  env $SOCKETS $TUNED timeout 150 mpiexec -n 2 $BENCH --sizes 16M,128M,256M,512M \
+    --json "$OUT/bench_samehost.json" 2>&1 | grep -v '^\[' | tee -a "$OUT/hostid.txt"
+fi
+# Shared memory: NCCL gives a same-host peer 2 point-to-point channels; lanes
+# (one communicator and stream each) multiply them.
+if has lanes; then
+  for lanes in 1 2 4; do
+    echo "== shm, $lanes lanes" | tee -a "$OUT/lanes.txt"
+    env NCCL_P2P_DISABLE=1 DYNAMIQ_NCCL_LANES=$lanes timeout 120 mpiexec -n 2 $BENCH \
+      --sizes 16M,128M,256M,512M --json "$OUT/bench_shm_lanes$lanes.json" 2>&1 | grep -v '^\[' \
+      | tee -a "$OUT/lanes.txt"
+  done
+fi
+# The baselines' GPU speed: MXFP8 (fused kernels) and THC / OmniReduce (array code)
+if has mx; then
+  for link in "nvlink:" "sockets:$SOCKETS $TUNED"; do
+    echo "== codecs, ${link%%:*}" | tee -a "$OUT/codecs.txt"
+    env ${link#*:} timeout 150 mpiexec -n 2 $PY -m dynamiq_mpi bench --dtype bf16 -w 2 -n 5 \
+      --codec dynamiq:5,mxfp:e4m3,mxfp:e2m1,bf16,thc,omnireduce --topology ring --sizes 16M,256M \
+      --json "$OUT/bench_codecs_${link%%:*}.json" 2>&1 | grep -v '^\[' | tee -a "$OUT/codecs.txt"
   done
 fi
 
