@@ -188,3 +188,25 @@ def test_compiled_planner_flags_non_finite_means():
     mean = np.array([0, np.inf, 0, 0], np.float32)
     *_, header = compiled_plan(_cpu, F, mean, np.zeros(2, np.float32), 5.0, 320)
     assert header[2] == 0.0
+
+
+def test_cached_kernel_params_equal_fresh_ones():
+    """The plan reuses each codec's parameter blobs and writes only the call's
+    generator keys: the bytes must equal make_params' for any keys."""
+    from dynamiq_mpi import _cpu
+    from dynamiq_mpi.codecs.dynamiq import _params_for
+    from dynamiq_mpi.codecs.dynamiq import DynamiQ
+    from dynamiq_mpi.rng import call_keys
+    rng = np.random.default_rng()
+    for codec in (DynamiQ(bits=5), DynamiQ(bits=4, hierarchical=False, uniform=True)):
+        tables = codec.tables()
+        for n_events, correlated in ((1, False), (3, True), (8, True)):
+            for _ in range(3):
+                keys = call_keys(int(rng.integers(0, 2**31)), int(rng.integers(0, 1000)))
+                got = _params_for(codec, n_events, correlated, keys, _cpu)
+                for w in (2, 4, 8):
+                    want = _cpu.make_params(w, codec.hierarchical, correlated, n_events,
+                                            (n_events - 1).bit_length(), keys.value, keys.perm,
+                                            tables[w].mag, tables[w].inv_gap, tables[w].level,
+                                            tables[w].lut)
+                    assert got[w].tobytes() == want

@@ -24,6 +24,10 @@ export NCCL_NVLS_ENABLE=0                       # the machine's rule: no NVLink 
 PY=python3
 BENCH="$PY -m dynamiq_mpi bench --dtype bf16 --codec dynamiq:5,bf16 --topology ring -w 3 -n 5 --rounds 2"
 SOCKETS="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
+# Shared memory: point-to-point chunks of 512 KiB (the largest the default 4 MiB
+# buffers allow; NCCL's 128 KiB default for ranks of one node without NVLink);
+# NCCL's all-reduce does not read it (measured equal, 2026-11-23 chunks stage).
+SHM="NCCL_P2P_DISABLE=1 NCCL_P2P_PCI_CHUNKSIZE=524288"
 # Socket settings found best for both sides (spec section 7): more sockets and
 # threads and channels for the all-reduce, 2 MiB chunks for point-to-point.
 TUNED="NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4 NCCL_MIN_NCHANNELS=8 NCCL_P2P_NET_CHUNKSIZE=2097152 NCCL_NCHANNELS_PER_NET_PEER=4"
@@ -61,7 +65,7 @@ if has ncu; then
 fi
 
 if has timeline; then   # per-message rates of one profiled call per link
-  for link in "sockets:$SOCKETS $TUNED" "shm:NCCL_P2P_DISABLE=1"; do
+  for link in "sockets:$SOCKETS $TUNED" "shm:$SHM"; do
     echo "== timeline ${link%%:*}" | tee -a "$OUT/timeline.txt"
     env ${link#*:} timeout 120 mpiexec -n 2 $BENCH --codec dynamiq:5 --sizes 256M --breakdown \
       --json "$OUT/timeline_${link%%:*}.json" 2>&1 | grep -v '^\[' | tail -6 | tee -a "$OUT/timeline.txt"
@@ -84,7 +88,7 @@ run_bench() {   # name, env, bench args
   echo "bench $name took $(( $(date +%s) - t0 )) s"
 }
 has nvlink && run_bench nvlink "" --sizes 2M,16M,128M,256M,512M --breakdown
-has shm && run_bench shm "NCCL_P2P_DISABLE=1" --sizes 16M,128M,256M,512M --breakdown
+has shm && run_bench shm "$SHM" --sizes 16M,128M,256M,512M --breakdown
 has sockets && run_bench sockets_tuned "$SOCKETS $TUNED" --sizes 2M,16M,64M,128M,256M,512M --breakdown
 has sockets && run_bench sockets_default "$SOCKETS" --sizes 16M,256M
 if has tune; then   # socket and shm settings for the point-to-point path, 2^27 elements, same-run ratios
@@ -121,6 +125,21 @@ if has lanes; then
     env NCCL_P2P_DISABLE=1 DYNAMIQ_NCCL_LANES=$lanes timeout 120 mpiexec -n 2 $BENCH \
       --sizes 16M,128M,256M,512M --json "$OUT/bench_shm_lanes$lanes.json" 2>&1 | grep -v '^\[' \
       | tee -a "$OUT/lanes.txt"
+  done
+fi
+# Point-to-point chunk size on one host: NCCL uses NCCL_P2P_PCI_CHUNKSIZE (128 KiB)
+# for ranks of one node without NVLink, whatever NCCL_P2P_NET_CHUNKSIZE says
+# (src/init.cc computeBuffSizes), capped at NCCL_BUFFSIZE / 8.
+if has chunks; then
+  for probe in "shm, 512K chunks:NCCL_P2P_DISABLE=1 NCCL_P2P_PCI_CHUNKSIZE=524288" \
+               "shm, 16M buffers, 2M chunks:NCCL_P2P_DISABLE=1 NCCL_BUFFSIZE=16777216 NCCL_P2P_PCI_CHUNKSIZE=2097152" \
+               "sockets tuned, 512K chunks:$SOCKETS $TUNED NCCL_P2P_PCI_CHUNKSIZE=524288" \
+               "sockets tuned, 16M buffers, 2M chunks:$SOCKETS $TUNED NCCL_BUFFSIZE=16777216 NCCL_P2P_PCI_CHUNKSIZE=2097152"; do
+    name=${probe%%:*}; envs=${probe#*:}
+    echo "== chunks $name ($envs)" | tee -a "$OUT/chunks.txt"
+    env $envs timeout 120 mpiexec -n 2 $BENCH --sizes 16M,128M,256M,512M \
+      --json "$OUT/bench_chunks_$(echo "$name" | tr -c 'a-zA-Z0-9' _).json" 2>&1 | grep -v '^\[' \
+      | grep -v "^#  *size" | tee -a "$OUT/chunks.txt"
   done
 fi
 # The baselines' GPU speed: MXFP8 (fused kernels) and THC / OmniReduce (array code)
