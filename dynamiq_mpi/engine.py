@@ -2,6 +2,8 @@
 that a transport answers (see transports/ops.py).
 
 Order of one call:
+0. the codec's local statistics are computed (launched, on a device) while
+   the ranks agree: they need nobody else, and are discarded if agreement fails;
 1. agreement: every rank contributes (length, dtype, codec, topology, op,
    seed, call counter, transport, its local input error); any error or
    disagreement makes every rank raise the same exception before any data
@@ -203,6 +205,19 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
         flat, flat_out, backend = _check_local(x, out, spec, n)
     except Exception as exc:  # reported to every rank, raised after agreement
         error = f"{type(exc).__name__}: {exc}"
+    # The local statistics need no other rank: start them now, so that a
+    # device runs them while the host agrees with the other ranks; a call that
+    # fails agreement discards them (they live in the workspace, nothing of
+    # the caller's is touched).
+    early = None
+    if error is None and n > 1 and flat.shape[0] > 0:
+        try:
+            values = flat if flat.dtype in NATIVE_DTYPES else flat.astype(np.float32)
+            codec = spec.codec.for_length(int(flat.shape[0]))
+            keys = call_keys(int(spec.seed), spec.counter)
+            early = (values, codec, keys, codec.local_stats(values, backend, workspace, keys=keys))
+        except Exception as exc:  # reported to every rank like a bad input
+            error = f"{type(exc).__name__}: {exc}"
     meta = {
         "error": error,
         "length": None if flat is None else int(flat.shape[0]),
@@ -231,18 +246,19 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
         report.seconds = time.perf_counter() - t0
         return shaped, report
 
-    values = flat if flat.dtype in NATIVE_DTYPES else flat.astype(np.float32)
-    codec = spec.codec.for_length(length)
+    values, codec, keys, (stats, local_state) = early
     schedule = schedules.build(spec.topology, n)
-    keys = call_keys(int(spec.seed), spec.counter)
     yield Mark("statistics")
-    stats, local_state = codec.local_stats(values, backend, workspace, keys=keys)
     reduced, sent, stats_total = None, 0, 0
     if stats is not None:
         reduced, sent, stats_total = yield from _reduce_stats(
             stats, n, rank, schedule, backend, workspace, spec.tile_bytes)
     yield Mark("plan")
     plan = codec.plan(values, reduced, n, keys, backend, local_state, workspace, spec.tile_bytes)
+    divisor = n if spec.op == "mean" else 1
+    # native output dtype: the plan may decode straight into the result
+    if result.dtype in NATIVE_DTYPES:
+        plan.bind_output(result, divisor)
     yield Mark("reduce-scatter")
     sent += yield from run_schedule(plan, schedule, rank)
     yield Mark("finish")
@@ -251,7 +267,6 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
         # for: the decoded sum is the same on every rank, so every rank raises
         # alike, and nothing reached the caller's buffer yet.
         plan.check_finite()
-    divisor = n if spec.op == "mean" else 1
     if result.dtype in NATIVE_DTYPES:
         plan.finish(divisor, result)
     else:

@@ -46,6 +46,9 @@ cdef extern from "dq_gpu_api.h":
     int dq_gpu_finish(const float* stream_values, const int64_t* stream_of_sg,
                       const float* mean_sum, int64_t nsg, float divisor, void* out, int dtype,
                       int64_t length, uintptr_t stream) nogil
+    int dq_gpu_decompress_out(const DqParams* P, const uint8_t* inp, int64_t nsg, int64_t sg_base,
+                              const int64_t* order, const float* mean_sum, float divisor,
+                              void* out, int dtype, int64_t length, uintptr_t stream) nogil
     int dq_gpu_bf16_compress(const DqSource* local, int64_t nsg, int64_t n, uint16_t* out,
                              uintptr_t stream) nogil
     int dq_gpu_bf16_decompress(const uint16_t* inp, int64_t n, float* out, int accumulate,
@@ -336,12 +339,42 @@ def dar(const uint8_t[::1] params, inp, Source local, int64_t nsg, int64_t sg_ba
     _check(rc, "dar")
 
 
+def decompress_out(const uint8_t[::1] params, inp, int64_t nsg, int64_t sg_base, order,
+                   mean_sum, float divisor, out, stream=None):
+    """Decompress stream super-groups sg_base .. sg_base + nsg straight into the
+    caller's layout: what decompress then finish would write for them."""
+    cdef const DqParams* P = _params(params)
+    cdef int dtype = _dtype_code(out, "decompress_out out")
+    _expect(inp, np.uint8, -1, "decompress_out input")
+    check_bytes(nsg, inp.size, P)
+    _expect(order, np.int64, -1, "decompress_out order")
+    _expect(mean_sum, np.float32, -1, "decompress_out mean_sum")
+    if sg_base < 0 or sg_base + nsg > order.size:
+        raise ValueError("decompress_out: stream super-groups beyond the order map")
+    if mean_sum.size * SUPER < out.size:
+        raise ValueError("decompress_out: mean_sum does not cover the output")
+    if nsg == 0 or out.size == 0:
+        return
+    cdef const uint8_t* ip = <const uint8_t*>_dptr(inp, "decompress_out input")
+    cdef const int64_t* gp = <const int64_t*>_dptr(order, "decompress_out order")
+    cdef const float* mp = <const float*>_dptr(mean_sum, "decompress_out mean_sum")
+    cdef void* op = <void*>_dptr(out, "decompress_out out")
+    cdef int64_t length = out.size
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_decompress_out(P, ip, nsg, sg_base, gp, mp, divisor, op, dtype, length, st)
+    _check(rc, "decompress_out")
+
+
 def finish(stream_values, stream_of_sg, mean_sum, float divisor, out, stream=None):
-    """Scatter the decoded stream back to the caller's layout (see dq_api.h)."""
+    """Scatter the decoded stream back to the caller's layout (see dq_api.h);
+    stream_values None: only the rows absent from the stream."""
     cdef int dtype = _dtype_code(out, "finish out")
     cdef int64_t nsg = stream_of_sg.size
     cdef int64_t length = out.size
-    _expect(stream_values, np.float32, -1, "finish stream")
+    if stream_values is not None:
+        _expect(stream_values, np.float32, -1, "finish stream")
     _expect(stream_of_sg, np.int64, -1, "finish stream_of_sg")
     _expect(mean_sum, np.float32, -1, "finish mean_sum")
     if mean_sum.size != nsg or nsg * SUPER < length:
@@ -349,7 +382,7 @@ def finish(stream_values, stream_of_sg, mean_sum, float divisor, out, stream=Non
     if nsg == 0 or length == 0:
         return
     cdef const float* sp = NULL
-    if stream_values.size:
+    if stream_values is not None and stream_values.size:
         sp = <const float*>_dptr(stream_values, "finish stream")
     cdef const int64_t* gp = <const int64_t*>_dptr(stream_of_sg, "finish stream_of_sg")
     cdef const float* mp = <const float*>_dptr(mean_sum, "finish mean_sum")

@@ -45,9 +45,18 @@ int dq_gpu_decompress(const DqParams* P, const uint8_t* in, int64_t nsg, float* 
 // and `out` may be the same buffer.
 int dq_gpu_dar(const DqParams* P, const uint8_t* in, const DqSource* local, int64_t nsg,
                int64_t sg_base, uint32_t event, uint8_t* out, uintptr_t stream);
+// dq_cpu_finish; stream_values NULL: only the rows absent from the stream
+// (stream_of_sg < 0) are written, the others are left as they are (filled by
+// dq_gpu_decompress_out).
 int dq_gpu_finish(const float* stream_values, const int64_t* stream_of_sg, const float* mean_sum,
                   int64_t nsg, float divisor, void* out, int dtype, int64_t length,
                   uintptr_t stream);
+// decompress and finish in one pass for the nsg stream super-groups from
+// sg_base: stream super-group s goes to input row order[s] of out, as
+// dq_gpu_finish would write it from the decompressed values (same bits).
+int dq_gpu_decompress_out(const DqParams* P, const uint8_t* in, int64_t nsg, int64_t sg_base,
+                          const int64_t* order, const float* mean_sum, float divisor, void* out,
+                          int dtype, int64_t length, uintptr_t stream);
 
 // -------------------------------------------------------------- baselines
 // Stream element e (0 <= e < n, n <= nsg * 256: the last super-group may be

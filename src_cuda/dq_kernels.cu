@@ -612,6 +612,78 @@ k_decompress(const __grid_constant__ KParams kp, const uint8_t* in, int64_t nsg,
     }
 }
 
+// Decompress straight into the caller's layout (the decode and the final
+// scatter of k_finish in one pass): stream super-group sg_base + s is input row
+// g = order[sg_base + s]; out[g * 256 + i] = store((v + mean_sum[g]) / divisor),
+// v the value k_decompress writes, so the bits equal decompress + finish.
+template <int W>
+__global__ void __launch_bounds__(kThreads)
+k_decompress_out(const __grid_constant__ KParams kp, const uint8_t* in, int64_t nsg,
+                 int64_t sg_base, const int64_t* order, const float* mean_sum, float divisor,
+                 void* out, int dtype, int64_t length) {
+    __shared__ SmemTables<W> sm;
+    load_tables<W>(sm, kp, false, true);
+    const int64_t nchunks = nsg * (DQ_SUPER / 4);
+    const uint8_t* meta = in + nsg * (32 * W);
+    const bool codes_aligned = aligned(in, W / 2 > 1 ? W / 2 : 1);
+    const bool units_aligned = aligned(meta + nsg * DQ_GROUPS, 2);
+    for (int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x; c < nchunks;
+         c += (int64_t)gridDim.x * kThreads) {
+        const int64_t s = c >> 6;
+        const int64_t grp = c >> 2;
+        const int64_t g = __ldg(order + sg_base + s);
+        const int64_t k0 = g * DQ_SUPER + (c & 63) * 4;
+        if (k0 >= length) continue;
+        const uint8_t* cp = in + c * (W / 2);
+        uint32_t bits;
+        if (W == 2) bits = cp[0];
+        else if (W == 4) bits = codes_aligned ? *reinterpret_cast<const uint16_t*>(cp)
+                                              : (uint32_t)(cp[0] | (cp[1] << 8));
+        else bits = codes_aligned ? *reinterpret_cast<const uint32_t*>(cp)
+                                  : (uint32_t)cp[0] | ((uint32_t)cp[1] << 8) |
+                                    ((uint32_t)cp[2] << 16) | ((uint32_t)cp[3] << 24);
+        float scale;
+        if (kp.hierarchical) {
+            const uint8_t* up = meta + nsg * DQ_GROUPS + 2 * s;
+            const uint16_t ub = units_aligned ? *reinterpret_cast<const uint16_t*>(up)
+                                              : (uint16_t)(up[0] | (up[1] << 8));
+            scale = (float)meta[grp] * dq_bf16_to_f32(ub);
+        } else {
+            scale = dq_bf16_to_f32(ld_u16(meta + 2 * grp));
+        }
+        const float ms = __ldg(mean_sum + g);
+        float v[4];
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            v[j] = sm.level[(bits >> (j * W)) & ((1u << W) - 1u)] * scale;
+            v[j] = v[j] + ms;
+            if (divisor != 1.0f) v[j] = v[j] / divisor;
+        }
+        const bool full = k0 + 4 <= length;
+        if (dtype) {
+            uint16_t* o = static_cast<uint16_t*>(out) + k0;
+            if (full && aligned(o, 8)) {
+                *reinterpret_cast<uint2*>(o) = make_uint2(
+                    (uint32_t)dq_f32_to_bf16_rne(v[0]) | ((uint32_t)dq_f32_to_bf16_rne(v[1]) << 16),
+                    (uint32_t)dq_f32_to_bf16_rne(v[2]) | ((uint32_t)dq_f32_to_bf16_rne(v[3]) << 16));
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    if (k0 + j < length) o[j] = dq_f32_to_bf16_rne(v[j]);
+            }
+        } else {
+            float* o = static_cast<float*>(out) + k0;
+            if (full && aligned(o, 16)) {
+                *reinterpret_cast<float4*>(o) = make_float4(v[0], v[1], v[2], v[3]);
+            } else {
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    if (k0 + j < length) o[j] = v[j];
+            }
+        }
+    }
+}
+
 // Statistics, two super-groups per warp.  A half-warp owns a
 // super-group and lane h = lane & 15 holds entries h + 16 k, k = 0..15, so the
 // header's halving tree is in-register for h >= 16 and four shuffle levels
@@ -756,6 +828,7 @@ k_finish(const float* stream, const int64_t* stream_of_sg, const float* mean_sum
         const int64_t k0 = g * DQ_SUPER + i0;
         if (k0 >= length) continue;
         const int64_t s = __ldg(stream_of_sg + g);
+        if (s >= 0 && !stream) continue;     // written by decompress_out already
         const float ms = __ldg(mean_sum + g);
         float v[8];
         if (s >= 0) {
@@ -1218,6 +1291,26 @@ int dq_gpu_decompress(const DqParams* P, const uint8_t* in, int64_t nsg, float* 
         case 2: { auto k = k_decompress<2>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, out, accumulate); break; }
         case 4: { auto k = k_decompress<4>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, out, accumulate); break; }
         default: { auto k = k_decompress<8>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, out, accumulate); break; }
+    }
+    return launch_result();
+}
+
+int dq_gpu_decompress_out(const DqParams* P, const uint8_t* in, int64_t nsg, int64_t sg_base,
+                          const int64_t* order, const float* mean_sum, float divisor, void* out,
+                          int dtype, int64_t length, uintptr_t stream) {
+    if (nsg <= 0 || length <= 0) return 0;
+    if (!P || !in || !order || !mean_sum || !out || sg_base < 0 || (dtype != 0 && dtype != 1))
+        return (int)cudaErrorInvalidValue;
+    ParamsCache& pc = g_params_cache;
+    int rc = pc.build(P);
+    if (rc) return rc;
+    const KParams& kp = pc.kp;
+    cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    const int64_t chunks = nsg * (DQ_SUPER / 4);
+    switch (P->width) {
+        case 2: { auto k = k_decompress_out<2>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, sg_base, order, mean_sum, divisor, out, dtype, length); break; }
+        case 4: { auto k = k_decompress_out<4>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, sg_base, order, mean_sum, divisor, out, dtype, length); break; }
+        default: { auto k = k_decompress_out<8>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, sg_base, order, mean_sum, divisor, out, dtype, length); break; }
     }
     return launch_result();
 }

@@ -142,6 +142,30 @@ if has chunks; then
       | grep -v "^#  *size" | tee -a "$OUT/chunks.txt"
   done
 fi
+# Raw NCCL point-to-point against the all-reduce on each link (tools/p2p_probe.py)
+if has p2p; then
+  for probe in "nvlink:" "nvlink, 2M chunks:NCCL_P2P_NVL_CHUNKSIZE=2097152" \
+               "nvlink, copy engines:NCCL_P2P_USE_CUDA_MEMCPY=1" \
+               "shm:NCCL_P2P_DISABLE=1" "shm, 512K chunks:$SHM" \
+               "sockets tuned:$SOCKETS $TUNED"; do
+    name=${probe%%:*}; envs=${probe#*:}
+    echo "== p2p $name ($envs)" | tee -a "$OUT/p2p.txt"
+    env $envs timeout 90 mpiexec -n 2 $PY tools/p2p_probe.py --sizes 4M,21M,42M --split 1,4 2>&1 \
+      | grep -v '^\[' | tee -a "$OUT/p2p.txt"
+  done
+fi
+# A/B of DynamiQ decoding straight into the caller's buffer (default) against
+# the float32 stream plus the final scatter, alternating, same job
+if has ab; then
+  for link in "nvlink:" "shm:$SHM"; do
+    for direct in 1 0 1 0; do
+      echo "== ab ${link%%:*}, decode into output=$direct" | tee -a "$OUT/ab.txt"
+      env ${link#*:} DYNAMIQ_DECODE_INTO_OUTPUT=$direct timeout 90 mpiexec -n 2 $PY -m dynamiq_mpi bench \
+        --dtype bf16 --codec dynamiq:5 --topology ring -w 3 -n 10 --sizes 128M,256M --no-reference 2>&1 \
+        | grep -v '^\[' | grep -E "^ +[0-9]" | tee -a "$OUT/ab.txt"
+    done
+  done
+fi
 # The baselines' GPU speed: MXFP8 (fused kernels) and THC / OmniReduce (array code)
 if has mx; then
   for link in "nvlink:" "sockets:$SOCKETS $TUNED"; do

@@ -194,6 +194,13 @@ class Plan:
         caller's dtype) and return it."""
         raise NotImplementedError
 
+    def bind_output(self, out, divisor: float) -> bool:
+        """Offer the final buffer before the data phases: a plan that accepts
+        (True) may decode straight into ``out`` (which may be the input itself:
+        every read of the local values precedes every decode in stream order)
+        and ``finish`` then completes what decoding left.  Default: no."""
+        return False
+
     def report(self, detailed: bool = True) -> dict:
         """What the codec decided (``detailed``: also per super-group data)."""
         return {}

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -229,12 +230,14 @@ class _DynamiQPlan(Plan):
             raise ValueError("too many coordinates for one call (2^32 limit of the generator)")
         self.stream_of_sg = stream_of_sg
         self.order = order[:n_live]
+        self._order_full = order
+        self._bound = None
         self.runs = [(w, counts[w]) for w in WIDTHS]
         layout = StreamLayout([(c, rec_bytes[w]) for w, c in self.runs])
         self.tiling = tile_stream(layout, n, tile_bytes)
         self.pieces = [self._pieces(a, b, layout) for a, b in self.tiling.units]
         self.wire = ws.take(xp, "dq.wire", self.tiling.wire_bytes, np.uint8)
-        self.result = ws.take(xp, "dq.result", n_live * SUPER, np.float32)
+        self._result = None             # float32 stream of decoded values, made on first use
         self._padded = None
 
     def _zeros(self, name, count):
@@ -252,6 +255,15 @@ class _DynamiQPlan(Plan):
                 pieces.append((w, s0, s1 - s0, layout.offset(s0) - base,
                                layout.offset(s1) - layout.offset(s0)))
         return pieces
+
+    @property
+    def result(self):
+        """The decoded stream (float32), when the plan does not decode into
+        the caller's buffer."""
+        if self._result is None:
+            n_live = self.order.shape[0]
+            self._result = self.ws.take(self.xp, "dq.result", n_live * SUPER, np.float32)
+        return self._result
 
     def scratch(self, nbytes):
         return self.ws.take(self.xp, "dq.recv", nbytes, np.uint8)
@@ -299,12 +311,31 @@ class _DynamiQPlan(Plan):
                        out[off:off + nb])
         return out
 
+    def bind_output(self, out, divisor):
+        """On the GPU, decode straight into the caller's layout (one pass
+        instead of a float32 stream plus the final scatter; the same bits).
+        ``DYNAMIQ_DECODE_INTO_OUTPUT=0`` keeps the two passes (for A/B runs)."""
+        if self.backend.name != "gpu" or os.environ.get("DYNAMIQ_DECODE_INTO_OUTPUT") == "0":
+            return False
+        self._bound = (out, float(divisor))
+        return True
+
     def decode(self, tile, payload):
+        if self._bound is not None:
+            out, divisor = self._bound
+            for w, s0, cnt, off, nb in self.pieces[tile]:
+                self.k.decompress_out(self.params[w], payload[off:off + nb], cnt, s0,
+                                      self._order_full, self.mean_sum, divisor, out)
+            return
         for w, s0, cnt, off, nb in self.pieces[tile]:
             self.k.decompress(self.params[w], payload[off:off + nb], cnt,
                               self.result[s0 * SUPER:(s0 + cnt) * SUPER], False)
 
     def finish(self, divisor, out):
+        if self._bound is not None:
+            assert self._bound[0] is out and self._bound[1] == float(divisor)
+            self.k.finish(None, self.stream_of_sg, self.mean_sum, float(divisor), out)
+            return out
         self.k.finish(self.result, self.stream_of_sg, self.mean_sum, float(divisor), out)
         return out
 

@@ -105,6 +105,30 @@ def test_gpu_mx_extreme_blocks_equal_cpu(cp, colls, codec):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_gpu_in_place_mean_equals_cpu(cp, colls, topology, dtype, transport):
+    """DynamiQ decodes straight into the caller's buffer on the GPU (here the
+    input itself, op="mean", small tiles, zero super-groups): the bytes equal
+    the CPU path's decode-then-finish."""
+    seed = shared_seed(comm)
+    xs = rank_inputs(seed, N, 256 * 333 + 45, dtype=dtype)
+    for x in xs:
+        x[256 * 7:256 * 12] = 0
+    codec = dq.DynamiQ(bits=5, small_input=0)
+    coll = colls(transport, 4096)
+    d_x = cp.asarray(xs[comm.rank])
+    got, rep = coll.allreduce(d_x, codec=codec, topology=topology, op="mean", seed=seed % 1000,
+                              out=d_x, return_report=True)
+    assert got is d_x
+    cpu = dq.simulate_allreduce(xs, codec=codec, topology=topology, op="mean", seed=seed % 1000,
+                                counter=rep.call_counter, tile_bytes=4096)[comm.rank]
+    assert digest(cp.asnumpy(d_x)) == digest(cpu), f"seed {seed}"
+    assert len(set(comm.allgather(digest(cpu)))) == 1
+
+
+@pytest.mark.mpi(min_size=2)
 def test_gpu_bad_input_raises_everywhere(cp):
     x = cp.asarray(rank_inputs(5, N, 1000)[comm.rank])
     if comm.rank == N - 1:

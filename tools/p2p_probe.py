@@ -1,0 +1,83 @@
+"""NCCL point-to-point against NCCL's all-reduce on the link at hand (two
+ranks, one GPU each): how fast can our exchanges go?
+
+For each message size: one grouped send + receive of `size` bytes with the
+peer (`--split k`: the message cut into k sends and k receives in the same
+group), timed with CUDA events over `--iters` calls (median), as GB/s per
+direction; beside it NCCL's all-reduce of `size` bytes of BF16 (its algbw:
+per direction, for two ranks). Run it under the NCCL environment to probe:
+
+    mpiexec -n 2 python tools/p2p_probe.py --sizes 4M,21M,42M --split 1,4
+"""
+import argparse
+
+import numpy as np
+from mpi4py import MPI
+
+
+def parse_size(s):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(s[:-1]) * units[s[-1]]) if s[-1] in units else int(s)
+
+
+def timed(cp, fn, iters):
+    fn()
+    cp.cuda.get_current_stream().synchronize()
+    times = []
+    for _ in range(iters):
+        a, b = cp.cuda.Event(), cp.cuda.Event()
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(cp.cuda.get_elapsed_time(a, b))
+    return float(np.median(times)) / 1e3
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="4M,21M,42M")
+    ap.add_argument("--split", default="1,4")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    import cupy as cp
+    from cupy.cuda import nccl
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.rank, comm.size
+    assert size == 2, "two ranks"
+    cp.cuda.Device(rank % cp.cuda.runtime.getDeviceCount()).use()
+    uid = comm.bcast(nccl.get_unique_id() if rank == 0 else None)
+    nc = nccl.NcclCommunicator(size, uid, rank)
+    stream = cp.cuda.get_current_stream()
+    peer = 1 - rank
+    if rank == 0:
+        print(f"{'bytes':>11s} {'split':>5s} {'p2p ms':>8s} {'p2p GB/s':>9s} "
+              f"{'allreduce ms':>12s} {'allreduce GB/s':>14s}", flush=True)
+    for s in args.sizes.split(","):
+        nbytes = parse_size(s)
+        send = cp.ones(nbytes, cp.uint8)
+        recv = cp.zeros(nbytes, cp.uint8)
+        ar = cp.ones(nbytes // 2, cp.float16)   # BF16-sized payload (NCCL has no bf16 in CuPy's enum)
+        t_ar = timed(cp, lambda: nc.allReduce(ar.data.ptr, ar.data.ptr, ar.size, nccl.NCCL_FLOAT16,
+                                              nccl.NCCL_SUM, stream.ptr), args.iters)
+        for k in (int(v) for v in args.split.split(",")):
+            cuts = [(i * nbytes // k, (i + 1) * nbytes // k) for i in range(k)]
+
+            def exchange():
+                nccl.groupStart()
+                for a, b in cuts:
+                    nc.send(send.data.ptr + a, b - a, nccl.NCCL_UINT8, peer, stream.ptr)
+                    nc.recv(recv.data.ptr + a, b - a, nccl.NCCL_UINT8, peer, stream.ptr)
+                nccl.groupEnd()
+            t = timed(cp, exchange, args.iters)
+            worst = comm.allreduce(t, op=MPI.MAX)
+            worst_ar = comm.allreduce(t_ar, op=MPI.MAX)
+            if rank == 0:
+                print(f"{nbytes:>11d} {k:>5d} {worst * 1e3:8.3f} {nbytes / worst / 1e9:9.1f} "
+                      f"{worst_ar * 1e3:12.3f} {nbytes / worst_ar / 1e9:14.1f}", flush=True)
+    nc.destroy()
+
+
+if __name__ == "__main__":
+    main()
