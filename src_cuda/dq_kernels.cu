@@ -556,6 +556,79 @@ k_encode(const __grid_constant__ KParams kp, const DqSource src, const uint8_t* 
     }
 }
 
+// The final rounding of every result: (v + ms) / divisor (skipped for 1),
+// stored at out[k0 ..) as float32 or BF16 (nearest even), N values, those at
+// or beyond `length` dropped.  Shared by k_finish and k_decompress_out.
+template <int N>
+__device__ __forceinline__ void store_final(float (&v)[N], float ms, float divisor, void* out,
+                                            int dtype, int64_t k0, int64_t length) {
+#pragma unroll
+    for (int j = 0; j < N; j++) {
+        v[j] = v[j] + ms;
+        if (divisor != 1.0f) v[j] = v[j] / divisor;
+    }
+    const bool full = k0 + N <= length;
+    if (dtype) {
+        uint16_t* o = static_cast<uint16_t*>(out) + k0;
+        if (full && aligned(o, 2 * N)) {
+            uint32_t w[N / 2];
+#pragma unroll
+            for (int i = 0; i < N / 2; i++)
+                w[i] = (uint32_t)dq_f32_to_bf16_rne(v[2 * i]) |
+                       ((uint32_t)dq_f32_to_bf16_rne(v[2 * i + 1]) << 16);
+            if constexpr (N == 8) *reinterpret_cast<uint4*>(o) = make_uint4(w[0], w[1], w[2], w[3]);
+            else *reinterpret_cast<uint2*>(o) = make_uint2(w[0], w[1]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < N; j++)
+                if (k0 + j < length) o[j] = dq_f32_to_bf16_rne(v[j]);
+        }
+    } else {
+        float* o = static_cast<float*>(out) + k0;
+        if (full && aligned(o, 16)) {
+#pragma unroll
+            for (int q = 0; q < N / 4; q++)
+                reinterpret_cast<float4*>(o)[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+        } else {
+#pragma unroll
+            for (int j = 0; j < N; j++)
+                if (k0 + j < length) o[j] = v[j];
+        }
+    }
+}
+
+// The 4 decoded values of decompress chunk c (entries 4 (c & 63) .. + 3 of
+// stream super-group c >> 6 of a run of nsg): level of the code times the
+// group's scale.  meta = in + nsg * 32 W (the run's scales).
+template <int W>
+__device__ __forceinline__ void decode_chunk(const SmemTables<W>& sm, const KParams& kp,
+                                             const uint8_t* in, const uint8_t* meta, int64_t nsg,
+                                             int64_t c, bool codes_aligned, bool units_aligned,
+                                             float (&v)[4]) {
+    const int64_t s = c >> 6;                 // 64 chunks per super-group
+    const int64_t grp = c >> 2;               // global group index s * 16 + g
+    const uint8_t* cp = in + c * (W / 2);
+    uint32_t bits;
+    if (W == 2) bits = cp[0];
+    else if (W == 4) bits = codes_aligned ? *reinterpret_cast<const uint16_t*>(cp)
+                                          : (uint32_t)(cp[0] | (cp[1] << 8));
+    else bits = codes_aligned ? *reinterpret_cast<const uint32_t*>(cp)
+                              : (uint32_t)cp[0] | ((uint32_t)cp[1] << 8) |
+                                ((uint32_t)cp[2] << 16) | ((uint32_t)cp[3] << 24);
+    float scale;
+    if (kp.hierarchical) {
+        const uint8_t* up = meta + nsg * DQ_GROUPS + 2 * s;
+        const uint16_t ub = units_aligned ? *reinterpret_cast<const uint16_t*>(up)
+                                          : (uint16_t)(up[0] | (up[1] << 8));
+        scale = (float)meta[grp] * dq_bf16_to_f32(ub);
+    } else {
+        scale = dq_bf16_to_f32(ld_u16(meta + 2 * grp));
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        v[j] = sm.level[(bits >> (j * W)) & ((1u << W) - 1u)] * scale;
+}
+
 // Decompress: each thread step produces 4 consecutive outputs (one float4), so
 // the warp reads 32 consecutive code pieces and writes 512 consecutive bytes.
 template <int W>
@@ -572,29 +645,8 @@ k_decompress(const __grid_constant__ KParams kp, const uint8_t* in, int64_t nsg,
     const bool units_aligned = aligned(meta + nsg * DQ_GROUPS, 2);
     for (int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x; c < nchunks;
          c += (int64_t)gridDim.x * kThreads) {
-        const int64_t s = c >> 6;                 // 64 chunks per super-group
-        const int64_t grp = c >> 2;               // global group index s * 16 + g
-        const uint8_t* cp = in + c * (W / 2);
-        uint32_t bits;
-        if (W == 2) bits = cp[0];
-        else if (W == 4) bits = codes_aligned ? *reinterpret_cast<const uint16_t*>(cp)
-                                              : (uint32_t)(cp[0] | (cp[1] << 8));
-        else bits = codes_aligned ? *reinterpret_cast<const uint32_t*>(cp)
-                                  : (uint32_t)cp[0] | ((uint32_t)cp[1] << 8) |
-                                    ((uint32_t)cp[2] << 16) | ((uint32_t)cp[3] << 24);
-        float scale;
-        if (kp.hierarchical) {
-            const uint8_t* up = meta + nsg * DQ_GROUPS + 2 * s;
-            const uint16_t ub = units_aligned ? *reinterpret_cast<const uint16_t*>(up)
-                                              : (uint16_t)(up[0] | (up[1] << 8));
-            scale = (float)meta[grp] * dq_bf16_to_f32(ub);
-        } else {
-            scale = dq_bf16_to_f32(ld_u16(meta + 2 * grp));
-        }
         float v[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++)
-            v[j] = sm.level[(bits >> (j * W)) & ((1u << W) - 1u)] * scale;
+        decode_chunk<W>(sm, kp, in, meta, nsg, c, codes_aligned, units_aligned, v);
         float* o = out + 4 * c;
         if (out_aligned) {
             float4* o4 = reinterpret_cast<float4*>(o);
@@ -629,58 +681,12 @@ k_decompress_out(const __grid_constant__ KParams kp, const uint8_t* in, int64_t 
     const bool units_aligned = aligned(meta + nsg * DQ_GROUPS, 2);
     for (int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x; c < nchunks;
          c += (int64_t)gridDim.x * kThreads) {
-        const int64_t s = c >> 6;
-        const int64_t grp = c >> 2;
-        const int64_t g = __ldg(order + sg_base + s);
+        const int64_t g = __ldg(order + sg_base + (c >> 6));
         const int64_t k0 = g * DQ_SUPER + (c & 63) * 4;
         if (k0 >= length) continue;
-        const uint8_t* cp = in + c * (W / 2);
-        uint32_t bits;
-        if (W == 2) bits = cp[0];
-        else if (W == 4) bits = codes_aligned ? *reinterpret_cast<const uint16_t*>(cp)
-                                              : (uint32_t)(cp[0] | (cp[1] << 8));
-        else bits = codes_aligned ? *reinterpret_cast<const uint32_t*>(cp)
-                                  : (uint32_t)cp[0] | ((uint32_t)cp[1] << 8) |
-                                    ((uint32_t)cp[2] << 16) | ((uint32_t)cp[3] << 24);
-        float scale;
-        if (kp.hierarchical) {
-            const uint8_t* up = meta + nsg * DQ_GROUPS + 2 * s;
-            const uint16_t ub = units_aligned ? *reinterpret_cast<const uint16_t*>(up)
-                                              : (uint16_t)(up[0] | (up[1] << 8));
-            scale = (float)meta[grp] * dq_bf16_to_f32(ub);
-        } else {
-            scale = dq_bf16_to_f32(ld_u16(meta + 2 * grp));
-        }
-        const float ms = __ldg(mean_sum + g);
         float v[4];
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            v[j] = sm.level[(bits >> (j * W)) & ((1u << W) - 1u)] * scale;
-            v[j] = v[j] + ms;
-            if (divisor != 1.0f) v[j] = v[j] / divisor;
-        }
-        const bool full = k0 + 4 <= length;
-        if (dtype) {
-            uint16_t* o = static_cast<uint16_t*>(out) + k0;
-            if (full && aligned(o, 8)) {
-                *reinterpret_cast<uint2*>(o) = make_uint2(
-                    (uint32_t)dq_f32_to_bf16_rne(v[0]) | ((uint32_t)dq_f32_to_bf16_rne(v[1]) << 16),
-                    (uint32_t)dq_f32_to_bf16_rne(v[2]) | ((uint32_t)dq_f32_to_bf16_rne(v[3]) << 16));
-            } else {
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-                    if (k0 + j < length) o[j] = dq_f32_to_bf16_rne(v[j]);
-            }
-        } else {
-            float* o = static_cast<float*>(out) + k0;
-            if (full && aligned(o, 16)) {
-                *reinterpret_cast<float4*>(o) = make_float4(v[0], v[1], v[2], v[3]);
-            } else {
-#pragma unroll
-                for (int j = 0; j < 4; j++)
-                    if (k0 + j < length) o[j] = v[j];
-            }
-        }
+        decode_chunk<W>(sm, kp, in, meta, nsg, c, codes_aligned, units_aligned, v);
+        store_final<4>(v, __ldg(mean_sum + g), divisor, out, dtype, k0, length);
     }
 }
 
@@ -846,37 +852,7 @@ k_finish(const float* stream, const int64_t* stream_of_sg, const float* mean_sum
 #pragma unroll
             for (int j = 0; j < 8; j++) v[j] = 0.0f;
         }
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            v[j] = v[j] + ms;
-            if (divisor != 1.0f) v[j] = v[j] / divisor;
-        }
-        const bool full = k0 + 8 <= length;
-        if (dtype) {
-            uint16_t* o = static_cast<uint16_t*>(out) + k0;
-            if (full && aligned(o, 16)) {
-                uint32_t w[4];
-#pragma unroll
-                for (int i = 0; i < 4; i++)
-                    w[i] = (uint32_t)dq_f32_to_bf16_rne(v[2 * i]) |
-                           ((uint32_t)dq_f32_to_bf16_rne(v[2 * i + 1]) << 16);
-                *reinterpret_cast<uint4*>(o) = make_uint4(w[0], w[1], w[2], w[3]);
-            } else {
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-                    if (k0 + j < length) o[j] = dq_f32_to_bf16_rne(v[j]);
-            }
-        } else {
-            float* o = static_cast<float*>(out) + k0;
-            if (full && aligned(o, 16)) {
-                reinterpret_cast<float4*>(o)[0] = make_float4(v[0], v[1], v[2], v[3]);
-                reinterpret_cast<float4*>(o)[1] = make_float4(v[4], v[5], v[6], v[7]);
-            } else {
-#pragma unroll
-                for (int j = 0; j < 8; j++)
-                    if (k0 + j < length) o[j] = v[j];
-            }
-        }
+        store_final<8>(v, ms, divisor, out, dtype, k0, length);
     }
 }
 

@@ -11,27 +11,14 @@ per direction, for two ranks). Run it under the NCCL environment to probe:
 """
 import argparse
 
-import numpy as np
 from mpi4py import MPI
+
+from profile_call import event_ms    # tools/ is on sys.path when run as a script
 
 
 def parse_size(s):
     units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
     return int(float(s[:-1]) * units[s[-1]]) if s[-1] in units else int(s)
-
-
-def timed(cp, fn, iters):
-    fn()
-    cp.cuda.get_current_stream().synchronize()
-    times = []
-    for _ in range(iters):
-        a, b = cp.cuda.Event(), cp.cuda.Event()
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b))
-    return float(np.median(times)) / 1e3
 
 
 def main():
@@ -59,7 +46,7 @@ def main():
         send = cp.ones(nbytes, cp.uint8)
         recv = cp.zeros(nbytes, cp.uint8)
         ar = cp.ones(nbytes // 2, cp.float16)   # BF16-sized payload (NCCL has no bf16 in CuPy's enum)
-        t_ar = timed(cp, lambda: nc.allReduce(ar.data.ptr, ar.data.ptr, ar.size, nccl.NCCL_FLOAT16,
+        t_ar = 1e-3 * event_ms(cp, lambda: nc.allReduce(ar.data.ptr, ar.data.ptr, ar.size, nccl.NCCL_FLOAT16,
                                               nccl.NCCL_SUM, stream.ptr), args.iters)
         for k in (int(v) for v in args.split.split(",")):
             cuts = [(i * nbytes // k, (i + 1) * nbytes // k) for i in range(k)]
@@ -70,7 +57,7 @@ def main():
                     nc.send(send.data.ptr + a, b - a, nccl.NCCL_UINT8, peer, stream.ptr)
                     nc.recv(recv.data.ptr + a, b - a, nccl.NCCL_UINT8, peer, stream.ptr)
                 nccl.groupEnd()
-            t = timed(cp, exchange, args.iters)
+            t = 1e-3 * event_ms(cp, exchange, args.iters)
             worst = comm.allreduce(t, op=MPI.MAX)
             worst_ar = comm.allreduce(t_ar, op=MPI.MAX)
             if rank == 0:
