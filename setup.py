@@ -82,6 +82,8 @@ class BuildExtNvcc(build_ext):
                     subprocess.check_call(cmd)
                 objs.append(obj)
             ext.extra_objects = objs + list(ext.extra_objects or [])
+            # relink when a kernel object changed (setuptools only compares sources)
+            ext.depends = list(ext.depends or []) + objs
         super().build_extension(ext)
 
 
