@@ -117,14 +117,17 @@ if has hostid; then
   env $SOCKETS $TUNED timeout 150 mpiexec -n 2 $BENCH --sizes 16M,128M,256M,512M \
     --json "$OUT/bench_samehost.json" 2>&1 | grep -v '^\[' | tee -a "$OUT/hostid.txt"
 fi
-# Shared memory: NCCL gives a same-host peer 2 point-to-point channels; lanes
-# (one communicator and stream each) multiply them.
+# Lanes (one communicator and stream each) multiply the 2 point-to-point
+# channels NCCL gives a peer of the same host; slices are 256-byte aligned.
 if has lanes; then
-  for lanes in 1 2 4; do
-    echo "== shm, $lanes lanes" | tee -a "$OUT/lanes.txt"
-    env NCCL_P2P_DISABLE=1 DYNAMIQ_NCCL_LANES=$lanes timeout 120 mpiexec -n 2 $BENCH \
-      --sizes 16M,128M,256M,512M --json "$OUT/bench_shm_lanes$lanes.json" 2>&1 | grep -v '^\[' \
-      | tee -a "$OUT/lanes.txt"
+  for probe in "shm:$SHM:1 2 4" "sockets:$SOCKETS $TUNED:1 2 4" "nvlink::1 2"; do
+    IFS=: read -r link envs counts <<<"$probe"
+    for lanes in $counts; do
+      echo "== $link, $lanes lanes" | tee -a "$OUT/lanes.txt"
+      env $envs DYNAMIQ_NCCL_LANES=$lanes timeout 120 mpiexec -n 2 $BENCH \
+        --sizes 16M,128M,256M,512M --json "$OUT/bench_${link}_lanes$lanes.json" 2>&1 | grep -v '^\[' \
+        | grep -E "^ +[0-9]" | tee -a "$OUT/lanes.txt"
+    done
   done
 fi
 # Point-to-point chunk size on one host: NCCL uses NCCL_P2P_PCI_CHUNKSIZE (128 KiB)
@@ -150,7 +153,7 @@ if has p2p; then
                "sockets tuned:$SOCKETS $TUNED"; do
     name=${probe%%:*}; envs=${probe#*:}
     echo "== p2p $name ($envs)" | tee -a "$OUT/p2p.txt"
-    env $envs timeout 90 mpiexec -n 2 $PY tools/p2p_probe.py --sizes 4M,21M,42M --split 1,4 2>&1 \
+    env $envs timeout 90 mpiexec -n 2 $PY tools/p2p_probe.py --sizes 4M,21M,42M --split 1,4 --comms ${P2P_COMMS:-1} 2>&1 \
       | grep -v '^\[' | tee -a "$OUT/p2p.txt"
   done
 fi

@@ -3,8 +3,9 @@ ranks, one GPU each): how fast can our exchanges go?
 
 For each message size: one grouped send + receive of `size` bytes with the
 peer (`--split k`: the message cut into k sends and k receives in the same
-group), timed with CUDA events over `--iters` calls (median), as GB/s per
-direction; beside it NCCL's all-reduce of `size` bytes of BF16 (its algbw:
+group; `--comms c`: the pieces spread over c communicators, each on its own
+stream, as our transport's lanes), timed with CUDA events over `--iters`
+calls (median), as GB/s per direction; beside it NCCL's all-reduce of `size` bytes of BF16 (its algbw:
 per direction, for two ranks). Run it under the NCCL environment to probe:
 
     mpiexec -n 2 python tools/p2p_probe.py --sizes 4M,21M,42M --split 1,4
@@ -26,6 +27,7 @@ def main():
     ap.add_argument("--sizes", default="4M,21M,42M")
     ap.add_argument("--split", default="1,4")
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--comms", default="1", help="communicators (lanes) to spread over, e.g. 1,2")
     args = ap.parse_args()
     import cupy as cp
     from cupy.cuda import nccl
@@ -34,12 +36,15 @@ def main():
     rank, size = comm.rank, comm.size
     assert size == 2, "two ranks"
     cp.cuda.Device(rank % cp.cuda.runtime.getDeviceCount()).use()
-    uid = comm.bcast(nccl.get_unique_id() if rank == 0 else None)
-    nc = nccl.NcclCommunicator(size, uid, rank)
+    max_comms = max(int(c) for c in args.comms.split(","))
+    uids = comm.bcast([nccl.get_unique_id() for _ in range(max_comms)] if rank == 0 else None)
+    ncs = [nccl.NcclCommunicator(size, uid, rank) for uid in uids]
+    nc = ncs[0]
+    lanes = [cp.cuda.Stream(non_blocking=True) for _ in range(max_comms)]
     stream = cp.cuda.get_current_stream()
     peer = 1 - rank
     if rank == 0:
-        print(f"{'bytes':>11s} {'split':>5s} {'p2p ms':>8s} {'p2p GB/s':>9s} "
+        print(f"{'bytes':>11s} {'comms':>5s} {'split':>5s} {'p2p ms':>8s} {'p2p GB/s':>9s} "
               f"{'allreduce ms':>12s} {'allreduce GB/s':>14s}", flush=True)
     for s in args.sizes.split(","):
         nbytes = parse_size(s)
@@ -48,22 +53,35 @@ def main():
         ar = cp.ones(nbytes // 2, cp.float16)   # BF16-sized payload (NCCL has no bf16 in CuPy's enum)
         t_ar = 1e-3 * event_ms(cp, lambda: nc.allReduce(ar.data.ptr, ar.data.ptr, ar.size, nccl.NCCL_FLOAT16,
                                               nccl.NCCL_SUM, stream.ptr), args.iters)
-        for k in (int(v) for v in args.split.split(",")):
-            cuts = [(i * nbytes // k, (i + 1) * nbytes // k) for i in range(k)]
+        for ncomm in (int(v) for v in args.comms.split(",")):
+            for k in (int(v) for v in args.split.split(",")):
+                k = max(k, ncomm)
+                cuts = [(i * nbytes // k, (i + 1) * nbytes // k) for i in range(k)]
 
-            def exchange():
-                nccl.groupStart()
-                for a, b in cuts:
-                    nc.send(send.data.ptr + a, b - a, nccl.NCCL_UINT8, peer, stream.ptr)
-                    nc.recv(recv.data.ptr + a, b - a, nccl.NCCL_UINT8, peer, stream.ptr)
-                nccl.groupEnd()
-            t = 1e-3 * event_ms(cp, exchange, args.iters)
-            worst = comm.allreduce(t, op=MPI.MAX)
-            worst_ar = comm.allreduce(t_ar, op=MPI.MAX)
-            if rank == 0:
-                print(f"{nbytes:>11d} {k:>5d} {worst * 1e3:8.3f} {nbytes / worst / 1e9:9.1f} "
-                      f"{worst_ar * 1e3:12.3f} {nbytes / worst_ar / 1e9:14.1f}", flush=True)
-    nc.destroy()
+                def exchange():
+                    ready = cp.cuda.Event(disable_timing=True)
+                    ready.record(stream)
+                    for lane in lanes[:ncomm]:
+                        lane.wait_event(ready)
+                    nccl.groupStart()
+                    for i, (a, b) in enumerate(cuts):
+                        c, lane = ncs[i % ncomm], lanes[i % ncomm]
+                        c.send(send.data.ptr + a, b - a, nccl.NCCL_UINT8, peer, lane.ptr)
+                        c.recv(recv.data.ptr + a, b - a, nccl.NCCL_UINT8, peer, lane.ptr)
+                    nccl.groupEnd()
+                    for lane in lanes[:ncomm]:
+                        done = cp.cuda.Event(disable_timing=True)
+                        done.record(lane)
+                        stream.wait_event(done)
+                t = 1e-3 * event_ms(cp, exchange, args.iters)
+                worst = comm.allreduce(t, op=MPI.MAX)
+                worst_ar = comm.allreduce(t_ar, op=MPI.MAX)
+                if rank == 0:
+                    print(f"{nbytes:>11d} {ncomm:>5d} {k:>5d} {worst * 1e3:8.3f} "
+                          f"{nbytes / worst / 1e9:9.1f} {worst_ar * 1e3:12.3f} "
+                          f"{nbytes / worst_ar / 1e9:14.1f}", flush=True)
+    for c in ncs:
+        c.destroy()
 
 
 if __name__ == "__main__":

@@ -68,6 +68,20 @@ def test_nccl_transport_logic_equals_simulation(fake_nccl, codec, topology):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_lane_slices_are_aligned_and_cover_the_message(fake_nccl):
+    transport, _ = fake_nccl
+    if transport.pair_allgather:
+        pytest.skip("one lane with the pair all-gather")
+    rng = np.random.default_rng(shared_seed(comm))
+    for nbytes in [0, 1, 511, 1024, 1537, 5 * 82 * 123, 2 ** 20 + 7] + list(rng.integers(1, 10**6, 20)):
+        cuts = transport._slices(int(nbytes))
+        assert cuts[0][0] == 0 and cuts[-1][1] == nbytes
+        assert all(a == b_prev for (_, b_prev), (a, _) in zip(cuts, cuts[1:]))
+        assert all(a % 256 == 0 for a, _ in cuts)
+        assert len(cuts) <= transport.lanes and all(b > a for a, b in cuts[:-1])
+
+
+@pytest.mark.mpi(min_size=2)
 def test_transport_selection():
     x = rank_inputs(shared_seed(comm), N, 3000)[comm.rank]
     out, rep = dq.allreduce(x, codec=dq.BF16(), return_report=True)
