@@ -39,8 +39,9 @@ PLAN_HEADER = 10
 
 def make_params(int width, bint hierarchical, bint correlated, unsigned n_events,
                 unsigned perm_bits, unsigned key_value, unsigned key_perm,
-                mag, inv_gap, level, lut):
-    """Pack a DqParams struct into bytes (the same bytes the GPU receives)."""
+                mag, inv_gap, level, lut, int scale_rule=0):
+    """Pack a DqParams struct into bytes (the same bytes the GPU receives);
+    scale_rule: 0 rounded-up group codes (spec 2.7), 1 hybrid."""
     cdef DqParams p
     memset(&p, 0, sizeof(DqParams))
     cdef int radius = (1 << (width - 1)) - 1
@@ -65,6 +66,9 @@ def make_params(int width, bint hierarchical, bint correlated, unsigned n_events
     p.perm_bits = perm_bits
     p.key_value = key_value
     p.key_perm = key_perm
+    if scale_rule not in (0, 1):
+        raise ValueError("scale_rule must be 0 (rounded up) or 1 (hybrid), got %d" % scale_rule)
+    p.scale_rule = scale_rule
     cdef float[::1] m = mag
     cdef float[::1] g = inv_gap
     cdef float[::1] l = level

@@ -13,6 +13,8 @@ cdef extern from "dq_codec.h":
         uint32_t perm_bits
         uint32_t key_value
         uint32_t key_perm
+        int32_t scale_rule
+        int32_t pad_
         float mag[128]
         float inv_gap[128]
         float level[256]

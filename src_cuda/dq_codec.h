@@ -36,6 +36,8 @@ typedef struct DqParams {
     uint32_t perm_bits;     // smallest m with 2^m >= n_events
     uint32_t key_value;     // keys of the counter-based generator, per call and domain
     uint32_t key_perm;
+    int32_t scale_rule;     // group codes: 0 rounded up (spec 2.7), 1 hybrid (dq_scale_code_hybrid)
+    int32_t pad_;
     float mag[DQ_MAX_R + 1];       // level magnitudes f(eps, r), r = 0..R (mag[R] = 1)
     float inv_gap[DQ_MAX_R + 1];   // 1 / (mag[r+1] - mag[r]), r = 0..R-1
     float level[2 * DQ_MAX_R + 2]; // signed level by code: level[R + q] = sign(q) mag[|q|]
@@ -203,6 +205,35 @@ DQ_HD uint32_t dq_scale_code(float s, float unit) {
     uint32_t ci = (uint32_t)c;
     if ((float)ci * unit < s) ci += 1u;
     return ci;
+}
+
+// Hybrid group code (DynamiQ(scale_code="hybrid"), a proposed change to spec
+// 2.7).  The rounded-up code ratchets the scales of a long ring upwards: a
+// value decoded at the top level lies above the group max it came from, is
+// the next hop's max, and is rounded up again (docs/error-study.md).  So
+// where the rounded-up code c is >= DQ_HYBRID_MIN, the code is floor(f) or
+// floor(f) + 1 with f = RN(s / unit), the latter with probability f - floor(f)
+// (u32: a fresh uniform of this group and event), so E[code * unit] = f * unit
+// ~ s, and values are normalised by s itself (within [-1, 1]); the relative
+// noise of such a scale is below 1 / 128.  Below, the rounded-up code.
+// Returns the code and writes the scale the values are normalised by.  The
+// comparison is exact: u32 >> 8 < 2^24 and frac * 2^24 (f < 256 carries at
+// most 17 fraction bits) are integers in float32.
+#define DQ_HYBRID_MIN 128u
+#define DQ_HYBRID_KEY 0x5ca1ab1eu      // the code's uniform: key_value ^ this
+DQ_HD uint32_t dq_scale_code_hybrid(float s, float unit, uint32_t u32, float* norm) {
+    uint32_t c = dq_scale_code(s, unit);
+    if (c < DQ_HYBRID_MIN) {
+        *norm = (float)c * unit;
+        return c;
+    }
+    float f = s / unit;
+    float fl = floorf(f);
+    float frac = f - fl;
+    uint32_t code = (uint32_t)fl + (((float)(u32 >> 8) < frac * 16777216.0f) ? 1u : 0u);
+    if (code > 255u) code = 255u;      // only where the unit stepped down near FLT_MAX
+    *norm = s;
+    return code;
 }
 
 // ---------------------------------------------------------------- packing

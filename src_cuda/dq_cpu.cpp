@@ -68,9 +68,16 @@ void encode_sg(const DqParams* P, const float* x, int64_t s, int64_t sg_index,
         store_u16(v.units + 2 * s, unit_bits);
         float unit = dq_bf16_to_f32(unit_bits);
         for (int g = 0; g < DQ_GROUPS; g++) {
-            uint32_t code = dq_scale_code(gmax[g], unit);
+            uint32_t code;
+            if (P->scale_rule == 1) {
+                uint32_t u = dq_event_uniform(P->key_value ^ DQ_HYBRID_KEY,
+                                              (uint32_t)(sg_index * DQ_GROUPS + g), event);
+                code = dq_scale_code_hybrid(gmax[g], unit, u, &norm_scale[g]);
+            } else {
+                code = dq_scale_code(gmax[g], unit);
+                norm_scale[g] = (float)code * unit;   // the decoded scale (spec 2.7)
+            }
             v.gcodes[s * DQ_GROUPS + g] = (uint8_t)code;
-            norm_scale[g] = (float)code * unit;       // the decoded scale (spec 2.7)
         }
     } else {
         for (int g = 0; g < DQ_GROUPS; g++) {

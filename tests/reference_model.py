@@ -267,6 +267,7 @@ class Model:
     keys: tuple = (0, 0)          # (key_value, key_perm)
     mag: np.ndarray = field(default=None, repr=False)     # float32[R+1]
     level: np.ndarray = field(default=None, repr=False)   # float32[2R+1]
+    scale_rule: int = 0           # group codes: 0 rounded up (spec 2.7), 1 hybrid
 
     def __post_init__(self):
         if self.mag is None:
@@ -460,10 +461,24 @@ def encode(m: Model, x, event: int, sg_base: int = 0) -> Encoded:
         code = np.where(code * u64 < s64, code + 1, code)
         code = np.minimum(code, 255.0)                          # saturation near FLT_MAX
         code = np.where((gmax > 0) & (u64 > 0), code, 0.0)
-        gcodes = code.astype(np.uint8)
-        meta = (gcodes, units)
         with np.errstate(over="ignore"):                        # inf only for non-finite maxima
             norm_scale = (code * u64).astype(np.float32)         # the decoded scale, exact
+        if m.scale_rule == 1:
+            # hybrid (dq_scale_code_hybrid): where the rounded-up code is >= 128, floor(f)
+            # or floor(f) + 1 for f = RN32(s / unit), up with probability frac(f) against
+            # a 24-bit uniform of (group, event); values normalised by s itself
+            gidx = (sg_index[:, None] * GROUPS + np.arange(GROUPS)[None, :]) & MASK32
+            u = event_uniform(m.keys[0] ^ 0x5CA1AB1E, gidx, event)
+            with np.errstate(divide="ignore", invalid="ignore"):
+                f = (gmax / np.where(unit > 0, unit, np.float32(1))[:, None]).astype(np.float32)
+            fl = np.floor(f)
+            frac = (f - fl).astype(np.float32)
+            up = (u >> 8).astype(np.float32) < frac * np.float32(16777216.0)
+            hybrid = code >= 128
+            code = np.where(hybrid, np.minimum(fl.astype(np.float64) + up, 255.0), code)
+            norm_scale = np.where(hybrid, gmax, norm_scale).astype(np.float32)
+        gcodes = code.astype(np.uint8)
+        meta = (gcodes, units)
     else:
         gs = np.where(gmax > 0, bf16_up_bits(gmax.astype(np.float64)), 0).astype(np.uint16)
         meta = gs
@@ -499,8 +514,10 @@ def decode(m: Model, buf, nsg: int) -> np.ndarray:
 
 
 # --------------------------------------------------------------------- public model API
-def make_model(width, eps, hierarchical, correlated=False, n_events=1, keys=(0, 0)) -> Model:
-    return Model(width, eps, bool(hierarchical), bool(correlated), int(n_events), keys)
+def make_model(width, eps, hierarchical, correlated=False, n_events=1, keys=(0, 0),
+               scale_rule=0) -> Model:
+    return Model(width, eps, bool(hierarchical), bool(correlated), int(n_events), keys,
+                 scale_rule=int(scale_rule))
 
 
 def compress_model(x, width, eps, hierarchical, correlated, n_events, event, keys, sg_base=0) -> bytes:

@@ -103,12 +103,13 @@ def rand_keys(rng):
     return tuple(int(k) for k in rng.integers(0, 2 ** 32, 2, dtype=np.uint64))
 
 
-def params(width, eps, hierarchical, correlated=False, n_events=1, keys=(0, 0), perm_bits=None):
+def params(width, eps, hierarchical, correlated=False, n_events=1, keys=(0, 0), perm_bits=None,
+           scale_rule=0):
     t = LV.build_tables(width, eps)
     n = int(n_events) if correlated else 1
     bits = M.perm_bits_for(n) if perm_bits is None else perm_bits
     blob = K.make_params(width, bool(hierarchical), bool(correlated), n, bits, *keys,
-                         t.mag, t.inv_gap, t.level, t.lut)
+                         t.mag, t.inv_gap, t.level, t.lut, scale_rule)
     return np.frombuffer(blob, dtype=np.uint8)
 
 
@@ -271,12 +272,13 @@ def test_generator_domains_and_call_keys_differ():
 
 
 # ============================================================================= compress
-@pytest.mark.parametrize("hier", [True, False], ids=["hier", "bf16scale"])
+@pytest.mark.parametrize("hier,scale_rule", [(True, 0), (False, 0), (True, 1)],
+                         ids=["hier", "bf16scale", "hier-hybrid"])
 @pytest.mark.parametrize("eps", ["zero", "default"])
 @pytest.mark.parametrize("width", WIDTHS)
-def test_compress_matches_model(width, eps, hier):
+def test_compress_matches_model(width, eps, hier, scale_rule):
     e = 0.0 if eps == "zero" else DEFAULT_EPS[width]
-    rng = rng_for("compress", width, eps, hier)
+    rng = rng_for("compress", width, eps, hier, scale_rule)
     total = mism = 0
     for correlated, n in CORR:
         x, kinds = make_input(rng, width=width, eps=e)
@@ -290,10 +292,10 @@ def test_compress_matches_model(width, eps, hier):
         sg_base = int(rng.choice([0, rng.integers(1, 1000), 2 ** 24 - 3, 2 ** 24 + 5, 2 ** 28 - 3,
                                   2 ** 40 + 7]))
         what = f"w={width} eps={e} hier={hier} corr={correlated} n={n} ev={event} base={sg_base}"
-        P = params(width, e, hier, correlated, n, keys)
+        P = params(width, e, hier, correlated, n, keys, scale_rule=scale_rule)
         got = k_compress(P, K.Source(x, sg_offset=sg_base), nsg, sg_base, event, width, hier)
         assert got.size == M.Model(width, e, hier).run_bytes(nsg)
-        m = M.make_model(width, e, hier, correlated, n, keys)
+        m = M.make_model(width, e, hier, correlated, n, keys, scale_rule)
         xs = M.source_values(x, nsg, sg_base, sg_offset=sg_base)
         enc = M.encode(m, xs, event, sg_base)
         codes, meta = M.split_run(got, nsg, width, hier)
@@ -309,7 +311,7 @@ def test_compress_matches_model(width, eps, hier):
         if not np.any(codes != enc.codes):
             assert got.tobytes() == enc.data, f"{what}: bytes differ {TAG}"
         if correlated and n == 1:   # correlated with one event is independent rounding
-            P0 = params(width, e, hier, False, 1, keys)
+            P0 = params(width, e, hier, False, 1, keys, scale_rule=scale_rule)
             got0 = k_compress(P0, K.Source(x, sg_offset=sg_base), nsg, sg_base, event, width, hier)
             assert np.array_equal(got0, got), TAG
     assert mism <= 1e-3 * total, f"{mism}/{total} code mismatches {TAG}"

@@ -47,6 +47,9 @@ DEFAULT_EPS = {2: 0.27, 4: 0.20, 8: 0.08}
 DEFAULT_SMALL_INPUT = 1 << 21
 
 
+# DqParams.scale_rule of each DynamiQ(scale_code=...)
+SCALE_CODES = {"ceil": 0, "hybrid": 1}
+
 def metadata_bits_per_coord(hierarchical: bool, centring: bool) -> float:
     stats = 64 if centring else 32
     return (stats + record_bits(2, hierarchical) - 2 * SUPER) / SUPER
@@ -72,6 +75,10 @@ class DynamiQ(Codec):
     centring: bool = True           # subtract per-super-group means first
     zero_class: bool = True         # super-groups zero on every rank send nothing
     small_input: int = DEFAULT_SMALL_INPUT
+    # group scale codes: "ceil" (spec 2.7, rounded up) or "hybrid" (unbiased
+    # stochastic codes where the rounded-up code is >= 128; for long rings,
+    # docs/error-study.md; a proposed change to spec 2.7)
+    scale_code: str = "ceil"
 
     name = "dynamiq"
     rejects_nonfinite = True        # NaN/Inf input raises NonFiniteInputError on every rank
@@ -81,6 +88,8 @@ class DynamiQ(Codec):
             object.__setattr__(self, "eps", tuple(float(self.eps[w]) for w in WIDTHS))
         if len(self.eps) != 3:
             raise ValueError("eps must give one value per width (2, 4, 8)")
+        if self.scale_code not in SCALE_CODES:
+            raise ValueError(f"scale_code must be one of {tuple(SCALE_CODES)}, got {self.scale_code!r}")
         if self.fixed_width is not None and self.fixed_width not in WIDTHS:
             raise ValueError(f"fixed_width must be one of {WIDTHS}, got {self.fixed_width}")
         if not isinstance(self.small_input, (int, np.integer)) or self.small_input < 0:
@@ -101,7 +110,7 @@ class DynamiQ(Codec):
     def signature(self):
         return ("dynamiq", float(self.bits), tuple(float(e) for e in self.eps), self.uniform,
                 self.variable_width, self.fixed_width, self.hierarchical, self.correlated,
-                self.centring, self.zero_class, int(self.small_input))
+                self.centring, self.zero_class, int(self.small_input), self.scale_code)
 
     def for_length(self, length):
         return _SMALL_INPUT_CODEC if length < self.small_input else self
@@ -149,8 +158,8 @@ def _params_for(codec, n_events, correlated, keys, kernels):
         tables = codec.tables()
         base = {w: np.frombuffer(kernels.make_params(
                     w, codec.hierarchical, correlated, n_events, perm_bits, 0, 0,
-                    tables[w].mag, tables[w].inv_gap, tables[w].level, tables[w].lut),
-                    dtype=np.uint8)
+                    tables[w].mag, tables[w].inv_gap, tables[w].level, tables[w].lut,
+                    SCALE_CODES[codec.scale_code]), dtype=np.uint8)
                 for w in WIDTHS}
         if len(_PARAMS_CACHE) > 64:
             _PARAMS_CACHE.clear()

@@ -66,15 +66,15 @@ def gradient_like(rng, length, special=True):
     return x[:length].copy()
 
 
-def make_params(rng, width, hierarchical, correlated, n_events, eps=None):
+def make_params(rng, width, hierarchical, correlated, n_events, eps=None, scale_rule=0):
     t = build_tables(width, DEFAULT_EPS[width] if eps is None else eps)
     n = n_events if correlated else 1
     perm_bits = max(0, (n - 1).bit_length())
     keys = [int(k) for k in rng.integers(0, 2 ** 32, 2, dtype=np.uint64)]
     blob = _cpu.make_params(width, hierarchical, correlated, n, perm_bits, *keys,
-                            t.mag, t.inv_gap, t.level, t.lut)
+                            t.mag, t.inv_gap, t.level, t.lut, scale_rule)
     assert blob == _gpu.make_params(width, hierarchical, correlated, n, perm_bits, *keys,
-                                    t.mag, t.inv_gap, t.level, t.lut)
+                                    t.mag, t.inv_gap, t.level, t.lut, scale_rule)
     return np.frombuffer(blob, dtype=np.uint8)
 
 
@@ -150,13 +150,17 @@ CONFIGS = [
 
 @pytest.mark.parametrize("width,hierarchical,correlated,n_events", CONFIGS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compress_decompress_dar_match_cpu(width, hierarchical, correlated, n_events, dtype):
-    seed = zlib.crc32(repr((width, hierarchical, correlated, n_events, dtype)).encode())
+@pytest.mark.parametrize("scale_rule", [0, 1], ids=["ceil", "hybrid"])
+def test_compress_decompress_dar_match_cpu(width, hierarchical, correlated, n_events, dtype,
+                                           scale_rule):
+    if scale_rule and not hierarchical:
+        pytest.skip("the hybrid group codes are hierarchical scales")
+    seed = zlib.crc32(repr((width, hierarchical, correlated, n_events, dtype, scale_rule)).encode())
     rng = np.random.default_rng(seed)
     for trial, (length, use_map, use_mean, offset) in enumerate(
             [(300 * 256 + 77, True, True, 0), (1000, False, False, 1), (256 * 3, True, False, 6),
              (5 * 256 + 1, False, True, 2), (64 * 256, True, True, 13)]):
-        P = make_params(rng, width, hierarchical, correlated, n_events)
+        P = make_params(rng, width, hierarchical, correlated, n_events, scale_rule=scale_rule)
         x = as_dtype(gradient_like(rng, length), dtype)
         nrows = -(-length // SUPER)
         csrc, gsrc, sg_map, sg_offset = sources(rng, x, use_map, use_mean, nrows)

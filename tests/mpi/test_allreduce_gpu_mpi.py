@@ -20,6 +20,7 @@ TOPOLOGIES = ["ring"] + (["butterfly"] if N & (N - 1) == 0 else [])
 # MXFP runs its fused kernels (mx_kernels.cu); THC and OmniReduce are array code on CuPy
 CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(small_input=0, bits=5), dq.DynamiQ(small_input=0, bits=3),
           dq.DynamiQ(small_input=0, bits=6, correlated=False, hierarchical=False, uniform=True),
+          dq.DynamiQ(small_input=0, bits=5, scale_code="hybrid"),
           dq.MXFP("e4m3"), dq.MXFP("e5m2"), dq.MXFP("e3m2"), dq.MXFP("e2m1"), dq.THC(),
           dq.OmniReduce(0.5)]
 
@@ -63,7 +64,7 @@ def colls(cp):
 @pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-@pytest.mark.parametrize("codec", CODECS, ids=lambda c: "-".join(map(str, c.signature()[:2])))
+@pytest.mark.parametrize("codec", CODECS, ids=lambda c: "-".join(map(str, c.signature()[:2] + c.signature()[-1:])))
 def test_gpu_equals_cpu_bit_for_bit(cp, colls, codec, topology, dtype, transport, tile_bytes):
     seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 256 * 300 + 77, dtype=dtype)
