@@ -80,3 +80,29 @@ def test_hybrid_codes_stop_the_ring_ratchet():
         codec = dq.DynamiQ(bits=5, small_input=0, scale_code=code)
         err[code] = scale_allreduce(source, 512, codec=codec, topology="ring", seed=3).vnmse
     assert err["hybrid"] < 0.8 * err["ceil"], err
+
+
+def test_hybrid_codes_refused_on_device_arrays():
+    """CPU-only until the GPU path has been checked against the CPU twin on a
+    GPU: a clear error, raised before any byte moves (engine check)."""
+    class Device:
+        name = "gpu"
+
+    class Host:
+        name = "cpu"
+
+    codec = dq.DynamiQ(scale_code="hybrid")
+    codec.check_backend(Host())
+    dq.DynamiQ().check_backend(Device())
+    try:
+        codec.check_backend(Device())
+    except NotImplementedError as exc:
+        assert "host (NumPy) arrays only" in str(exc)
+    else:
+        raise AssertionError("hybrid codes accepted on a device backend")
+    try:
+        dq.DynamiQ(scale_code="round")
+    except ValueError as exc:
+        assert "scale_code must be one of" in str(exc)
+    else:
+        raise AssertionError("unknown scale_code accepted")
