@@ -90,7 +90,7 @@ struct KParams {
     uint32_t n_events, perm_bits;
     int32_t hierarchical;
     float n_f;                           // (float)n_events
-    int32_t pad_;
+    int32_t scale_rule;                  // DqParams.scale_rule
     // entry 2k (t >= 0) and 2k+1 (t < 0), k < R:
     //   {mag[k] | mag[k+1], inv_gap[k] * 2^32, check[k], bits of R + k | R - k - 1}
     float4 tab[2 * DQ_MAX_R];
@@ -326,12 +326,21 @@ __device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables
         const uint16_t unit_bits = unit_bf16(smax);
         const float unit = dq_bf16_to_f32(unit_bits);
         // dq_scale_code; values are normalised by the decoded scale (spec 2.7)
-        const uint32_t gcode = scale_code(gm, unit);
+        uint32_t gcode = scale_code(gm, unit);
+        ns = __uint2float_rz(gcode) * unit;
+        if (kp.scale_rule == 1 && gcode >= DQ_HYBRID_MIN) {   // dq_scale_code_hybrid
+            const uint32_t u = event_uniform(group + (kp.key_value ^ DQ_HYBRID_KEY), Ex);
+            const float f = gm / unit;
+            const float fl = floorf(f);
+            const float frac = f - fl;
+            gcode = (uint32_t)fl + (((float)(u >> 8) < frac * 16777216.0f) ? 1u : 0u);
+            gcode = gcode > 255u ? 255u : gcode;
+            ns = gm;
+        }
         if (valid) {
             out[L.gmeta] = (uint8_t)gcode;
             if (g == 0) st_u16a(out + L.unit, unit_bits, A.unit);
         }
-        ns = __uint2float_rz(gcode) * unit;
     } else {
         const uint16_t b = gm > 0.0f ? dq_f32_to_bf16_up(gm) : (uint16_t)0;
         if (valid) st_u16a(out + L.gmeta, b, A.meta2);
@@ -994,15 +1003,13 @@ int host_build(const DqParams* P, KParams* kp, bool* onestep) {
     if (w != 2 && w != 4 && w != 8) return (int)cudaErrorInvalidValue;
     const int R = (1 << (w - 1)) - 1;
     if (P->radius != R) return (int)cudaErrorInvalidValue;
-    // the hybrid group codes (scale_rule 1) are CPU-only until their kernel
-    // path has run against the CPU twin on a GPU
-    if (P->scale_rule != 0) return (int)cudaErrorInvalidValue;
     memset(kp, 0, sizeof(*kp));
     kp->key_value = P->key_value;
     kp->key_perm = P->key_perm;
     kp->n_events = P->n_events;
     kp->perm_bits = P->perm_bits;
     kp->hierarchical = P->hierarchical;
+    kp->scale_rule = P->scale_rule;
     kp->n_f = (float)P->n_events;
     if (!(P->mag[0] == 0.0f)) return (int)cudaErrorInvalidValue;
     for (int r = 0; r < R; r++)

@@ -38,10 +38,6 @@ class Codec:
         """Hashable description every rank must agree on before any byte moves."""
         raise NotImplementedError
 
-    def check_backend(self, backend) -> None:
-        """Raise (a clear error, on every rank through the agreement) when this
-        configuration cannot run on ``backend``; by default every codec can."""
-
     def for_length(self, length: int) -> "Codec":
         """The codec that actually runs for an input of ``length`` elements
         (a codec may hand tiny inputs to an uncompressed one)."""

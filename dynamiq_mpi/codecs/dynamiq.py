@@ -112,12 +112,6 @@ class DynamiQ(Codec):
                 self.variable_width, self.fixed_width, self.hierarchical, self.correlated,
                 self.centring, self.zero_class, int(self.small_input), self.scale_code)
 
-    def check_backend(self, backend):
-        if self.scale_code == "hybrid" and backend.name == "gpu":
-            raise NotImplementedError(
-                "DynamiQ(scale_code='hybrid') runs on host (NumPy) arrays only for now: its GPU "
-                "kernel path has not been checked against the CPU codec on a GPU yet")
-
     def for_length(self, length):
         return _SMALL_INPUT_CODEC if length < self.small_input else self
 

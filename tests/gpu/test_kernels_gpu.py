@@ -150,13 +150,17 @@ CONFIGS = [
 
 @pytest.mark.parametrize("width,hierarchical,correlated,n_events", CONFIGS)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_compress_decompress_dar_match_cpu(width, hierarchical, correlated, n_events, dtype):
-    seed = zlib.crc32(repr((width, hierarchical, correlated, n_events, dtype)).encode())
+@pytest.mark.parametrize("scale_rule", [0, 1], ids=["ceil", "hybrid"])
+def test_compress_decompress_dar_match_cpu(width, hierarchical, correlated, n_events, dtype,
+                                           scale_rule):
+    if scale_rule and not hierarchical:
+        pytest.skip("the hybrid group codes are hierarchical scales")
+    seed = zlib.crc32(repr((width, hierarchical, correlated, n_events, dtype, scale_rule)).encode())
     rng = np.random.default_rng(seed)
     for trial, (length, use_map, use_mean, offset) in enumerate(
             [(300 * 256 + 77, True, True, 0), (1000, False, False, 1), (256 * 3, True, False, 6),
              (5 * 256 + 1, False, True, 2), (64 * 256, True, True, 13)]):
-        P = make_params(rng, width, hierarchical, correlated, n_events)
+        P = make_params(rng, width, hierarchical, correlated, n_events, scale_rule=scale_rule)
         x = as_dtype(gradient_like(rng, length), dtype)
         nrows = -(-length // SUPER)
         csrc, gsrc, sg_map, sg_offset = sources(rng, x, use_map, use_mean, nrows)
@@ -246,16 +250,18 @@ def test_overflowing_sums_match_cpu(width, correlated, hierarchical):
 
 @pytest.mark.parametrize("width", [2, 4, 8])
 @pytest.mark.parametrize("correlated", [False, True])
-def test_scale_code_boundaries_match_cpu(width, correlated):
+@pytest.mark.parametrize("scale_rule", [0, 1], ids=["ceil", "hybrid"])
+def test_scale_code_boundaries_match_cpu(width, correlated, scale_rule):
     """Group maxima on, just above and just below multiples of the unit, also
     with subnormal units (tests/helpers.scale_boundary_input): the GPU's
-    deterministic scale codes (spec 2.7), values and fused step equal the CPU's."""
+    scale codes (spec 2.7's rounded-up code, and the hybrid's stochastic one
+    from code 128 up), values and fused step equal the CPU's."""
     from helpers import scale_boundary_input
-    rng = np.random.default_rng(7 * width + correlated)
+    rng = np.random.default_rng(7 * width + correlated + 100 * scale_rule)
     nsg = 96
     x, expect = scale_boundary_input(rng, nsg)
     y, _ = scale_boundary_input(rng, nsg)
-    P = make_params(rng, width, True, correlated, 4)
+    P = make_params(rng, width, True, correlated, 4, scale_rule=scale_rule)
     csrc, gsrc, sg_map, off = sources(rng, x, True, False, nsg)
     ysrc_c, ysrc_g, _, _ = sources(rng, y, True, False, nsg, (sg_map, off))
     nbytes = _cpu.run_bytes(nsg, width, True)
@@ -269,17 +275,6 @@ def test_scale_code_boundaries_match_cpu(width, correlated):
     got2 = cp.zeros(nbytes, cp.uint8)
     _gpu.dar(P, got, gsrc, nsg, 0, 2, got2)
     assert np.array_equal(got2.get(), ref2), describe_mismatch(got2.get(), ref2, nsg, width, True)
-
-
-def test_hybrid_codes_refused():
-    """scale_rule 1 (hybrid group codes) is refused by the GPU kernels with a
-    clear error until their path has been checked against the CPU twin."""
-    rng = np.random.default_rng(3)
-    P = make_params(rng, 4, True, False, 1, scale_rule=1)
-    src = _gpu.Source(cp.zeros(512, cp.float32))
-    out = cp.zeros(_gpu.run_bytes(2, 4, True), cp.uint8)
-    with pytest.raises(RuntimeError, match="compress failed.*bad arguments or codec parameters"):
-        _gpu.compress(P, src, 2, 0, 0, out)
 
 
 def test_event_out_of_range_is_refused():
