@@ -7,7 +7,10 @@ Every hop: y = q_prev + x_h (x_h ~ N(0,1) i.i.d., one worker of a super-group wi
 shared magnitude; the relative error is scale-free), group scale by a rule, stochastic
 rounding in value space to the width's levels (the library's level tables), q = level*scale.
 Rounding: independent, or correlated (u = (pi_h + g)/n, pi a random permutation of 0..n-1
-per coordinate, i.i.d. across coordinates).
+per coordinate, i.i.d. across coordinates).  Width 16 is the paper's raw BF16 class (its
+large-scale simulation allocates from {2, 4, 8, 16}): no scales, every hop rounds the
+partial sum to BF16, to nearest even (rule "rne", as an uncompressed BF16 hop does) or
+stochastically (rule "sr", unbiased, with the same uniforms as the other widths).
 
 Scale rules:
   hier     spec 2.7: unit = bf16_up(f32_up(max_SG/255)), code = ceil(max_G/unit), scale = code*unit
@@ -87,10 +90,26 @@ def scales(y, rule, rng):
     raise ValueError(rule)
 
 
+def bf16_round(y, rule, u):
+    """y (float64, exactly a float32 here or not) rounded to BF16: "rne" to
+    nearest even, "sr" up with probability (y - down) / (up - down)."""
+    import ml_dtypes
+    if rule == "rne":
+        return y.astype(ml_dtypes.bfloat16).astype(np.float64)
+    f = y.astype(np.float32)   # the hop adds in float32 (spec 2.10)
+    bits = f.view(np.uint32)
+    down = (bits & np.uint32(0xFFFF0000)).view(np.float32).astype(np.float64)
+    up = ((bits & np.uint32(0xFFFF0000)) + np.uint32(0x10000)).view(np.float32).astype(np.float64)
+    down, up = np.where(f < 0, up, down), np.where(f < 0, down, up)   # down <= f <= up
+    gap = up - down
+    p = np.where(gap > 0, (f - down) / np.where(gap > 0, gap, 1.0), 0.0)
+    return np.where(u < p, up, down)
+
+
 def chain(n, width=2, rule="hier", nsg=64, correlated=False, seed=0, checkpoints=(),
           extra_level=False, eps=None):
     rng = np.random.default_rng(seed)
-    lev = levels_for(width, eps, extra_level)
+    lev = None if width == 16 else levels_for(width, eps, extra_level)
     shape = (nsg, 16, 16)
     q = np.zeros(shape)
     exact = np.zeros(shape)
@@ -105,17 +124,61 @@ def chain(n, width=2, rule="hier", nsg=64, correlated=False, seed=0, checkpoints
         x = rng.standard_normal(shape)
         exact += x
         y = q + x
-        norm, dec = scales(y, rule, rng)
-        safe = np.where(norm > 0, norm, 1.0)
-        t = np.clip(y / safe, -1.0, 1.0)
         g = rng.random(shape)
         u = (perm[h] + g) / n if correlated else g
-        q = sr(t, lev, u) * dec
+        if width == 16:
+            q = bf16_round(y, rule, u)
+        else:
+            norm, dec = scales(y, rule, rng)
+            safe = np.where(norm > 0, norm, 1.0)
+            t = np.clip(y / safe, -1.0, 1.0)
+            q = sr(t, lev, u) * dec
         if (h + 1) in checkpoints or h == n - 1:
             e = float(((q - exact) ** 2).sum()) / float((exact ** 2).sum())
             infl = float(np.median(np.abs(q).max(axis=2) / np.abs(exact).max(axis=2)))
             out.append((h + 1, e, infl))
     return out
+
+
+def tree(n, width=8, rule="hier", nsg=4, correlated=True, seed=0, eps=None):
+    """The butterfly's reduction of one chunk: a binomial tree over the roles
+    0..n-1 (n a power of two; role v's parent is v - lowbit(v)).  Every role
+    adds its children's decoded sums to its own values and quantizes once (the
+    root too: the sink re-encodes its own bytes), with event = its role, so
+    correlated rounding gives every role its own stratum pi(v).  Returns the
+    relative error of the root's decoded sum."""
+    rng = np.random.default_rng(seed)
+    lev = None if width == 16 else levels_for(width, eps)
+    shape = (nsg, 16, 16)
+    x = rng.standard_normal((n,) + shape)
+    exact = x.sum(axis=0)
+    acc = x.copy()
+    pi = None
+    if correlated:
+        m = nsg * 256
+        pi = np.argsort(rng.random((m, n), dtype=np.float32), axis=1).astype(np.int32)
+        pi = pi.T.reshape((n,) + shape)
+    roles = np.arange(n)
+    lowbit = np.where(roles == 0, n, roles & -roles)
+
+    def quantize(y, who):
+        g = rng.random(y.shape)
+        u = (pi[who] + g) / n if correlated else g
+        if width == 16:
+            return bf16_round(y, rule, u)
+        flat = y.reshape(-1, 16, 16)
+        norm, dec = scales(flat, rule, rng)
+        safe = np.where(norm > 0, norm, 1.0)
+        t = np.clip(flat / safe, -1.0, 1.0)
+        return (sr(t, lev, u.reshape(flat.shape)) * dec).reshape(y.shape)
+
+    step = 1
+    while step < n:
+        senders = roles[lowbit == step]
+        acc[senders - step] += quantize(acc[senders], senders)
+        step *= 2
+    root = quantize(acc[:1], roles[:1])[0]
+    return float(((root - exact) ** 2).sum()) / float((exact ** 2).sum())
 
 
 if __name__ == "__main__":
