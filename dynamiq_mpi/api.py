@@ -87,11 +87,11 @@ class Collective:
                             self.tile_bytes if tile_bytes is None else tile_bytes)
             program = rank_program(self.rank, self.size, x, spec, out, self._workspace,
                                    detailed_report=return_report)
-            out, report = self._drive(program, x, profile)
+            out, report = self._drive(program, x, profile, return_report)
         return (out, report) if return_report else out
 
     # -- driving one call ------------------------------------------------------
-    def _drive(self, program, x, profile):
+    def _drive(self, program, x, profile, want_report=True):
         on_device = type(x).__module__.startswith("cupy")
         if on_device:
             self._fence_stream()
@@ -122,7 +122,7 @@ class Collective:
                 self._record_stream()
         if prof is not None:
             report.phases = _phases(prof, t0)
-        if metas is not None and len(metas) == self.size:
+        if want_report and metas is not None and len(metas) == self.size:
             # the why of the choice the engine made from the same records
             report.transport_reason = explain_transport(metas[0]["transport"], metas)[1]
         return out, report

@@ -55,12 +55,19 @@ def dtype_name(dtype) -> str:
     return "bfloat16" if np.dtype(dtype) == BFLOAT16 else np.dtype(dtype).name
 
 
+_GPU_BACKEND = None
+
+
 def gpu_backend() -> Backend:
-    """The CUDA backend; a clear error (why) if the kernels or a GPU are missing."""
-    from .cuda import gpu_module
-    kernels = gpu_module()
-    import cupy
-    return Backend("gpu", cupy, kernels)
+    """The CUDA backend; a clear error (why) if the kernels or a GPU are missing
+    (asked again on every call until it works; kept once it does)."""
+    global _GPU_BACKEND
+    if _GPU_BACKEND is None:
+        from .cuda import gpu_module
+        kernels = gpu_module()
+        import cupy
+        _GPU_BACKEND = Backend("gpu", cupy, kernels)
+    return _GPU_BACKEND
 
 
 def bf16_to_float32(x):

@@ -151,7 +151,7 @@ def run_schedule(plan, schedule, rank):
             if step.phase == schedules.REDUCE:
                 payload = yield from _reduce_tile(plan, send_tile, pending.pop(send_tile, []),
                                                   event)
-                recv = arena[arena_used:arena_used + nbytes]
+                recv = plan.sub(arena, arena_used, arena_used + nbytes)
                 arena_used += align_up(nbytes)      # aligned slots, like the wire buffer
             else:
                 payload = held[send_tile]

@@ -114,11 +114,25 @@ class Tiling:
         return [sum(self.nbytes[t] for t in tiles) for tiles in self.chunk_tiles]
 
 
+_TILINGS: dict = {}
+
+
 def tile_stream(layout: StreamLayout, n: int, tile_bytes: int) -> Tiling:
     """Cut the stream into ``n`` chunks of (nearly) equal bytes - a ring step
     lasts as long as its largest message - and every chunk into the same
     number of tiles of at most about ``tile_bytes``, so that the tiles of one
-    step pair up send for receive."""
+    step pair up send for receive.  A pure function of its arguments, kept
+    for the next call with the same runs (a Tiling is never modified)."""
+    key = (tuple(layout.runs), int(n), int(tile_bytes))
+    tiling = _TILINGS.get(key)
+    if tiling is None:
+        if len(_TILINGS) > 256:
+            _TILINGS.clear()
+        tiling = _TILINGS[key] = _tile_stream(layout, n, tile_bytes)
+    return tiling
+
+
+def _tile_stream(layout: StreamLayout, n: int, tile_bytes: int) -> Tiling:
     chunks = layout.split(0, layout.count, n)
     largest = max(layout.offset(b) - layout.offset(a) for a, b in chunks)
     per_chunk = max(1, -(-largest // max(1, int(tile_bytes))))
@@ -164,9 +178,15 @@ class Plan:
     def tile_nbytes(self, tile: int) -> int:
         return self.tiling.nbytes[tile]
 
+    def sub(self, array, a: int, b: int):
+        """``array[a:b]`` of one of this plan's workspace buffers (the same view
+        object call after call where the plan has a workspace: ``Workspace.sub``)."""
+        ws = getattr(self, "ws", None)
+        return array[a:b] if ws is None else ws.sub(array, a, b)
+
     def wire_slot(self, tile: int):
         off = self.tiling.offsets[tile]
-        return self.wire[off:off + self.tiling.nbytes[tile]]
+        return self.sub(self.wire, off, off + self.tiling.nbytes[tile])
 
     def scratch(self, nbytes: int):
         """A uint8 buffer of ``nbytes`` for the receives of the reduce phase."""

@@ -172,6 +172,10 @@ def _params_for(codec, n_events, correlated, keys, kernels):
     return out
 
 
+# Width-homogeneous pieces of every tile, per Tiling (tile_stream keeps those):
+# id(tiling) -> (tiling, pieces).
+_PIECES: dict = {}
+
 # What DynamiQ hands inputs below ``small_input`` to.
 _SMALL_INPUT_CODEC = BF16()
 
@@ -244,7 +248,13 @@ class _DynamiQPlan(Plan):
         self.runs = [(w, counts[w]) for w in WIDTHS]
         layout = StreamLayout([(c, rec_bytes[w]) for w, c in self.runs])
         self.tiling = tile_stream(layout, n, tile_bytes)
-        self.pieces = [self._pieces(a, b, layout) for a, b in self.tiling.units]
+        pieces = _PIECES.get(id(self.tiling))
+        if pieces is None or pieces[0] is not self.tiling:
+            if len(_PIECES) > 256:
+                _PIECES.clear()
+            pieces = _PIECES[id(self.tiling)] = (
+                self.tiling, [self._pieces(a, b, layout) for a, b in self.tiling.units])
+        self.pieces = pieces[1]
         self.wire = ws.take(xp, "dq.wire", self.tiling.wire_bytes, np.uint8)
         self._result = None             # float32 stream of decoded values, made on first use
         self._padded = None
@@ -297,27 +307,30 @@ class _DynamiQPlan(Plan):
 
     def compress(self, tile, event):
         out = self.wire_slot(tile)
+        sub = self.ws.sub
         for w, s0, cnt, off, nb in self.pieces[tile]:
-            self.k.compress(self.params[w], self.source, cnt, s0, event, out[off:off + nb])
+            self.k.compress(self.params[w], self.source, cnt, s0, event, sub(out, off, off + nb))
         return out
 
     def accumulate(self, tile, payload, acc):
+        sub = self.ws.sub
         if acc is None:
             acc = self._local_values(tile)
         a, _ = self.tiling.units[tile]
         for w, s0, cnt, off, nb in self.pieces[tile]:
             r0 = (s0 - a) * SUPER
-            self.k.decompress(self.params[w], payload[off:off + nb], cnt,
+            self.k.decompress(self.params[w], sub(payload, off, off + nb), cnt,
                               acc[r0:r0 + cnt * SUPER], True)
         return acc
 
     def dar(self, tile, payload, acc, event):
+        sub = self.ws.sub
         a, _ = self.tiling.units[tile]
         src = self.source if acc is None else self.k.Source(acc, None, a, None)
         out = self.wire_slot(tile)
         for w, s0, cnt, off, nb in self.pieces[tile]:
-            self.k.dar(self.params[w], payload[off:off + nb], src, cnt, s0, event,
-                       out[off:off + nb])
+            self.k.dar(self.params[w], sub(payload, off, off + nb), src, cnt, s0, event,
+                       sub(out, off, off + nb))
         return out
 
     def bind_output(self, out, divisor):
@@ -330,14 +343,15 @@ class _DynamiQPlan(Plan):
         return True
 
     def decode(self, tile, payload):
+        sub = self.ws.sub
         if self._bound is not None:
             out, divisor = self._bound
             for w, s0, cnt, off, nb in self.pieces[tile]:
-                self.k.decompress_out(self.params[w], payload[off:off + nb], cnt, s0,
+                self.k.decompress_out(self.params[w], sub(payload, off, off + nb), cnt, s0,
                                       self._order_full, self.mean_sum, divisor, out)
             return
         for w, s0, cnt, off, nb in self.pieces[tile]:
-            self.k.decompress(self.params[w], payload[off:off + nb], cnt,
+            self.k.decompress(self.params[w], sub(payload, off, off + nb), cnt,
                               self.result[s0 * SUPER:(s0 + cnt) * SUPER], False)
 
     def finish(self, divisor, out):

@@ -235,9 +235,7 @@ def finish_in_order(kernels, xp, workspace, result, divisor, out):
     same scatter kernel as DynamiQ's (identity map, zero means): one definition
     of the final rounding on CPU and GPU for every codec."""
     nsg = -(-out.shape[0] // SUPER)
-    identity = workspace.take(xp, "finish.identity", nsg, np.int64)
-    identity[:] = xp.arange(nsg, dtype=np.int64)
-    zeros = workspace.take(xp, "finish.zeros", nsg, np.float32)
-    zeros[:] = 0
+    identity = workspace.constant(xp, "finish.identity", nsg, np.int64, "arange")
+    zeros = workspace.constant(xp, "finish.zeros", nsg, np.float32, "zeros")
     kernels.finish(result, identity, zeros, float(divisor), out)
     return out
