@@ -126,9 +126,9 @@ class DynamiQ(Codec):
         nsg = -(-x.shape[0] // SUPER)
         head = 2 * nsg if self.centring else nsg
         stats = workspace.take(xp, "dq.stats", head + 2, np.float32)
-        mean = stats[:nsg] if self.centring else None
-        norm2 = stats[head - nsg:head]
-        tail = stats[head:]
+        mean = workspace.sub(stats, 0, nsg) if self.centring else None
+        norm2 = workspace.sub(stats, head - nsg, head)
+        tail = workspace.sub(stats, head, head + 2)
         if backend.name == "gpu":
             scratch = workspace.take(xp, "dq.stats_scratch", 1, np.int64)
             backend.kernels.stats_into(x, nsg, self.centring, mean, norm2, tail, scratch)
