@@ -118,6 +118,25 @@ def _reduce_tile(plan, tile, received, event):
     return plan.dar(tile, buf, acc, event)
 
 
+def _finish_and_send(plan, schedule, rank, step, pending, held):
+    """Generator: the sink's last fused step of every tile of its chunk, each
+    tile posted to the first all-gather step right after it, then the sink's
+    own decode; the received tiles are decoded last.  Returns bytes sent."""
+    own = schedule.owned_chunk(rank)
+    event = schedule.event(rank, own)
+    sent, arrived = 0, []
+    for send_tile, recv_tile in zip(plan.chunk_tiles[own], plan.chunk_tiles[step.recv_chunk]):
+        final = yield from _reduce_tile(plan, send_tile, pending.pop(send_tile, []), event)
+        held[send_tile] = final
+        held[recv_tile] = yield Exchange(final, step.dest, plan.wire_slot(recv_tile), step.source)
+        sent += plan.tile_nbytes(send_tile)
+        plan.decode(send_tile, final)        # the sink adopts its own decoded bytes
+        arrived.append(recv_tile)
+    for recv_tile in arrived:
+        plan.decode(recv_tile, (yield Claim(held[recv_tile])))
+    return sent
+
+
 def run_schedule(plan, schedule, rank):
     """Generator: reduce-scatter then all-gather of one plan, tile by tile.
     Returns the bytes this rank sent."""
@@ -142,8 +161,16 @@ def run_schedule(plan, schedule, rank):
     for step in steps:
         if step.phase == schedules.GATHER and not finalised:
             yield Mark("all-gather")
-            yield from finalise()
             finalised = True
+            if step.send_chunk == own:
+                # The first all-gather step sends the chunk this rank just
+                # finished: each tile goes out as soon as its last fused step
+                # is enqueued (not after every tile's), and the received tiles
+                # are claimed after the last one, so no kernel of this chunk
+                # waits for the wire.
+                sent += yield from _finish_and_send(plan, schedule, rank, step, pending, held)
+                continue
+            yield from finalise()
         event = schedule.event(rank, step.send_chunk)
         for send_tile, recv_tile in zip(plan.chunk_tiles[step.send_chunk],
                                         plan.chunk_tiles[step.recv_chunk]):

@@ -1,0 +1,33 @@
+#!/bin/bash
+# A/B of two versions of the Python package on a two-GPU machine (nvidia-h200-x2),
+# alternating in one job so that link and host drift hit both alike:
+#   bash tools/device_ab.sh OLD_DIR [ROUNDS]
+# OLD_DIR holds the old `dynamiq_mpi` package (e.g. `git archive <rev> dynamiq_mpi`),
+# with the compiled extensions copied in; the working tree is the new one.
+# Each round runs `python -m dynamiq_mpi bench` (DynamiQ 5 bits and NCCL's BF16
+# all-reduce on the same data) on NVLink, shared memory and tuned sockets, old
+# then new; then NVLink with smaller tiles (new).  Output under $OUT/ab.txt.
+set -o pipefail
+OLD=${1:?old package directory}; ROUNDS=${2:-2}
+OUT=${OUT:-device_out}; mkdir -p "$OUT"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
+       OMPI_MCA_hwloc_base_binding_policy=none NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+SHM="NCCL_P2P_DISABLE=1 NCCL_P2P_PCI_CHUNKSIZE=524288"
+SOCKETS="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4 NCCL_MIN_NCHANNELS=8 NCCL_P2P_NET_CHUNKSIZE=2097152 NCCL_NCHANNELS_PER_NET_PEER=4"
+bench() {   # label, pythonpath, env, sizes, extra args
+  echo "== $1" | tee -a "$OUT/ab.txt"
+  env $3 PYTHONPATH=$2 timeout 150 mpiexec -n 2 python3 -m dynamiq_mpi bench --dtype bf16 \
+    --codec dynamiq:5 --topology ring -w 3 -n 20 --sizes "$4" $5 2>&1 | grep -v '^\[' \
+    | grep -E "^ +[0-9]" | tee -a "$OUT/ab.txt"
+}
+for r in $(seq "$ROUNDS"); do
+  for v in old new; do
+    P=$PWD; [ "$v" = old ] && P=$(cd "$OLD/.." && pwd)
+    bench "nvlink $v (round $r)" "$P" "" 16M,128M,256M,512M
+    bench "shm $v (round $r)" "$P" "$SHM" 128M,256M
+    bench "sockets tuned $v (round $r)" "$P" "$SOCKETS" 16M,256M
+  done
+done
+for tile in 8388608 16777216; do
+  bench "nvlink new, tile $tile" "$PWD" "" 256M,512M "--tile-bytes $tile"
+done
