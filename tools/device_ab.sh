@@ -2,7 +2,7 @@
 # A/B of two versions of the Python package on a two-GPU machine (nvidia-h200-x2),
 # alternating in one job so that link and host drift hit both alike:
 #   bash tools/device_ab.sh OLD_DIR [ROUNDS]
-# OLD_DIR holds the old `dynamiq_mpi` package (e.g. `git archive <rev> dynamiq_mpi`),
+# OLD_DIR contains the old `dynamiq_mpi` package (e.g. from `git archive <rev> dynamiq_mpi`),
 # with the compiled extensions copied in; the working tree is the new one.
 # Each round runs `python -m dynamiq_mpi bench` (DynamiQ 5 bits and NCCL's BF16
 # all-reduce on the same data) on NVLink, shared memory and tuned sockets, old
@@ -22,7 +22,7 @@ bench() {   # label, pythonpath, env, sizes, extra args
 }
 for r in $(seq "$ROUNDS"); do
   for v in old new; do
-    P=$PWD; [ "$v" = old ] && P=$(cd "$OLD/.." && pwd)
+    P=$PWD; [ "$v" = old ] && P=$(cd "$OLD" && pwd)
     bench "nvlink $v (round $r)" "$P" "" 16M,128M,256M,512M
     bench "shm $v (round $r)" "$P" "$SHM" 128M,256M
     bench "sockets tuned $v (round $r)" "$P" "$SOCKETS" 16M,256M
