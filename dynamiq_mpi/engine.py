@@ -16,7 +16,9 @@ Order of one call:
    partial sums decompress-accumulates all but the last, then runs the fused
    decompress-accumulate-recompress on the last; the sink of a chunk
    recompresses and decodes its own bytes, exactly like everybody else will;
-5. all-gather: compressed bytes are forwarded unchanged and decoded locally;
+5. all-gather: compressed bytes are forwarded unchanged and decoded locally
+   (the first step sends each of the sink's tiles right after its last fused
+   step);
 6. finish: the result in the caller's layout and dtype, into ``out``.
 
 The engine posts every exchange as soon as its payload is computed and
