@@ -12,7 +12,8 @@ cimport numpy as cnp
 cnp.import_array()
 
 from libc.stdint cimport int8_t
-from dq_codec cimport (DqParams, DqPlanArgs, DqSource, check_bytes, check_event, fill_plan_args,
+from dq_codec cimport (DQ_PLAN_HEADER, DqParams, DqPlanArgs, DqSource, check_bytes, check_event,
+                      fill_plan_args,
                       wire_bytes)
 
 cdef extern from "dq_api.h":
@@ -34,7 +35,7 @@ cdef extern from "dq_plan_api.h":
 
 SUPER = 256
 PARAMS_SIZE = sizeof(DqParams)
-PLAN_HEADER = 10
+PLAN_HEADER = DQ_PLAN_HEADER
 
 
 def make_params(int width, bint hierarchical, bint correlated, unsigned n_events,
@@ -217,11 +218,12 @@ def finish(const float[::1] stream, const int64_t[::1] stream_of_sg, const float
 def plan(int64_t nsg, bint centring, bint zero_class, bint variable, int fixed_width,
          int64_t stats_bits, rec_bits, double budget_bits, double padded_budget_bits,
          const float[::1] norm2, mean_sum, const float[::1] tail, int8_t[::1] widths,
-         int64_t[::1] order, int64_t[::1] stream_of_sg, double[::1] header):
+         int64_t[::1] order, int64_t[::1] stream_of_sg, double[::1] header,
+         bint bf16_class=False):
     """The call's plan from the reduced statistics (see src_cuda/dq_plan_api.h)."""
     cdef DqPlanArgs a
     fill_plan_args(&a, nsg, centring, zero_class, variable, fixed_width, stats_bits, rec_bits,
-                   budget_bits, padded_budget_bits)
+                   budget_bits, padded_budget_bits, bf16_class)
     if norm2.shape[0] != nsg or widths.shape[0] != nsg or order.shape[0] != nsg \
             or stream_of_sg.shape[0] != nsg:
         raise ValueError("plan: per-super-group arrays need %d entries" % nsg)

@@ -23,7 +23,8 @@ cnp.import_array()
 
 from libc.stdint cimport int8_t
 from libc.stddef cimport size_t
-from dq_codec cimport (DqParams, DqPlanArgs, DqSource, check_bytes, check_event, fill_plan_args,
+from dq_codec cimport (DQ_PLAN_HEADER, DqParams, DqPlanArgs, DqSource, check_bytes, check_event,
+                      fill_plan_args,
                       wire_bytes)
 
 cdef extern from "dq_gpu_api.h":
@@ -82,7 +83,7 @@ cdef extern from "dq_plan_api.h":
 
 SUPER = 256
 PARAMS_SIZE = sizeof(DqParams)
-PLAN_HEADER = 10
+PLAN_HEADER = DQ_PLAN_HEADER
 
 # ------------------------------------------------------------------ device state
 
@@ -588,12 +589,13 @@ def plan_scratch_bytes(int64_t nsg):
 
 def plan(int64_t nsg, bint centring, bint zero_class, bint variable, int fixed_width,
          int64_t stats_bits, rec_bits, double budget_bits, double padded_budget_bits,
-         norm2, mean_sum, tail, widths, order, stream_of_sg, header, scratch, stream=None):
+         norm2, mean_sum, tail, widths, order, stream_of_sg, header, scratch, stream=None,
+         bint bf16_class=False):
     """_cpu.plan on CuPy arrays, enqueued on the stream (nothing synchronises);
     ``scratch`` is a uint8 CuPy buffer of plan_scratch_bytes(nsg) bytes."""
     cdef DqPlanArgs a
     fill_plan_args(&a, nsg, centring, zero_class, variable, fixed_width, stats_bits, rec_bits,
-                   budget_bits, padded_budget_bits)
+                   budget_bits, padded_budget_bits, bf16_class)
     _expect(norm2, np.float32, nsg, "plan norm2")
     _expect(tail, np.float32, 2, "plan tail")
     _expect(widths, np.int8, nsg, "plan widths")

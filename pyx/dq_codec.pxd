@@ -55,28 +55,31 @@ cdef extern from "dq_plan_api.h":
         int32_t variable
         int32_t fixed_width
         int64_t stats_bits
-        int64_t rec_bits[3]
+        int64_t rec_bits[4]
         double budget_bits
         double padded_budget_bits
+        int32_t bf16_class
     int DQ_PLAN_HEADER
 
 
 cdef inline int fill_plan_args(DqPlanArgs* a, int64_t nsg, bint centring, bint zero_class,
                                bint variable, int fixed_width, int64_t stats_bits, rec_bits,
-                               double budget_bits, double padded_budget_bits) except -1:
+                               double budget_bits, double padded_budget_bits,
+                               bint bf16_class) except -1:
     """The planner's arguments, checked once for both wrappers."""
     if fixed_width not in (0, 2, 4, 8):
         raise ValueError("fixed_width must be 0 (widest that fits), 2, 4 or 8")
-    if len(rec_bits) != 3:
-        raise ValueError("rec_bits needs the record bits of 2-, 4- and 8-bit codes")
+    if len(rec_bits) != 4:
+        raise ValueError("rec_bits needs the record bits of 2-, 4-, 8-bit codes and raw BF16")
     a.nsg = nsg
     a.centring = 1 if centring else 0
     a.zero_class = 1 if zero_class else 0
     a.variable = 1 if variable else 0
     a.fixed_width = fixed_width
     a.stats_bits = stats_bits
-    for i in range(3):
+    for i in range(4):
         a.rec_bits[i] = rec_bits[i]
+    a.bf16_class = 1 if bf16_class else 0
     a.budget_bits = budget_bits
     a.padded_budget_bits = padded_budget_bits
     return 0

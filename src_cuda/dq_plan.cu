@@ -4,7 +4,8 @@
 //
 //  1. keys: the saturated norm bits (0 for the 0-bit class), live count, mean check;
 //  2. (variable widths) sort the keys; a parallel search along each candidate
-//     list (theta = 512 F_i and 17 F_i) finds the first whose cost fits, the
+//     list (theta = 512 F_i and 17 F_i, and S16 F_i with the 16-bit class)
+//     finds the first whose cost fits, the
 //     upgrades counted by binary search (exact float64 products), and the
 //     smaller of the two lowers theta with an atomic min on its bits (the bit
 //     patterns of positive doubles order like their values);
@@ -28,7 +29,7 @@ constexpr unsigned long long kInfBits = 0x7ff0000000000000ull;
 struct Counters {
     unsigned long long n_live;
     unsigned long long theta_bits;
-    unsigned long long counts[4];
+    unsigned long long counts[DQ_PLAN_CLASSES];
     unsigned int means_bad;
     unsigned int pad;
 };
@@ -49,8 +50,8 @@ Layout layout_for(int64_t m) {
     L.keys = align_up(sizeof(Counters));
     L.sorted = L.keys + align_up((size_t)m * 4);
     L.block_counts = L.sorted + align_up((size_t)m * 4);
-    L.block_offsets = L.block_counts + align_up((size_t)nblk * 4 * 8);
-    L.temp = L.block_offsets + align_up((size_t)nblk * 4 * 8);
+    L.block_offsets = L.block_counts + align_up((size_t)nblk * DQ_PLAN_CLASSES * 8);
+    L.temp = L.block_offsets + align_up((size_t)nblk * DQ_PLAN_CLASSES * 8);
     L.temp_bytes = temp;
     L.total = L.temp + align_up(temp);
     return L;
@@ -84,10 +85,10 @@ __device__ __forceinline__ double budget_for(const DqPlanArgs& A, int64_t base) 
     return (double)base > A.budget_bits ? A.padded_budget_bits : A.budget_bits;
 }
 
-// theta: the smallest candidate 512 F_i or 17 F_i (F_i > 0) whose cost fits the
-// budget.  The cost falls as theta grows, so along either ascending candidate
-// list "fits" is false ... false, true ... true: block 0 searches the 512 F_i,
-// block 1 the 17 F_i, each by a 1024-ary search (every round evaluates 1024
+// theta: the smallest candidate 512 F_i or 17 F_i (or S16 F_i) (F_i > 0) whose
+// cost fits the budget.  The cost falls as theta grows, so along any ascending
+// candidate list "fits" is false ... false, true ... true: block 0 searches the
+// 512 F_i, block 1 the 17 F_i, block 2 (16-bit class) the S16 F_i, each by a 1024-ary search (every round evaluates 1024
 // evenly spaced candidates of the remaining range, two binary searches each in
 // the L2-resident keys; 2^19 candidates take three rounds).  The smaller of the
 // two first fits lowers theta with an atomic min on its bits.  (A thread per
@@ -96,7 +97,7 @@ __global__ void __launch_bounds__(kScanThreads)
 k_plan_theta(const DqPlanArgs A, const uint32_t* asc, Counters* C) {
     __shared__ long long first_fit;
     const int64_t m = A.nsg;
-    const double scale = blockIdx.x == 0 ? 512.0 : 17.0;
+    const double scale = blockIdx.x == 0 ? 512.0 : blockIdx.x == 1 ? 17.0 : DQ_PLAN_S16;
     const int64_t base = A.stats_bits + (int64_t)C->n_live * A.rec_bits[0];
     const double budget = budget_for(A, base);
     int64_t lo = dq_plan_first_at_least(asc, m, 1.0, 1e-300);   // candidates need F > 0
@@ -126,7 +127,7 @@ k_plan_theta(const DqPlanArgs A, const uint32_t* asc, Counters* C) {
 }
 
 __device__ __forceinline__ int class_of_width(int w) {
-    return w == 2 ? 0 : w == 4 ? 1 : w == 8 ? 2 : 3;
+    return w == 2 ? 0 : w == 4 ? 1 : w == 8 ? 2 : w == 16 ? 4 : 3;
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -141,11 +142,11 @@ k_plan_classes(const DqPlanArgs A, const float* norm2, Counters* C, int8_t* widt
             c = live ? dq_plan_fixed_class(&A, (int64_t)C->n_live) : 3;
         } else {
             const double theta = __longlong_as_double((long long)C->theta_bits);
-            c = dq_plan_class(dq_plan_value(k), live, theta);
+            c = dq_plan_class(dq_plan_value(k), live, theta, A.bf16_class);
         }
         widths[g] = (int8_t)dq_plan_width_of_class(c);
     }
-    for (int q = 0; q < 4; q++) {
+    for (int q = 0; q < DQ_PLAN_CLASSES; q++) {
         const int n = __syncthreads_count(c == q);
         if (threadIdx.x == 0) {
             block_counts[q * nblk + blockIdx.x] = n;
@@ -159,13 +160,13 @@ k_plan_scan(const DqPlanArgs A, const float* tail, const Counters* C, const long
             long long* block_offsets, int64_t nblk, double* header) {
     typedef cub::BlockScan<long long, kScanThreads> Scan;
     __shared__ typename Scan::TempStorage tmp;
-    const long long c0 = (long long)C->counts[0], c1 = (long long)C->counts[1],
-                    c2 = (long long)C->counts[2], c3 = (long long)C->counts[3];
-    const long long start[4] = {0, c0, c0 + c1, c0 + c1 + c2};
+    int64_t counts[DQ_PLAN_CLASSES], start[DQ_PLAN_CLASSES];
+    for (int q = 0; q < DQ_PLAN_CLASSES; q++) counts[q] = (int64_t)C->counts[q];
+    dq_plan_starts(counts, start);
     const int64_t seg = (nblk + kScanThreads - 1) / kScanThreads;
     const int64_t b0 = (int64_t)threadIdx.x * seg;
     const int64_t b1 = b0 + seg < nblk ? b0 + seg : nblk;
-    for (int q = 0; q < 4; q++) {
+    for (int q = 0; q < DQ_PLAN_CLASSES; q++) {
         long long mine = 0;
         for (int64_t b = b0; b < b1; b++) mine += block_counts[q * nblk + b];
         long long before;
@@ -178,31 +179,28 @@ k_plan_scan(const DqPlanArgs A, const float* tail, const Counters* C, const long
         }
     }
     if (threadIdx.x == 0) {
-        const long long total = A.stats_bits + c0 * A.rec_bits[0] + c1 * A.rec_bits[1]
-                                + c2 * A.rec_bits[2];
+        const long long total = dq_plan_total(&A, counts);
         header[0] = tail[0];
         header[1] = tail[1];
         header[2] = C->means_bad ? 0.0 : 1.0;
         header[3] = (double)total > A.budget_bits ? 1.0 : 0.0;
-        header[4] = (double)c0;
-        header[5] = (double)c1;
-        header[6] = (double)c2;
-        header[7] = (double)c3;
+        for (int q = 0; q < 4; q++) header[4 + q] = (double)counts[q];
         header[8] = A.variable ? __longlong_as_double((long long)C->theta_bits) : nan("");
         header[9] = (double)total;
+        header[10] = (double)counts[4];
     }
 }
 
 __global__ void __launch_bounds__(kThreads)
 k_plan_scatter(const DqPlanArgs A, const int8_t* widths, const long long* block_offsets,
                int64_t nblk, int64_t* order, int64_t* stream_of_sg) {
-    __shared__ int warp_counts[kThreads / 32][4];
+    __shared__ int warp_counts[kThreads / 32][DQ_PLAN_CLASSES];
     const int64_t g = (int64_t)blockIdx.x * kThreads + threadIdx.x;
     const int c = g < A.nsg ? class_of_width(widths[g]) : -1;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const unsigned lt = (1u << lane) - 1u;
     int rank = 0;
-    for (int q = 0; q < 4; q++) {
+    for (int q = 0; q < DQ_PLAN_CLASSES; q++) {
         const unsigned mask = __ballot_sync(0xffffffffu, c == q);
         if (c == q) rank = __popc(mask & lt);
         if (lane == 0) warp_counts[warp][q] = __popc(mask);
@@ -254,7 +252,7 @@ int dq_gpu_plan(const DqPlanArgs* A, const float* norm2, const float* mean_sum, 
             size_t temp = L.temp_bytes;
             e = cub::DeviceRadixSort::SortKeys(base + L.temp, temp, keys, sorted, (int)m, 0, 31, st);
             if (e != cudaSuccess) return (int)e;
-            k_plan_theta<<<2, kScanThreads, 0, st>>>(*A, sorted, C);
+            k_plan_theta<<<A->bf16_class ? 3 : 2, kScanThreads, 0, st>>>(*A, sorted, C);
         }
         k_plan_classes<<<(unsigned)nblk, kThreads, 0, st>>>(*A, norm2, C, widths, block_counts, nblk);
     }

@@ -7,8 +7,12 @@
 // The rule (paper Appendix A, spec section 2.3): with theta = 512 T, a live
 // super-group gets 8 bits iff 17 F >= theta, 4 bits iff 512 F >= theta, else
 // 2 bits; theta is the smallest candidate (a value 512 F_i or 17 F_i) whose
-// total cost fits the budget.  dynamiq_mpi/codecs/allocation.py holds the same
-// rule as readable array code (the tests' reference).
+// total cost fits the budget.  With the optional 16-bit class (raw BF16, the
+// paper's large-scale simulation, spec 2.3's option) a super-group gets 16 bits
+// iff S16 F >= theta, S16 = 17 * 257 / 2^17 (the paper's T_{8,16} = 2^17/257
+// T_{4,8}; exact in float64), and S16 F_i are candidates too.
+// dynamiq_mpi/codecs/allocation.py holds the same rule as readable array code
+// (the tests' reference).
 #pragma once
 #include <stdint.h>
 
@@ -21,9 +25,11 @@ typedef struct DqPlanArgs {
     int32_t variable;          // 0: one width for every live super-group
     int32_t fixed_width;       // with !variable: 2, 4 or 8, or 0 = the widest that fits
     int64_t stats_bits;        // statistics of the call, all ranks' share counted once
-    int64_t rec_bits[3];       // wire bits of one super-group of 2-, 4-, 8-bit codes
+    int64_t rec_bits[4];       // wire bits of one super-group of 2-, 4-, 8-bit codes, raw BF16
     double budget_bits;        // bits * length
     double padded_budget_bits; // used when even every live super-group at 2 bits exceeds it
+    int32_t bf16_class;        // 1: the 16-bit (raw BF16) class is allowed (variable widths)
+    int32_t pad_;
 } DqPlanArgs;
 
 // Header written by the planner (one small copy to the host):
@@ -31,7 +37,12 @@ typedef struct DqPlanArgs {
 //   [2] 1 if every mean_sum is finite            [3] 1 if the total exceeds budget_bits
 //   [4..7] super-groups at 2, 4, 8 bits and in the 0-bit class
 //   [8] theta (+inf: all live at 2 bits; NaN: one fixed width)   [9] total bits
-#define DQ_PLAN_HEADER 10
+//   [10] super-groups at 16 bits (raw BF16)
+#define DQ_PLAN_HEADER 11
+// Classes: 0, 1, 2 = 2, 4, 8 bits; 3 = the 0-bit class; 4 = 16 bits.  Stream
+// order: classes 0, 1, 2, 4; the 0-bit class is not in the stream.
+#define DQ_PLAN_CLASSES 5
+#define DQ_PLAN_S16 (4369.0 / 131072.0)
 
 #define DQ_FLT_MAX_BITS 0x7f7fffffu
 
@@ -44,14 +55,28 @@ DQ_HD uint32_t dq_plan_key(float f) {
 // The norm as a double, exactly (denormals included: no float op touches it).
 DQ_HD double dq_plan_value(uint32_t key) { return (double)dq_u2f(key); }
 
-// Class index of a width: 0, 1, 2 for 2, 4, 8 bits; 3 for the 0-bit class.
-DQ_HD int dq_plan_class(double F, int live, double theta) {
+// Class index of a width: 0, 1, 2 for 2, 4, 8 bits; 3 for the 0-bit class;
+// 4 for 16 bits (only with bf16).
+DQ_HD int dq_plan_class(double F, int live, double theta, int bf16) {
     if (!live) return 3;
+    if (bf16 && DQ_PLAN_S16 * F >= theta) return 4;
     if (17.0 * F >= theta) return 2;
     if (512.0 * F >= theta) return 1;
     return 0;
 }
-DQ_HD int dq_plan_width_of_class(int c) { return c == 3 ? 0 : (2 << c); }
+DQ_HD int dq_plan_width_of_class(int c) { return c == 3 ? 0 : c == 4 ? 16 : (2 << c); }
+// First stream position of each class (stream order 0, 1, 2, 4; the 0-bit class after).
+DQ_HD void dq_plan_starts(const int64_t* counts, int64_t* start) {
+    start[0] = 0;
+    start[1] = counts[0];
+    start[2] = counts[0] + counts[1];
+    start[4] = counts[0] + counts[1] + counts[2];
+    start[3] = start[4] + counts[4];
+}
+DQ_HD int64_t dq_plan_total(const DqPlanArgs* A, const int64_t* counts) {
+    return A->stats_bits + counts[0] * A->rec_bits[0] + counts[1] * A->rec_bits[1]
+           + counts[2] * A->rec_bits[2] + counts[4] * A->rec_bits[3];
+}
 
 // Width (class) chosen when one width serves every live super-group.
 DQ_HD int dq_plan_fixed_class(const DqPlanArgs* A, int64_t n_live) {
@@ -80,5 +105,9 @@ DQ_HD int64_t dq_plan_cost(const DqPlanArgs* A, const uint32_t* asc, int64_t m, 
                            double theta) {
     const int64_t fours = m - dq_plan_first_at_least(asc, m, 512.0, theta);
     const int64_t eights = m - dq_plan_first_at_least(asc, m, 17.0, theta);
-    return base + (A->rec_bits[1] - A->rec_bits[0]) * fours + (A->rec_bits[2] - A->rec_bits[1]) * eights;
+    int64_t cost = base + (A->rec_bits[1] - A->rec_bits[0]) * fours
+                   + (A->rec_bits[2] - A->rec_bits[1]) * eights;
+    if (A->bf16_class)
+        cost += (A->rec_bits[3] - A->rec_bits[2]) * (m - dq_plan_first_at_least(asc, m, DQ_PLAN_S16, theta));
+    return cost;
 }

@@ -33,10 +33,14 @@ extern "C" void dq_cpu_plan(const DqPlanArgs* A, const float* norm2, const float
         // The cost falls as theta rises: binary-search the sorted candidates
         // for the smallest one that fits (the GPU tries them all in parallel).
         std::vector<double> cand;
-        cand.reserve(2 * (size_t)m);
+        cand.reserve(3 * (size_t)m);
         for (int64_t i = 0; i < m; i++) {
             const double a = dq_plan_value(asc[(size_t)i]);
-            if (a > 0.0) { cand.push_back(512.0 * a); cand.push_back(17.0 * a); }
+            if (a > 0.0) {
+                cand.push_back(512.0 * a);
+                cand.push_back(17.0 * a);
+                if (A->bf16_class) cand.push_back(DQ_PLAN_S16 * a);
+            }
         }
         std::sort(cand.begin(), cand.end());
         size_t lo = 0, hi = cand.size();
@@ -48,25 +52,26 @@ extern "C" void dq_cpu_plan(const DqPlanArgs* A, const float* norm2, const float
         theta = lo < cand.size() ? cand[lo] : INFINITY;
     }
 
-    int64_t counts[4] = {0, 0, 0, 0};
+    int64_t counts[DQ_PLAN_CLASSES] = {0, 0, 0, 0, 0};
     std::vector<int8_t> cls((size_t)m);
     for (int64_t g = 0; g < m; g++) {
         const int live = A->zero_class ? dq_plan_key(norm2[g]) != 0u : 1;
         const int c = !live ? 3 : fixed >= 0 ? fixed
-                                 : dq_plan_class(dq_plan_value(dq_plan_key(norm2[g])), 1, theta);
+                                 : dq_plan_class(dq_plan_value(dq_plan_key(norm2[g])), 1, theta,
+                                                 A->bf16_class);
         cls[(size_t)g] = (int8_t)c;
         widths[g] = (int8_t)dq_plan_width_of_class(c);
         counts[c]++;
     }
-    int64_t next[4] = {0, counts[0], counts[0] + counts[1], counts[0] + counts[1] + counts[2]};
+    int64_t next[DQ_PLAN_CLASSES];
+    dq_plan_starts(counts, next);
     for (int64_t g = 0; g < m; g++) {                 // stable: input order within a class
         const int c = cls[(size_t)g];
         const int64_t pos = next[c]++;
         order[pos] = g;
         stream_of_sg[g] = c == 3 ? -1 : pos;
     }
-    const int64_t total = A->stats_bits + counts[0] * A->rec_bits[0] + counts[1] * A->rec_bits[1]
-                          + counts[2] * A->rec_bits[2];
+    const int64_t total = dq_plan_total(A, counts);
     header[0] = tail[0];
     header[1] = tail[1];
     header[2] = means_ok;
@@ -74,4 +79,5 @@ extern "C" void dq_cpu_plan(const DqPlanArgs* A, const float* norm2, const float
     for (int c = 0; c < 4; c++) header[4 + c] = (double)counts[c];
     header[8] = theta;
     header[9] = (double)total;
+    header[10] = (double)counts[4];
 }

@@ -14,20 +14,31 @@ from helpers import exact_sum, fresh_seed, rank_inputs, vnmse
 FLT_MAX = float(np.finfo(np.float32).max)
 
 
-def brute_force(F, budget, stats_bits, hier=True):
-    """The smallest candidate theta (512 F or 17 F of a positive F) whose
-    cost fits, by direct enumeration with Python floats (exact products)."""
-    rec = {w: record_bits(w, hier) for w in (2, 4, 8)}
+def brute_force(F, budget, stats_bits, hier=True, bf16_class=False):
+    """The smallest candidate theta (512 F, 17 F, and with the 16-bit class
+    17 * 257 / 2^17 F, of a positive F) whose cost fits, by direct enumeration
+    with Python floats and fractions (exact products)."""
+    from fractions import Fraction
+    rec = {w: record_bits(w, hier) for w in (2, 4, 8, 16)}
+    assert rec[16] == 256 * 16
+    s16 = Fraction(17 * 257, 2 ** 17)
     F = [float(f) for f in F]
     live = [f for f in F if f > 0]
+
+    def width(f, theta):
+        if bf16_class and s16 * Fraction(f) >= theta:
+            return 16
+        return 8 if 17 * Fraction(f) >= theta else 4 if 512 * Fraction(f) >= theta else 2
+    cands = {Fraction(512.0 * f) for f in live} | {Fraction(17.0 * f) for f in live}
+    if bf16_class:
+        cands |= {s16 * Fraction(f) for f in live}
     best = float("inf")
-    for theta in sorted({512.0 * f for f in live} | {17.0 * f for f in live}):
-        cost = stats_bits + sum(rec[8] if 17.0 * f >= theta else rec[4] if 512.0 * f >= theta
-                                else rec[2] for f in live)
-        if cost <= budget:
-            best = theta
+    for theta in sorted(cands):
+        if stats_bits + sum(rec[width(f, theta)] for f in live) <= budget:
+            best = float(theta)
+            assert Fraction(best) == theta       # exact in float64
             break
-    widths = [0 if f == 0 else 8 if 17.0 * f >= best else 4 if 512.0 * f >= best else 2
+    widths = [0 if f == 0 else width(f, Fraction(best) if best < float("inf") else best)
               for f in F]
     return best, widths
 
@@ -43,23 +54,26 @@ def adversarial_norms(rng, m):
     return [np.asarray(k, dtype=np.float32) for k in kinds]
 
 
+@pytest.mark.parametrize("bf16_class", [False, True], ids=["2-4-8", "2-4-8-16"])
 @pytest.mark.parametrize("trial", range(4))
-def test_allocation_is_the_exact_optimum_of_the_family(trial):
+def test_allocation_is_the_exact_optimum_of_the_family(trial, bf16_class):
     rng = np.random.default_rng(fresh_seed())
     m = 200
     for F in adversarial_norms(rng, m):
         stats_bits = 64 * m + 64
-        for bits in (2.9, 3.5, 5.0, 6.5):
+        for bits in (2.9, 3.5, 5.0, 6.5) + ((8.5, 12.0) if bf16_class else ()):
             budget = bits * m * 256
-            a = allocate_xp(np, F, budget, budget, stats_bits, True)
-            theta, widths = brute_force(F, budget, stats_bits)
+            a = allocate_xp(np, F, budget, budget, stats_bits, True, bf16_class=bf16_class)
+            theta, widths = brute_force(F, budget, stats_bits, bf16_class=bf16_class)
             assert float(a.theta) == theta
             assert list(a.widths) == widths
-            rec = {w: record_bits(w, True) for w in (2, 4, 8)}
+            rec = {w: record_bits(w, True) for w in (2, 4, 8, 16)}
             assert int(a.total_bits) == stats_bits + sum(rec[w] for w in widths if w)
             assert int(a.total_bits) <= budget or bool(a.exceeded)
             counts = [int(c) for c in a.counts]
-            assert counts == [widths.count(w) for w in (2, 4, 8, 0)]
+            assert counts == [widths.count(w) for w in (2, 4, 8, 0, 16)]
+            if not bf16_class:
+                assert 16 not in widths
 
 
 def test_tiny_budget_uses_the_padded_budget_and_says_so():
@@ -137,21 +151,22 @@ def test_codec_from_string():
 
 
 def compiled_plan(kernels, F, mean, tail, bits, stats_bits, zero_class=True, variable=True,
-                  fixed_width=0, scratch=None, xp=np):
+                  fixed_width=0, scratch=None, xp=np, bf16_class=False):
     m = F.shape[0]
-    rec = [record_bits(w, True) for w in (2, 4, 8)]
+    rec = [record_bits(w, True) for w in (2, 4, 8, 16)]
     widths = xp.empty(m, np.int8)
     order = xp.empty(m, np.int64)
     stream_of_sg = xp.empty(m, np.int64)
-    header = xp.empty(10, np.float64)
+    header = xp.empty(kernels.PLAN_HEADER, np.float64)
     args = (m, mean is not None, zero_class, variable, fixed_width, stats_bits, rec,
             bits * m * 256, bits * m * 256 + 1e4, F, mean, tail, widths, order, stream_of_sg, header)
-    kernels.plan(*args, *([] if scratch is None else [scratch]))
+    kernels.plan(*args, *([] if scratch is None else [scratch]), bf16_class=bf16_class)
     return widths, order, stream_of_sg, header
 
 
 MODES = [dict(), dict(zero_class=False), dict(variable=False), dict(variable=False, fixed_width=4),
-         dict(variable=False, fixed_width=8)]
+         dict(variable=False, fixed_width=8), dict(bf16_class=True),
+         dict(bf16_class=True, zero_class=False), dict(bf16_class=True, variable=False)]
 
 
 @pytest.mark.parametrize("mode", MODES, ids=lambda d: ",".join(f"{k}={v}" for k, v in d.items()) or "default")
@@ -163,18 +178,20 @@ def test_compiled_planner_equals_the_array_reference(mode):
             F = F[:m]
             mean = rng.standard_normal(m).astype(np.float32)
             tail = np.array([0.0, 3.5], np.float32)
-            for bits in (2.9, 5.0, 7.5):
+            for bits in (2.9, 5.0, 7.5, 12.0):
                 stats_bits = 64 * m + 64
                 widths, order, stream_of_sg, header = compiled_plan(
                     _cpu, F, mean, tail, bits, stats_bits, **mode)
+                variable = mode.get("variable", True)
                 ref = allocate_xp(np, F, bits * m * 256, bits * m * 256 + 1e4, stats_bits, True,
-                                  zero_class=mode.get("zero_class", True),
-                                  variable=mode.get("variable", True),
-                                  fixed_width=mode.get("fixed_width") or None)
+                                  zero_class=mode.get("zero_class", True), variable=variable,
+                                  fixed_width=mode.get("fixed_width") or None,
+                                  bf16_class=mode.get("bf16_class", False) and variable)
                 ref_order, ref_pos = stream_positions(np, ref.widths)
                 assert np.array_equal(widths, ref.widths)
                 assert np.array_equal(order, ref_order) and np.array_equal(stream_of_sg, ref_pos)
-                assert list(header[4:8]) == [float(c) for c in ref.counts]
+                assert list(header[4:8]) == [float(c) for c in ref.counts[:4]]
+                assert header[10] == float(ref.counts[4])
                 theta = float(ref.theta)
                 assert header[8] == theta or (np.isnan(header[8]) and np.isnan(theta))
                 assert header[9] == float(ref.total_bits)

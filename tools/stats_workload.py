@@ -21,9 +21,9 @@ def main():
     tail, scratch = cp.empty(2, cp.float32), cp.empty(1, cp.int64)
     _gpu.stats_into(x, nsg, True, mean, norm2, tail, scratch)
     widths, order = cp.empty(nsg, cp.int8), cp.empty(nsg, cp.int64)
-    pos, header = cp.empty(nsg, cp.int64), cp.empty(10, cp.float64)
+    pos, header = cp.empty(nsg, cp.int64), cp.empty(_gpu.PLAN_HEADER, cp.float64)
     pscratch = cp.empty(_gpu.plan_scratch_bytes(nsg), cp.uint8)
-    rec = [record_bits(w, True) for w in (2, 4, 8)]
+    rec = [record_bits(w, True) for w in (2, 4, 8, 16)]
     _gpu.plan(nsg, True, True, True, 0, 64 * nsg + 64, rec, 5.0 * n, 5.0 * n, norm2, mean, tail,
               widths, order, pos, header, pscratch)
     cp.cuda.get_current_stream().synchronize()

@@ -20,6 +20,12 @@ device for CuPy inputs and leaves every result there (no host round trip).
 
 A super-group that is exactly zero on every rank (``F_j == 0`` after the exact
 reduction) gets the 0-bit class and sends nothing.
+
+The optional 16-bit class (``bf16_class``: raw BF16 records, no scales; the
+paper's large-scale simulation allocates from {2, 4, 8, 16}) follows the
+paper's threshold ratio ``T_{8,16} = 2^17/257 T_{4,8}``: width 16 iff
+``S16 F_j >= theta`` with ``S16 = 17 * 257 / 2^17`` (exact in float64), and
+``S16 F_j`` are candidates too.
 """
 from __future__ import annotations
 
@@ -31,13 +37,24 @@ import numpy as np
 # one consistent with the threshold ratios T24 = 17/512 T48 (paper-notes 3.2).
 SLOPE = 4.0 / np.log2(512.0 / 17.0)
 WIDTHS = (2, 4, 8)
+BF16_WIDTH = 16                 # the optional raw BF16 class
+S16 = 4369.0 / 131072.0         # 17 * 257 / 2^17: width 16 iff S16 * F >= theta
 # Column order of the class counts: 0-bit class last in the stream
-# (it is not in the stream at all), widths in stream order before it.
+# (it is not in the stream at all), widths in stream order before it; the
+# 16-bit class (when enabled) is a fifth column, in the stream after width 8.
 CLASSES = (2, 4, 8, 0)
 
 
+def widths_of(bf16_class: bool) -> tuple:
+    """The stream's widths, in stream order."""
+    return WIDTHS + ((BF16_WIDTH,) if bf16_class else ())
+
+
 def record_bits(width: int, hierarchical: bool) -> int:
-    """Wire bits of one super-group of ``width``-bit codes with its scales."""
+    """Wire bits of one super-group of ``width``-bit codes with its scales
+    (width 16: 256 raw BF16 values, no scales)."""
+    if width == BF16_WIDTH:
+        return 256 * 16
     scales = 16 * 8 + 16 if hierarchical else 16 * 16
     return 256 * width + scales
 
@@ -45,9 +62,9 @@ def record_bits(width: int, hierarchical: bool) -> int:
 @dataclass
 class DeviceAllocation:
     """An allocation whose arrays live with the norms (NumPy or CuPy)."""
-    widths: object        # int8[m]: 0, 2, 4 or 8
+    widths: object        # int8[m]: 0, 2, 4, 8 (or 16)
     theta: object         # float64 scalar: +inf when every live super-group stays at 2 bits
-    counts: object        # int64[4]: super-groups per class, in CLASSES order
+    counts: object        # int64[5]: super-groups per class, in CLASSES order, then 16 bits
     total_bits: object    # int64 scalar: statistics + records of the live super-groups
     exceeded: object      # bool scalar: the total is over budget_bits (tiny inputs)
 
@@ -59,11 +76,13 @@ class Allocation:
     u: float              # the paper's threshold offset equivalent to theta (nan: fixed width)
     total_bits: int
     budget_bits: float
-    binds: bool           # True if the budget kept some live super-group below 8 bits
+    binds: bool           # True if the budget kept some live super-group below the widest width
     exceeded: bool
+    widest: int = 8       # 16 with the 16-bit class
 
     def counts(self) -> dict:
-        return {w: int(np.count_nonzero(self.widths == w)) for w in (0,) + WIDTHS}
+        return {w: int(np.count_nonzero(self.widths == w))
+                for w in (0,) + widths_of(self.widest == BF16_WIDTH)}
 
 
 def theta_to_u(theta: float) -> float:
@@ -75,7 +94,7 @@ def theta_to_u(theta: float) -> float:
 
 def allocate_xp(xp, norm2, budget_bits: float, padded_budget_bits: float, stats_bits: int,
                 hierarchical: bool, zero_class: bool = True, variable: bool = True,
-                fixed_width=None) -> DeviceAllocation:
+                fixed_width=None, bf16_class: bool = False) -> DeviceAllocation:
     """The allocation on the array module of ``norm2`` (float32[m], finite).
 
     ``padded_budget_bits`` is used instead of ``budget_bits`` when even every
@@ -83,7 +102,7 @@ def allocate_xp(xp, norm2, budget_bits: float, padded_budget_bits: float, stats_
     statistics and scales outweigh it): the codes then get the budget of the
     padded super-groups rather than starving, and ``exceeded`` says so.
     """
-    rec = {w: record_bits(w, hierarchical) for w in WIDTHS}
+    rec = {w: record_bits(w, hierarchical) for w in WIDTHS + (BF16_WIDTH,)}
     F = norm2.astype(np.float64)
     m = F.shape[0]
     live = F > 0 if zero_class else xp.ones(m, dtype=bool)
@@ -100,28 +119,34 @@ def allocate_xp(xp, norm2, budget_bits: float, padded_budget_bits: float, stats_
         widths = xp.where(live, chosen, 0).astype(np.int8)
         theta = xp.asarray(np.nan)
     else:
-        # Candidates: theta = 512 F_i and 17 F_i over the live, positive norms.
+        # Candidates: theta = s F_i over the live, positive norms, for every
+        # threshold scale s (512: 2 -> 4 bits, 17: 4 -> 8, S16: 8 -> 16).
         key = xp.where(live, F, -1.0)          # non-live never reach a positive theta
         asc = xp.sort(key)
-        at_least = m - xp.searchsorted(asc, asc, side="left")          # #{F >= asc[i]}
-        eights_at4 = m - xp.searchsorted(17.0 * asc, 512.0 * asc, side="left")
-        fours_at8 = m - xp.searchsorted(512.0 * asc, 17.0 * asc, side="left")
-        d4, d8 = rec[4] - rec[2], rec[8] - rec[4]
-        cost4 = base + d4 * at_least + d8 * eights_at4      # at theta = 512 asc[i]
-        cost8 = base + d4 * fours_at8 + d8 * at_least       # at theta = 17 asc[i]
+        scales = [(512.0, rec[4] - rec[2]), (17.0, rec[8] - rec[4])]
+        if bf16_class:
+            scales.append((S16, rec[BF16_WIDTH] - rec[8]))
         positive = asc > 0
         inf = xp.asarray(np.inf)
-        theta = xp.minimum(xp.min(xp.where(positive & (cost4 <= budget), 512.0 * asc, inf)),
-                           xp.min(xp.where(positive & (cost8 <= budget), 17.0 * asc, inf)))
-        widths = xp.where(~live, 0, xp.where(17.0 * F >= theta, 8,
-                                             xp.where(512.0 * F >= theta, 4, 2))).astype(np.int8)
-    counts = xp.stack([xp.sum(widths == w, dtype=np.int64) for w in CLASSES])
-    total = stats_bits + counts[0] * rec[2] + counts[1] * rec[4] + counts[2] * rec[8]
+        theta = inf
+        for s_cand, _ in scales:               # theta = s_cand * asc[i]
+            cost = base
+            for s_up, delta in scales:         # super-groups with s_up F >= theta step up
+                cost = cost + delta * (m - xp.searchsorted(s_up * asc, s_cand * asc, side="left"))
+            theta = xp.minimum(theta, xp.min(xp.where(positive & (cost <= budget),
+                                                      s_cand * asc, inf)))
+        widths = xp.where(17.0 * F >= theta, 8, xp.where(512.0 * F >= theta, 4, 2))
+        if bf16_class:
+            widths = xp.where(S16 * F >= theta, BF16_WIDTH, widths)
+        widths = xp.where(~live, 0, widths).astype(np.int8)
+    counts = xp.stack([xp.sum(widths == w, dtype=np.int64) for w in CLASSES + (BF16_WIDTH,)])
+    total = (stats_bits + counts[0] * rec[2] + counts[1] * rec[4] + counts[2] * rec[8]
+             + counts[4] * rec[BF16_WIDTH])
     return DeviceAllocation(widths, theta, counts, total, total > budget_bits)
 
 
 def stream_positions(xp, widths):
-    """Stable reorder into runs of 2-, 4- then 8-bit super-groups.
+    """Stable reorder into runs of 2-, 4-, 8- (then 16-) bit super-groups.
 
     Returns ``(order, stream_of_sg)``: ``order[s]`` is the input super-group at
     stream position s (the 0-bit class fills the positions after the live
@@ -129,34 +154,38 @@ def stream_positions(xp, widths):
     -1 for the 0-bit class.  Integer scans only: the same on NumPy and CuPy.
     """
     m = widths.shape[0]
-    cls = xp.where(widths == 2, 0, xp.where(widths == 4, 1, xp.where(widths == 8, 2, 3)))
-    onehot = (cls[None, :] == xp.arange(4)[:, None]).astype(np.int64)
-    running = xp.cumsum(onehot, axis=1)                       # (4, m)
-    counts = running[:, -1] if m else xp.zeros(4, np.int64)
+    # classes in stream order: 2, 4, 8, 16 bits, then the 0-bit class
+    cls = xp.where(widths == 2, 0, xp.where(widths == 4, 1, xp.where(
+        widths == 8, 2, xp.where(widths == BF16_WIDTH, 3, 4))))
+    onehot = (cls[None, :] == xp.arange(5)[:, None]).astype(np.int64)
+    running = xp.cumsum(onehot, axis=1)                       # (5, m)
+    counts = running[:, -1] if m else xp.zeros(5, np.int64)
     starts = xp.cumsum(counts) - counts
     idx = xp.arange(m)
     pos = starts[cls] + running[cls, idx] - 1
     order = xp.empty(m, dtype=np.int64)
     order[pos] = idx
-    stream_of_sg = xp.where(cls == 3, -1, pos).astype(np.int64)
+    stream_of_sg = xp.where(cls == 4, -1, pos).astype(np.int64)
     return order, stream_of_sg
 
 
 def allocate(norm2, budget_bits: float, stats_bits: int, hierarchical: bool,
              zero_class: bool = True, variable: bool = True, fixed_width=None,
-             padded_budget_bits: float | None = None) -> Allocation:
+             padded_budget_bits: float | None = None, bf16_class: bool = False) -> Allocation:
     """Host (NumPy) allocation with a summary, for tests and tools."""
     norm2 = np.asarray(norm2, dtype=np.float32)
     a = allocate_xp(np, norm2, budget_bits,
                     budget_bits if padded_budget_bits is None else padded_budget_bits,
-                    stats_bits, hierarchical, zero_class, variable, fixed_width)
+                    stats_bits, hierarchical, zero_class, variable, fixed_width, bf16_class)
     return summarise(a.widths, float(a.theta), int(a.total_bits), budget_bits,
-                     bool(a.exceeded), variable and fixed_width is None)
+                     bool(a.exceeded), variable and fixed_width is None,
+                     widest=BF16_WIDTH if bf16_class and variable and fixed_width is None else 8)
 
 
 def summarise(widths, theta: float, total_bits: int, budget_bits: float, exceeded: bool,
-              variable: bool) -> Allocation:
+              variable: bool, widest: int = 8) -> Allocation:
     widths = np.asarray(widths)
     u = theta_to_u(theta) if variable else float("nan")
-    binds = bool(np.any((widths > 0) & (widths < 8)))
-    return Allocation(widths, u, int(total_bits), float(budget_bits), binds, bool(exceeded))
+    binds = bool(np.any((widths > 0) & (widths < widest)))
+    return Allocation(widths, u, int(total_bits), float(budget_bits), binds, bool(exceeded),
+                      widest)

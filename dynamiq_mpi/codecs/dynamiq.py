@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backend import as_float32
+from ..backend import as_float32, bf16_to_float32, float32_to_bf16
 from ..errors import NonFiniteInputError, SumOverflowError
-from .allocation import CLASSES, WIDTHS, record_bits, summarise, theta_to_u
+from .allocation import BF16_WIDTH, CLASSES, WIDTHS, record_bits, summarise, theta_to_u, widths_of
 from .base import DEFAULT_TILE_BYTES, Codec, Plan, StreamLayout, tile_stream
 from .levels import build_tables
 from .plain import BF16
@@ -79,6 +79,10 @@ class DynamiQ(Codec):
     # stochastic codes where the rounded-up code is >= 128; for long rings,
     # docs/error-study.md; a proposed change to spec 2.7)
     scale_code: str = "ceil"
+    # the optional 16-bit class (spec 2.3): outlier super-groups travel as raw
+    # BF16 (no scales), every hop rounding the float32 partial sum to nearest
+    # even; the paper's large-scale simulation allocates from {2, 4, 8, 16}
+    bf16_class: bool = False
 
     name = "dynamiq"
     rejects_nonfinite = True        # NaN/Inf input raises NonFiniteInputError on every rank
@@ -110,7 +114,8 @@ class DynamiQ(Codec):
     def signature(self):
         return ("dynamiq", float(self.bits), tuple(float(e) for e in self.eps), self.uniform,
                 self.variable_width, self.fixed_width, self.hierarchical, self.correlated,
-                self.centring, self.zero_class, int(self.small_input), self.scale_code)
+                self.centring, self.zero_class, int(self.small_input), self.scale_code,
+                self.bf16_class)
 
     def for_length(self, length):
         return _SMALL_INPUT_CODEC if length < self.small_input else self
@@ -201,16 +206,17 @@ class _DynamiQPlan(Plan):
         stream_of_sg = ws.take(xp, "dq.stream_of_sg", nsg, np.int64)
         header = ws.take(xp, "dq.header", self.k.PLAN_HEADER, np.float64)
         variable = codec.variable_width and codec.fixed_width is None
+        bf16_class = codec.bf16_class and variable
         args = (nsg, codec.centring, codec.zero_class, variable, codec.fixed_width or 0,
-                stats_bits, [record_bits(w, hier) for w in WIDTHS], codec.bits * self.length,
-                codec.bits * nsg * SUPER + stats_bits, self.norm2,
+                stats_bits, [record_bits(w, hier) for w in WIDTHS + (BF16_WIDTH,)],
+                codec.bits * self.length, codec.bits * nsg * SUPER + stats_bits, self.norm2,
                 self.mean_sum if codec.centring else None, reduced[head:head + 2],
                 widths, order, stream_of_sg, header)
         if backend.name == "gpu":
             scratch = ws.take(xp, "dq.plan_scratch", self.k.plan_scratch_bytes(nsg), np.uint8)
-            self.k.plan(*args, scratch)
+            self.k.plan(*args, scratch, bf16_class=bf16_class)
         else:
-            self.k.plan(*args)
+            self.k.plan(*args, bf16_class=bf16_class)
         # Host work that does not need the plan runs while the device plans:
         # the copy of the header below waits for it.
         correlated = codec.correlated and n > 1
@@ -219,10 +225,12 @@ class _DynamiQPlan(Plan):
         # the source reads stream super-group s from input row order[s]; only
         # the first n_live entries are ever read
         self.source = self.k.Source(x, order, 0, local_mean)
-        rec_bytes = {w: record_bits(w, hier) // 8 for w in WIDTHS}
+        self.widths = widths_of(bf16_class)
+        rec_bytes = {w: record_bits(w, hier) // 8 for w in self.widths}
         h = backend.to_host(header)
         nonfinite_ranks, absmax_sum, means_ok, exceeded = h[0], h[1], h[2], h[3]
         counts = {w: int(c) for w, c in zip(CLASSES, h[4:8])}
+        counts[BF16_WIDTH] = int(h[10])
         theta, total_bits = float(h[8]), int(h[9])
         if nonfinite_ranks > 0:
             raise NonFiniteInputError("input holds NaN or Inf on at least one rank "
@@ -238,14 +246,14 @@ class _DynamiQPlan(Plan):
         self.counts, self.theta, self.total_bits = counts, theta, total_bits
         self.budget_bits = codec.bits * self.length
         self.exceeded = bool(exceeded)
-        n_live = counts[2] + counts[4] + counts[8]
+        n_live = counts[2] + counts[4] + counts[8] + counts[BF16_WIDTH]
         if n_live * SUPER >= 2 ** 32:
             raise ValueError("too many coordinates for one call (2^32 limit of the generator)")
         self.stream_of_sg = stream_of_sg
         self.order = order[:n_live]
         self._order_full = order
         self._bound = None
-        self.runs = [(w, counts[w]) for w in WIDTHS]
+        self.runs = [(w, counts[w]) for w in self.widths]
         layout = StreamLayout([(c, rec_bytes[w]) for w, c in self.runs])
         self.tiling = tile_stream(layout, n, tile_bytes)
         pieces = _PIECES.get(id(self.tiling))
@@ -290,6 +298,11 @@ class _DynamiQPlan(Plan):
     def _local_values(self, tile):
         """float32 copy of this rank's centred local values of a tile."""
         a, b = self.tiling.units[tile]
+        return self._stream_values(a, b)
+
+    def _stream_values(self, a, b):
+        """float32 copy of this rank's centred local values of stream
+        super-groups [a, b) (zero beyond the input's end)."""
         xp = self.xp
         if self.backend.name == "gpu":   # the kernels read the source as compress does
             out = xp.empty((b - a) * SUPER, dtype=np.float32)
@@ -309,7 +322,11 @@ class _DynamiQPlan(Plan):
         out = self.wire_slot(tile)
         sub = self.ws.sub
         for w, s0, cnt, off, nb in self.pieces[tile]:
-            self.k.compress(self.params[w], self.source, cnt, s0, event, sub(out, off, off + nb))
+            if w == BF16_WIDTH:
+                self._bf16_encode(None, None, 0, s0, cnt, sub(out, off, off + nb))
+            else:
+                self.k.compress(self.params[w], self.source, cnt, s0, event,
+                                sub(out, off, off + nb))
         return out
 
     def accumulate(self, tile, payload, acc):
@@ -319,8 +336,11 @@ class _DynamiQPlan(Plan):
         a, _ = self.tiling.units[tile]
         for w, s0, cnt, off, nb in self.pieces[tile]:
             r0 = (s0 - a) * SUPER
-            self.k.decompress(self.params[w], sub(payload, off, off + nb), cnt,
-                              acc[r0:r0 + cnt * SUPER], True)
+            if w == BF16_WIDTH:
+                self._bf16_decode(sub(payload, off, off + nb), acc[r0:r0 + cnt * SUPER], True)
+            else:
+                self.k.decompress(self.params[w], sub(payload, off, off + nb), cnt,
+                                  acc[r0:r0 + cnt * SUPER], True)
         return acc
 
     def dar(self, tile, payload, acc, event):
@@ -329,15 +349,49 @@ class _DynamiQPlan(Plan):
         src = self.source if acc is None else self.k.Source(acc, None, a, None)
         out = self.wire_slot(tile)
         for w, s0, cnt, off, nb in self.pieces[tile]:
-            self.k.dar(self.params[w], sub(payload, off, off + nb), src, cnt, s0, event,
-                       sub(out, off, off + nb))
+            if w == BF16_WIDTH:
+                self._bf16_encode(sub(payload, off, off + nb), acc, a, s0, cnt,
+                                  sub(out, off, off + nb))
+            else:
+                self.k.dar(self.params[w], sub(payload, off, off + nb), src, cnt, s0, event,
+                           sub(out, off, off + nb))
         return out
+
+    # -- the 16-bit class: raw BF16, rounded to nearest even at every hop ------
+    def _bf16_encode(self, payload, acc, a, s0, cnt, out):
+        """out = bf16(decode(payload) + v) for stream super-groups [s0, s0 +
+        cnt), v = acc (the tile's float32 sums from stream super-group a) or
+        the centred local values; payload None: bf16(v)."""
+        if self.backend.name == "gpu":
+            if acc is None:
+                src = self.k.Source(self.x, self.order[s0:s0 + cnt], 0, self.local_mean)
+            else:
+                src = self.k.Source(acc, None, a - s0, None)    # row = (s0 - a) + s
+            if payload is None:
+                self.k.bf16_compress(src, cnt, out.view(np.uint16))
+            else:
+                self.k.bf16_dar(payload.view(np.uint16), src, cnt, out.view(np.uint16))
+            return
+        v = (self._stream_values(s0, s0 + cnt) if acc is None
+             else acc[(s0 - a) * SUPER:(s0 - a + cnt) * SUPER])
+        if payload is not None:
+            v = bf16_to_float32(payload) + v
+        out.view(np.uint16)[:] = float32_to_bf16(v).view(np.uint16)
+
+    def _bf16_decode(self, payload, out, accumulate):
+        if self.backend.name == "gpu":
+            self.k.bf16_decompress(payload.view(np.uint16), out, accumulate)
+        elif accumulate:
+            out += bf16_to_float32(payload)
+        else:
+            out[:] = bf16_to_float32(payload)
 
     def bind_output(self, out, divisor):
         """On the GPU, decode straight into the caller's layout (one pass
         instead of a float32 stream plus the final scatter; the same bits).
         ``DYNAMIQ_DECODE_INTO_OUTPUT=0`` keeps the two passes (for A/B runs)."""
-        if self.backend.name != "gpu" or os.environ.get("DYNAMIQ_DECODE_INTO_OUTPUT") == "0":
+        if (self.backend.name != "gpu" or os.environ.get("DYNAMIQ_DECODE_INTO_OUTPUT") == "0"
+                or self.counts[BF16_WIDTH]):     # raw BF16 rows go through finish
             return False
         self._bound = (out, float(divisor))
         return True
@@ -351,8 +405,12 @@ class _DynamiQPlan(Plan):
                                       self._order_full, self.mean_sum, divisor, out)
             return
         for w, s0, cnt, off, nb in self.pieces[tile]:
-            self.k.decompress(self.params[w], sub(payload, off, off + nb), cnt,
-                              self.result[s0 * SUPER:(s0 + cnt) * SUPER], False)
+            if w == BF16_WIDTH:
+                self._bf16_decode(sub(payload, off, off + nb),
+                                  self.result[s0 * SUPER:(s0 + cnt) * SUPER], False)
+            else:
+                self.k.decompress(self.params[w], sub(payload, off, off + nb), cnt,
+                                  self.result[s0 * SUPER:(s0 + cnt) * SUPER], False)
 
     def finish(self, divisor, out):
         if self._bound is not None:
@@ -365,15 +423,16 @@ class _DynamiQPlan(Plan):
     def report(self, detailed=True):
         c = self.counts
         variable = self.codec.variable_width and self.codec.fixed_width is None
-        info = {"widths": {w: c[w] for w in (0,) + WIDTHS},
+        info = {"widths": {w: c[w] for w in (0,) + self.widths},
                 "threshold_u": theta_to_u(self.theta) if variable else float("nan"),
                 "threshold_theta": self.theta, "budget_bits": self.budget_bits,
-                "budget_binds": c[2] + c[4] > 0, "budget_exceeded": self.exceeded}
+                "budget_binds": sum(c[w] for w in self.widths[:-1]) > 0,
+                "budget_exceeded": self.exceeded}
         if not detailed:
             return info
         widths = self.backend.to_host(self.alloc_widths)
         a = summarise(widths, self.theta, self.total_bits, self.budget_bits, self.exceeded,
-                      variable)
+                      variable, widest=self.widths[-1])
         norm2 = np.minimum(self.backend.to_host(self.norm2), FLT_MAX)   # as planned
         mean_sum = self.backend.to_host(self.mean_sum)
         digest = hashlib.sha256(mean_sum.tobytes() + norm2.tobytes()).hexdigest()

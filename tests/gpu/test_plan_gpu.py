@@ -48,7 +48,7 @@ def test_gpu_planner_equals_cpu_planner(m):
             mean[3] = np.inf if rng.random() < 0.3 else mean[3]
         tail = np.array([1.0, 7.25], np.float32)
         for mode in MODES:
-            for bits in (3.2, 5.0, 7.0):
+            for bits in (3.2, 5.0, 7.0, 12.0):
                 cpu = compiled_plan(_cpu, F, mean, tail, bits, 64 * m + 64, **mode)
                 scratch = cp.empty(_gpu.plan_scratch_bytes(m), cp.uint8)
                 gpu = compiled_plan(_gpu, cp.asarray(F), cp.asarray(mean), cp.asarray(tail), bits,

@@ -17,6 +17,7 @@ N = comm.size
 TOPOLOGIES = ["ring"] + (["butterfly"] if N & (N - 1) == 0 else [])
 CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(small_input=0, bits=5), dq.DynamiQ(small_input=0, bits=3),
           dq.DynamiQ(small_input=0, bits=5, correlated=False, hierarchical=False, uniform=True),
+          dq.DynamiQ(small_input=0, bits=9, bf16_class=True),
           dq.THC(), dq.THC(agg_bits=12, max_block_log2=12), dq.OmniReduce(0.5), dq.OmniReduce(0.25)]
 
 
