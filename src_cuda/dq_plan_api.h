@@ -2,9 +2,9 @@
 //
 // Inputs are the reduced statistics of the call: norm2[nsg] (squared norms),
 // mean_sum[nsg] (may be NULL unless A->centring) and tail[2] (non-finite flag
-// sum, sum of max |x|).  Outputs: widths[nsg] (0, 2, 4, 8), order[nsg] (stream
-// position -> input super-group: live ones in width order 2, 4, 8, each class
-// in input order, then the 0-bit class), stream_of_sg[nsg] (input -> stream
+// sum, sum of max |x|).  Outputs: widths[nsg] (0, 2, 4, 8, 16), order[nsg]
+// (stream position -> input super-group: live ones in width order 2, 4, 8, 16,
+// each class in input order, then the 0-bit class), stream_of_sg[nsg] (input -> stream
 // position, -1 for the 0-bit class) and header[DQ_PLAN_HEADER] (dq_plan.h).
 #pragma once
 #include <stddef.h>

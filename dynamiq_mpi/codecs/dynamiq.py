@@ -3,7 +3,8 @@
 Per call: local statistics (per super-group mean and squared norm of the
 centred values, plus a non-finite flag and max |x|) are all-reduced exactly;
 from the reduced norms every rank computes the same width per super-group (0,
-2, 4 or 8 bits), the same stable reordering into width-homogeneous runs, and
+2, 4 or 8 bits; 16 = raw BF16 with ``bf16_class``), the same stable
+reordering into width-homogeneous runs, and
 the same cut into n chunks of nearly equal wire bytes.  For CuPy inputs all of
 that planning runs on the device; the host learns a handful of numbers (the
 class counts, the threshold, the flags) in one small device-to-host copy.
