@@ -205,7 +205,8 @@ def _widths(info):
     w = info.get("widths")
     if not w:
         return ""
-    text = "/".join(str(w.get(k, w.get(str(k), 0))) for k in (0, 2, 4, 8))
+    keys = (0, 2, 4, 8) + ((16,) if 16 in w or "16" in w else ())   # the 16-bit class
+    text = "/".join(str(w.get(k, w.get(str(k), 0))) for k in keys)
     return text + ("" if info.get("budget_binds", True) else " (budget does not bind)")
 
 

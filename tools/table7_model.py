@@ -153,7 +153,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--n", type=int, default=8192)
     p.add_argument("--nsg", type=int, default=32768, help="super-groups drawn from the mixture")
-    p.add_argument("--budgets", default="5,6,8.5")
+    p.add_argument("--budgets", default="5,6,8.5,8.625")
     p.add_argument("--chain-nsg", type=int, default=16, help="super-groups per chain model")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args()
@@ -171,7 +171,9 @@ def main():
     M = magnitudes(a.nsg, a.seed)
     energy = M ** 2
     F = a.n * energy
-    configs = [("ours (2/4/8, fp32 stats)", 0.25, 8), ("paper (2/4/8/16, bf16 stats)", 0.125, 16)]
+    configs = [("ours (2/4/8, fp32 stats)", 0.25, 8),
+               ("ours, bf16_class (2/4/8/16, fp32)", 0.25, 16),
+               ("paper (2/4/8/16, bf16 stats)", 0.125, 16)]
     print(f"\n{a.nsg} super-groups from the paper's mixture, n = {a.n}; per class: share of "
           f"super-groups (share of energy)")
     print(f"{'budget':>6s} {'configuration':30s} {'ring':>9s} {'butterfly':>9s}  classes")
