@@ -87,8 +87,10 @@ def test_bfloat16_inputs(codec):
 def test_lengths(length, topology):
     seed = shared_seed(comm)
     xs = rank_inputs(seed, N, length)
-    # bits=12: every super-group at 8-bit codes, whatever the padding costs
-    for codec, bound in ((dq.Exact(), None), (dq.DynamiQ(small_input=0, bits=12), 0.05),
+    # bits=18: every super-group at 8-bit codes, whatever the padding costs
+    # (at 12 bits a 257-element input pays two full records and may get 4-bit
+    # codes on both: vNMSE 0.05-0.08 for some seeds, e.g. 3276377185 at n = 8)
+    for codec, bound in ((dq.Exact(), None), (dq.DynamiQ(small_input=0, bits=18), 5e-3),
                          (dq.DynamiQ(small_input=0, bits=5), None)):
         out = dq.allreduce(xs[comm.rank], codec=codec, topology=topology)
         assert out.shape == (length,) and np.all(np.isfinite(out))
