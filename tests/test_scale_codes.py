@@ -63,13 +63,23 @@ def test_hybrid_codes_support_and_unbiasedness():
     # checked by test_codec_reference)
     mean = dec_sum / calls
     sd = np.sqrt(np.maximum(dec_sq / calls - mean ** 2, 0))
-    # (values of at least a quarter of their group max: smaller ones round up
-    # so rarely that 3000 calls see too few ups for a normal test)
-    in_hybrid = np.repeat(hybrid.reshape(-1), 16) & (np.abs(x) >= 0.25 * np.repeat(gmax.reshape(-1), 16))
-    assert np.all(sd[in_hybrid] > 0)
-    tol = 6 * sd / np.sqrt(calls) + 1e-6 * np.repeat(gmax.reshape(-1), 16)
-    err = np.abs(mean - x)
-    assert np.all(err[in_hybrid] <= tol[in_hybrid]), err[in_hybrid].max()
+    # (values of at least a quarter of their group max, in groups whose code
+    # rounds up with probability 0.05..0.95: rarer events are seen too few
+    # times in 3000 calls for a normal test; e.g. a group max just above an
+    # integer number of units almost never rounds its code up, so its top
+    # value decodes the same every call)
+    f = gmax / unit[:, None].astype(np.float64)
+    frac = f - np.floor(f)
+    sampled = hybrid & (frac >= 0.05) & (frac <= 0.95)
+    in_hybrid = np.repeat(sampled.reshape(-1), 16) & (np.abs(x) >= 0.25 * np.repeat(gmax.reshape(-1), 16))
+    assert in_hybrid.any() and np.all(sd[in_hybrid] > 0)
+    # z of each mean against its value: together they must look unbiased
+    # (their average, in standard errors, within 5); one by one, no gross
+    # bias (9: ~700 two-point products at 3000 calls have heavier tails than
+    # a normal, max |z| up to 6.6 in 100 seeds)
+    z = (mean - x)[in_hybrid] / (sd[in_hybrid] / np.sqrt(calls))
+    assert abs(z.mean() * np.sqrt(z.size)) <= 5, z.mean() * np.sqrt(z.size)
+    assert np.all(np.abs(z) <= 9), np.abs(z).max()
 
 def test_hybrid_codes_stop_the_ring_ratchet():
     """512 ranks on a ring, the paper's mixture: the rounded-up codes' scales
