@@ -122,9 +122,12 @@ def _reduce_tile(plan, tile, received, event):
 
 def _finish_and_send(plan, schedule, rank, step, pending, held):
     """Generator: the sink's last fused step of every tile of its chunk, each
-    tile posted to the first all-gather step right after it, then the sink's
-    own decode; the received tiles are decoded last.  Returns bytes sent."""
+    tile posted to the first all-gather step (which sends that chunk) right
+    after it, so no kernel of the chunk waits for the wire; then the sink's own
+    decode; the received tiles are claimed and decoded after the last one.
+    Returns bytes sent."""
     own = schedule.owned_chunk(rank)
+    assert step.phase == schedules.GATHER and step.send_chunk == own, step
     event = schedule.event(rank, own)
     sent, arrived = 0, []
     for send_tile, recv_tile in zip(plan.chunk_tiles[own], plan.chunk_tiles[step.recv_chunk]):
@@ -150,29 +153,15 @@ def run_schedule(plan, schedule, rank):
     pending = defaultdict(list)     # tile -> receive handles of partial sums
     held = {}                       # tile -> final compressed bytes (array or handle)
     sent = 0
-    own = schedule.owned_chunk(rank)
     finalised = False
-
-    def finalise():
-        event = schedule.event(rank, own)
-        for tile in plan.chunk_tiles[own]:
-            final = yield from _reduce_tile(plan, tile, pending.pop(tile, []), event)
-            plan.decode(tile, final)        # the sink adopts its own decoded bytes
-            held[tile] = final
-
     for step in steps:
         if step.phase == schedules.GATHER and not finalised:
+            # every schedule's first all-gather step sends the chunk this rank
+            # has just finished reducing
             yield Mark("all-gather")
             finalised = True
-            if step.send_chunk == own:
-                # The first all-gather step sends the chunk this rank just
-                # finished: each tile goes out as soon as its last fused step
-                # is enqueued (not after every tile's), and the received tiles
-                # are claimed after the last one, so no kernel of this chunk
-                # waits for the wire.
-                sent += yield from _finish_and_send(plan, schedule, rank, step, pending, held)
-                continue
-            yield from finalise()
+            sent += yield from _finish_and_send(plan, schedule, rank, step, pending, held)
+            continue
         event = schedule.event(rank, step.send_chunk)
         for send_tile, recv_tile in zip(plan.chunk_tiles[step.send_chunk],
                                         plan.chunk_tiles[step.recv_chunk]):
@@ -193,8 +182,6 @@ def run_schedule(plan, schedule, rank):
                 held[recv_tile] = handle
                 buf = yield Claim(handle)
                 plan.decode(recv_tile, buf)
-    if not finalised:
-        yield from finalise()
     return sent
 
 

@@ -64,6 +64,10 @@ def test_all_gather_delivers_every_chunk_once(topology, n):
             assert c not in have[d]
             have[d].add(c)
     assert all(have[r] == set(range(n)) for r in range(n))
+    # the engine sends each finished tile straight into the first all-gather
+    # step: that step must send the chunk the rank is the sink of
+    for r in range(n):
+        assert s.steps[r][n - 1].send_chunk == s.owned_chunk(r)
 
 
 def test_butterfly_depth_is_log_n():
