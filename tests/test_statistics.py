@@ -12,12 +12,13 @@ from dynamiq_mpi.codecs.levels import build_tables
 from helpers import exact_sum, fresh_seed, rank_inputs, vnmse
 
 
-def errors_over_calls(xs, codec, topology, calls):
+def errors_over_calls(xs, codec, topology, calls, first_counter=0):
     """(calls x length) float64 errors of successive calls (fresh randomness each)."""
     ref = exact_sum(xs)
     errs = np.empty((calls, ref.shape[0]))
     for t in range(calls):
-        out = dq.simulate_allreduce(xs, codec=codec, topology=topology, seed=7, counter=t)[0]
+        out = dq.simulate_allreduce(xs, codec=codec, topology=topology, seed=7,
+                                    counter=first_counter + t)[0]
         errs[t] = out.astype(np.float64) - ref
     return errs
 
@@ -34,13 +35,24 @@ def test_unbiased_without_correlated_rounding(topology):
     * per super-group error sums (256 coordinates: close to normal) have
       |z| < 5: false-alarm rate ~1e-5 for the 6 super-groups.
     Per-coordinate z-scores are not used: 2-bit codes of heavy-tailed groups
-    give coordinates whose error is a rare large jump, far from normal at T = 400."""
+    give coordinates whose error is a rare large jump, far from normal at T = 400.
+    Those jumps also push R above 1.35 now and then (1.46 for seed 3418237187,
+    butterfly; 0.95 for the same inputs at T = 1600): an R over the bound is
+    re-judged on 1200 more calls, where a 1 % bias would give R ~ 20."""
     seed = fresh_seed()
     xs = rank_inputs(seed, 4, 256 * 5 + 37)
-    errs = errors_over_calls(xs, dq.DynamiQ(small_input=0, bits=4, correlated=False), topology, 400)
+    codec = dq.DynamiQ(small_input=0, bits=4, correlated=False)
+    errs = errors_over_calls(xs, codec, topology, 400)
+
+    def r_of(errs):
+        return np.sum(errs.mean(axis=0) ** 2) / np.sum(errs.var(axis=0, ddof=1) / errs.shape[0])
+    ratio = r_of(errs)
+    if ratio >= 1.35:
+        more = errors_over_calls(xs, codec, topology, 1200, first_counter=400)
+        errs = np.concatenate([errs, more])
+        ratio = r_of(errs)
     calls, length = errs.shape
-    ratio = np.sum(errs.mean(axis=0) ** 2) / np.sum(errs.var(axis=0, ddof=1) / calls)
-    assert ratio < 1.35, f"seed {seed}: R = {ratio:.3f}"
+    assert ratio < 1.35, f"seed {seed}: R = {ratio:.3f} over {calls} calls"
     sums = np.add.reduceat(errs, np.arange(0, length, 256), axis=1)
     z = sums.mean(axis=0) / (sums.std(axis=0, ddof=1) / np.sqrt(calls))
     assert np.max(np.abs(z)) < 5.0, f"seed {seed}: z = {np.round(z, 2)}"
