@@ -36,13 +36,14 @@ class Collective:
     docs/cuda_aware_mpi.md) or "mpi".  ``report.transport`` says which ran and
     ``report.transport_reason`` why.  ``tile_bytes``: bytes of
     compressed stream per message (the pipeline's unit).  ``lanes``: NCCL
-    communicators (and streams) one large message is split over
-    (default ``$DYNAMIQ_NCCL_LANES`` or 1).  ``DYNAMIQ_NCCL_PAIR_ALLGATHER=1``
+    communicators (and streams) one large message is split over (default
+    ``$DYNAMIQ_NCCL_LANES``, else "auto": 4 where NCCL links the ranks through
+    shared memory, 1 elsewhere; ``report.transport_reason`` says which).  ``DYNAMIQ_NCCL_PAIR_ALLGATHER=1``
     makes a two-rank exchange one NCCL all-gather (measured slower here).
     """
 
     def __init__(self, comm=None, transport: str = "auto", tile_bytes: int = DEFAULT_TILE_BYTES,
-                 lanes: int | None = None):
+                 lanes: int | str | None = None):
         if comm is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD
@@ -51,7 +52,16 @@ class Collective:
         self.parent = comm
         self.transport = transport
         self.tile_bytes = int(tile_bytes)
-        self.lanes = int(lanes if lanes is not None else os.environ.get("DYNAMIQ_NCCL_LANES", 1))
+        if lanes is None:
+            lanes = os.environ.get("DYNAMIQ_NCCL_LANES", "auto")
+        if lanes != "auto":
+            try:
+                lanes = int(lanes)
+            except (TypeError, ValueError):
+                lanes = 0
+            if lanes < 1:
+                raise ValueError(f"lanes must be a positive integer or 'auto', got {lanes!r}")
+        self.lanes = lanes
         self._mpi = MPITransport(comm)
         self.rank, self.size = self._mpi.rank, self._mpi.size
         self._nccl = {}
@@ -125,6 +135,8 @@ class Collective:
         if want_report and metas is not None and len(metas) == self.size:
             # the why of the choice the engine made from the same records
             report.transport_reason = explain_transport(metas[0]["transport"], metas)[1]
+            if getattr(data, "lanes_why", None):
+                report.transport_reason += f"; {data.lanes_why}"
         return out, report
 
     def _route(self, transport, x):

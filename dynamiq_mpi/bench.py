@@ -230,7 +230,8 @@ def run(args) -> list:
                            tiles_per_chunk=rep.tiles_per_chunk,
                            fallback=rep.codec_info.get("fallback", ""),
                            widths=rep.codec_info.get("widths"),
-                           array_code=bool(use_gpu and not codec.fused_gpu))
+                           array_code=bool(use_gpu and not codec.fused_gpu),
+                           transport_reason=rep.transport_reason)
                 if args.breakdown:
                     row["phases_us"] = {k: v * 1e6 for k, v in rep.phases.items()
                                         if k != "timeline"}
@@ -289,6 +290,9 @@ def print_table(rows, n, device, args):
               f"{r['algbw']:7.2f} {r['busbw']:7.2f} {r['vnmse']:9.2e} {r['wrong']:>6d} {sp:>7s}{note}")
     wrong = sum(r["wrong"] for r in rows)
     print(f"# out of bounds values (#wrong total): {wrong}")
+    reasons = sorted({r["transport_reason"] for r in rows if r.get("transport_reason")})
+    if reasons:
+        print("# transport: " + " | ".join(reasons))
     if args.breakdown:
         print("# breakdown of one profiled call per row (us; phases serialised; kernels / wire / "
               "idle inside the data phases)")
@@ -330,7 +334,9 @@ def add_arguments(p):
                         "--iters calls each (reported: the mean), so link drift hits all alike")
     p.add_argument("--tile-bytes", default=None,
                    help="compressed bytes per message (default: the library's, 32M)")
-    p.add_argument("--lanes", type=int, default=None, help="NCCL communicators per message")
+    p.add_argument("--lanes", default=None,
+                   help="NCCL communicators per message: a count or auto (default: "
+                        "$DYNAMIQ_NCCL_LANES, else auto)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-reference", action="store_true", help="skip the uncompressed reference row")
     p.add_argument("--breakdown", action="store_true", help="time per phase (one profiled call per row)")

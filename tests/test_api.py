@@ -103,3 +103,43 @@ def test_large_world_in_simulation():
         errs[topo] = vnmse(outs[0], exact_sum(xs))
     # 64 quantizations per coordinate on the ring, 7 on the butterfly
     assert errs["butterfly"] < errs["ring"] / 3 < 0.01 / 3, errs
+
+
+def test_auto_lanes_rule():
+    """lanes="auto": 4 lanes of >= 4 MiB slices only where NCCL links the ranks
+    through shared memory (one host, point-to-point disabled, shared memory
+    not); one lane on NVLink, sockets and between hosts."""
+    from dynamiq_mpi.transports.nccl import (MIN_LANE_BYTES, SHM_LANE_BYTES, SHM_LANES,
+                                             auto_lanes, link_record)
+
+    def rec(host="a", p2p=False, shm=False):
+        return {"host": host, "p2p_disabled": p2p, "shm_disabled": shm}
+
+    assert auto_lanes([rec(p2p=True), rec(p2p=True)])[:2] == (SHM_LANES, SHM_LANE_BYTES)
+    assert "shared-memory" in auto_lanes([rec(p2p=True)] * 3)[2]
+    for records in ([rec(), rec()],                                   # NVLink / default
+                    [rec(p2p=True, shm=True)] * 2,                     # sockets
+                    [rec(p2p=True), rec(p2p=True, shm=True)],          # ranks disagree
+                    [rec(p2p=True), rec(p2p=False)],
+                    [rec("a", p2p=True), rec("b", p2p=True)],          # two hosts
+                    [rec(p2p=True)]):                                  # one rank
+        assert auto_lanes(records) == (1, MIN_LANE_BYTES, "1 lane"), records
+    # the environment's spellings
+    assert link_record({"NCCL_P2P_DISABLE": "1"})["p2p_disabled"]
+    assert not link_record({"NCCL_P2P_DISABLE": "0"})["p2p_disabled"]
+    assert not link_record({})["shm_disabled"]
+    assert link_record({"NCCL_SHM_DISABLE": "yes"})["shm_disabled"]
+
+
+@pytest.mark.parametrize("bad", [0, -2, "two", 1.5j])
+def test_bad_lanes_are_refused(bad):
+    with pytest.raises(ValueError, match="lanes"):
+        dq.Collective(MPI.COMM_SELF, lanes=bad)
+
+
+def test_lanes_default_from_environment(monkeypatch):
+    monkeypatch.setenv("DYNAMIQ_NCCL_LANES", "3")
+    assert dq.Collective(MPI.COMM_SELF).lanes == 3
+    monkeypatch.delenv("DYNAMIQ_NCCL_LANES")
+    assert dq.Collective(MPI.COMM_SELF).lanes == "auto"
+    assert dq.Collective(MPI.COMM_SELF, lanes="2").lanes == 2

@@ -1,7 +1,7 @@
 #!/bin/bash
 # The fast-path run on a two-GPU machine (device kind nvidia-h200-x2), one call:
 #   bash tools/device_fastpath.sh [STAGES]   STAGES: any of build tests profile ncu timeline
-#                                            nvlink shm sockets probe tune hostid lanes mx
+#                                            nvlink shm sockets probe tune hostid lanes mx agprobe pairab sockset
 # build: the extension in place; tests: GPU kernel/planner tests, then the MPI
 # suites with CuPy arrays over NCCL and host-staged MPI (one rank per GPU);
 # nvlink/shm/sockets: `python -m dynamiq_mpi bench` against NCCL's own BF16
@@ -179,6 +179,44 @@ if has mx; then
   done
 fi
 
+# Raw all-gather against point-to-point and the all-reduce (same bytes each way),
+# then DynamiQ with its two-rank exchanges as all-gathers, alternating, same job
+if has agprobe; then
+  for probe in "sockets tuned:$SOCKETS $TUNED" "shm:$SHM" "nvlink:"; do
+    name=${probe%%:*}; envs=${probe#*:}
+    echo "== agprobe raw $name ($envs)" | tee -a "$OUT/agprobe.txt"
+    env $envs timeout 90 mpiexec -n 2 $PY tools/p2p_probe.py --sizes 2M,8M,42M --split 1 --allgather 2>&1 \
+      | grep -v '^\[' | tee -a "$OUT/agprobe.txt"
+  done
+  for pair in 0 1 0 1; do
+    echo "== agprobe sockets tuned, pair all-gather=$pair" | tee -a "$OUT/agprobe.txt"
+    env $SOCKETS $TUNED DYNAMIQ_NCCL_PAIR_ALLGATHER=$pair timeout 120 mpiexec -n 2 $BENCH --rounds 1 \
+      --codec dynamiq:5 --sizes 16M,256M --json "$OUT/bench_agprobe_$pair.json" 2>&1 | grep -v '^\[' \
+      | grep -E "^ +[0-9]" | tee -a "$OUT/agprobe.txt"
+  done
+fi
+if has pairab; then   # the same, alternating in one process (tools/pair_ab.py)
+  for probe in "sockets tuned:$SOCKETS $TUNED:23,26,27" "sockets default:$SOCKETS:23,27" "shm:$SHM:26,27"; do
+    IFS=: read -r name envs sizes <<<"$probe"
+    echo "== pairab $name ($envs)" | tee -a "$OUT/pairab.txt"
+    env $envs timeout 150 mpiexec -n 2 $PY tools/pair_ab.py --sizes $sizes --rounds ${PAIRAB_ROUNDS:-3} $PAIRAB_ARGS 2>&1 \
+      | grep -v '^\[' | tee -a "$OUT/pairab.txt"
+  done
+fi
+# Socket settings for both sides: NCCL's all-reduce and our two variants, same process
+if has sockset; then
+  for probe in "N4 T4 C8:NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4 NCCL_MIN_NCHANNELS=8" \
+               "N4 T2 C8:NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=2 NCCL_MIN_NCHANNELS=8" \
+               "N8 T1 C8:NCCL_NSOCKS_PERTHREAD=8 NCCL_SOCKET_NTHREADS=1 NCCL_MIN_NCHANNELS=8" \
+               "N2 T2 C8:NCCL_NSOCKS_PERTHREAD=2 NCCL_SOCKET_NTHREADS=2 NCCL_MIN_NCHANNELS=8" \
+               "N4 T4 C4:NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4 NCCL_MIN_NCHANNELS=4" \
+               "N4 T2 C4:NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=2 NCCL_MIN_NCHANNELS=4"; do
+    name=${probe%%:*}; envs=${probe#*:}
+    echo "== sockset $name ($envs)" | tee -a "$OUT/sockset.txt"
+    env $SOCKETS $envs timeout 100 mpiexec -n 2 $PY tools/pair_ab.py --sizes ${SOCKSET_SIZES:-26,27} --rounds 2 2>&1 \
+      | grep -v '^\[' | grep -v "^#" | tee -a "$OUT/sockset.txt"
+  done
+fi
 if has probe; then   # the pair all-gather against send/receive, 2^27 elements
   for link in "sockets:$SOCKETS $TUNED" "shm:NCCL_P2P_DISABLE=1" "nvlink:"; do
     for pair in 1 0; do

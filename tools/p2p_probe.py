@@ -4,7 +4,9 @@ ranks, one GPU each): how fast can our exchanges go?
 For each message size: one grouped send + receive of `size` bytes with the
 peer (`--split k`: the message cut into k sends and k receives in the same
 group; `--comms c`: the pieces spread over c communicators, each on its own
-stream, as our transport's lanes), timed with CUDA events over `--iters`
+stream, as our transport's lanes; `--allgather`: also the same bytes as one
+NCCL all-gather of two `size`-byte parts, in place, which uses the
+collective's channels instead of point-to-point's), timed with CUDA events over `--iters`
 calls (median), as GB/s per direction; beside it NCCL's all-reduce of `size` bytes of BF16 (its algbw:
 per direction, for two ranks). Run it under the NCCL environment to probe:
 
@@ -28,6 +30,7 @@ def main():
     ap.add_argument("--split", default="1,4")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--comms", default="1", help="communicators (lanes) to spread over, e.g. 1,2")
+    ap.add_argument("--allgather", action="store_true", help="also time an in-place all-gather")
     args = ap.parse_args()
     import cupy as cp
     from cupy.cuda import nccl
@@ -53,6 +56,16 @@ def main():
         ar = cp.ones(nbytes // 2, cp.float16)   # BF16-sized payload (NCCL has no bf16 in CuPy's enum)
         t_ar = 1e-3 * event_ms(cp, lambda: nc.allReduce(ar.data.ptr, ar.data.ptr, ar.size, nccl.NCCL_FLOAT16,
                                               nccl.NCCL_SUM, stream.ptr), args.iters)
+        if args.allgather:      # the peer's part lands beside ours: same bytes each way
+            both = cp.zeros(2 * nbytes, cp.uint8)
+            t = 1e-3 * event_ms(cp, lambda: nc.allGather(both.data.ptr + rank * nbytes, both.data.ptr, nbytes,
+                                                     nccl.NCCL_UINT8, stream.ptr), args.iters)
+            worst = comm.allreduce(t, op=MPI.MAX)
+            worst_ar = comm.allreduce(t_ar, op=MPI.MAX)
+            if rank == 0:
+                print(f"{nbytes:>11d} {'1':>5s} {'AG':>5s} {worst * 1e3:8.3f} "
+                      f"{nbytes / worst / 1e9:9.1f} {worst_ar * 1e3:12.3f} "
+                      f"{nbytes / worst_ar / 1e9:14.1f}", flush=True)
         for ncomm in (int(v) for v in args.comms.split(",")):
             for k in (int(v) for v in args.split.split(",")):
                 k = max(k, ncomm)

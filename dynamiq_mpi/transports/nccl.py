@@ -33,6 +33,40 @@ _status = None
 MIN_LANE_BYTES = 1 << 20
 # Lane slices start at multiples of this (the wire slots' alignment).
 LANE_ALIGN = 256
+# lanes="auto" on a shared-memory link: 4 communicators, slices of >= 4 MiB
+# (measured on 2x H200, docs/benchmarks.md 2.0d/2.0f: 4 lanes took 2^26-2^28
+# from 1.9-2.3x to 2.1-2.6x NCCL's all-reduce, while slicing the 2.6 MB
+# messages of 2^23 cost a third; 4 MiB slices leave those whole).
+SHM_LANES, SHM_LANE_BYTES = 4, 4 << 20
+
+
+def _env_on(value) -> bool:
+    return str(value or "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def link_record(environ=None) -> dict:
+    """What this rank knows of the link NCCL will use for it (gathered by
+    every rank to choose the lanes alike)."""
+    import os
+    import socket
+    env = os.environ if environ is None else environ
+    return {"host": socket.gethostname(), "p2p_disabled": _env_on(env.get("NCCL_P2P_DISABLE")),
+            "shm_disabled": _env_on(env.get("NCCL_SHM_DISABLE"))}
+
+
+def auto_lanes(records) -> tuple:
+    """(lanes, lane_bytes, why) for ``lanes="auto"``, a pure function of every
+    rank's :func:`link_record`: more lanes only where NCCL links the ranks
+    through shared memory (one host, point-to-point disabled, shared memory
+    not), where NCCL gives a peer 2 point-to-point channels and several
+    communicators win the link back; one lane elsewhere (NVLink, sockets:
+    measured slower with more)."""
+    one_host = len({r["host"] for r in records}) == 1
+    if (len(records) > 1 and one_host and all(r["p2p_disabled"] for r in records)
+            and not any(r["shm_disabled"] for r in records)):
+        return SHM_LANES, SHM_LANE_BYTES, (f"{SHM_LANES} lanes: shared-memory link "
+                                           "(one host, NCCL_P2P_DISABLE)")
+    return 1, MIN_LANE_BYTES, "1 lane"
 
 
 def nccl_status():
@@ -122,15 +156,18 @@ def _union(intervals):
 class NCCLTransport(RequestAnswers):
     name = "nccl"
 
-    def __init__(self, mpi_comm, device_id: int, lanes: int = 1, lane_bytes: int = MIN_LANE_BYTES,
+    def __init__(self, mpi_comm, device_id: int, lanes=1, lane_bytes: int | None = None,
                  modules=None, pair_allgather=None):
         """``modules``: (cupy, cupy.cuda.nccl) or stand-ins with the same
         interface (the CPU tests drive this class with a fake that maps NCCL
         point-to-point onto MPI).  ``pair_allgather`` (two ranks only, off by
         default): an exchange with the one peer as an NCCL all-gather of the
         two messages instead of a send/receive pair, to use the collective's
-        channels; measured slower on every link of the 2x H200 machine
-        (docs/benchmarks.md), kept as an option for other fabrics."""
+        channels; measured slower on NVLink and shared memory, and better or
+        worse on sockets depending on the host (docs/benchmarks.md 2.0f), kept
+        as an option for other fabrics.  ``lanes="auto"``: see
+        :func:`auto_lanes` (the ranks gather their :func:`link_record`);
+        ``lane_bytes`` then defaults to the rule's."""
         if modules is None:
             import cupy
             from cupy.cuda import nccl
@@ -140,8 +177,13 @@ class NCCLTransport(RequestAnswers):
         self.mpi = self.agreement_comm = mpi_comm
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.device_id = int(device_id)
+        if lanes == "auto":
+            lanes, auto_bytes, self.lanes_why = auto_lanes(mpi_comm.allgather(link_record()))
+            lane_bytes = auto_bytes if lane_bytes is None else lane_bytes
+        else:
+            self.lanes_why = f"{int(lanes)} lane{'s' if int(lanes) != 1 else ''}: requested"
         self.lanes = max(1, int(lanes))
-        self.lane_bytes = max(1, int(lane_bytes))
+        self.lane_bytes = max(1, int(MIN_LANE_BYTES if lane_bytes is None else lane_bytes))
         ids = [nccl.get_unique_id() for _ in range(self.lanes)] if self.rank == 0 else None
         ids = mpi_comm.bcast(ids, root=0)
         with cupy.cuda.Device(self.device_id):

@@ -68,6 +68,36 @@ def test_nccl_transport_logic_equals_simulation(fake_nccl, codec, topology):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("p2p_disabled", [False, True])
+def test_auto_lanes_agree_on_every_rank(monkeypatch, p2p_disabled):
+    """lanes="auto" gathers every rank's link record: all ranks of this one
+    host make the same number of communicators, and the result is the one
+    lane's (the cut over lanes does not change a byte)."""
+    if p2p_disabled:
+        monkeypatch.setenv("NCCL_P2P_DISABLE", "1")
+    else:
+        monkeypatch.delenv("NCCL_P2P_DISABLE", raising=False)
+    monkeypatch.delenv("NCCL_SHM_DISABLE", raising=False)
+    cupy, nccl = fake_modules()
+    t = NCCLTransport(comm.Dup(), 0, lanes="auto", modules=(cupy, nccl))
+    try:
+        one_host = len(set(comm.allgather(MPI.Get_processor_name()))) == 1
+        expected = 4 if p2p_disabled and one_host else 1
+        assert t.lanes == expected and len(t.comms) == expected
+        assert same_everywhere(comm, f"{t.lanes} {t.lane_bytes} {t.lanes_why}")
+        seed = shared_seed(comm)
+        xs = rank_inputs(seed, N, 256 * 23 + 7)
+        codec = dq.DynamiQ(bits=5, small_input=0)
+        spec = CallSpec(codec, "ring", "sum", seed % 991, 1, "auto", 1 << 20)
+        out, _ = run_on(t, xs[comm.rank], spec)
+        sim = dq.simulate_allreduce(xs, codec=codec, seed=seed % 991, counter=1,
+                                    tile_bytes=1 << 20)[comm.rank]
+        assert digest(out) == digest(sim), f"seed {seed}"
+    finally:
+        t.free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_lane_slices_are_aligned_and_cover_the_message(fake_nccl):
     transport, _ = fake_nccl
     if transport.pair_allgather:
