@@ -1,7 +1,7 @@
 #!/bin/bash
 # The fast-path run on a two-GPU machine (device kind nvidia-h200-x2), one call:
 #   bash tools/device_fastpath.sh [STAGES]   STAGES: any of build tests profile ncu timeline
-#                                            nvlink shm sockets probe tune hostid lanes mx agprobe pairab sockset
+#                                            nvlink shm sockets probe tune hostid lanes mx agprobe pairab sockset shm1
 # build: the extension in place; tests: GPU kernel/planner tests, then the MPI
 # suites with CuPy arrays over NCCL and host-staged MPI (one rank per GPU);
 # nvlink/shm/sockets: `python -m dynamiq_mpi bench` against NCCL's own BF16
@@ -89,6 +89,7 @@ run_bench() {   # name, env, bench args
 }
 has nvlink && run_bench nvlink "" --sizes 2M,16M,128M,256M,512M --breakdown
 has shm && run_bench shm "$SHM" --sizes 16M,128M,256M,512M --breakdown
+has shm1 && run_bench shm_1lane "$SHM DYNAMIQ_NCCL_LANES=1" --sizes 16M,128M,256M,512M
 has sockets && run_bench sockets_tuned "$SOCKETS $TUNED" --sizes 2M,16M,64M,128M,256M,512M --breakdown
 has sockets && run_bench sockets_default "$SOCKETS" --sizes 16M,256M
 if has tune; then   # socket and shm settings for the point-to-point path, 2^27 elements, same-run ratios
