@@ -38,7 +38,8 @@ class Collective:
     compressed stream per message (the pipeline's unit).  ``lanes``: NCCL
     communicators (and streams) one large message is split over (default
     ``$DYNAMIQ_NCCL_LANES``, else "auto": 4 where NCCL links the ranks through
-    shared memory, 1 elsewhere; ``report.transport_reason`` says which).  ``DYNAMIQ_NCCL_PAIR_ALLGATHER=1``
+    shared memory, 1 elsewhere; ``report.transport_reason`` says which;
+    ``$DYNAMIQ_NCCL_LANE_BYTES`` sets the smallest slice a lane gets).  ``DYNAMIQ_NCCL_PAIR_ALLGATHER=1``
     makes a two-rank exchange one NCCL all-gather (measured slower here).
     """
 
@@ -151,7 +152,9 @@ class Collective:
         if device not in self._nccl:          # every rank gets here in the same call
             from .transports.nccl import NCCLTransport
             pair = os.environ.get("DYNAMIQ_NCCL_PAIR_ALLGATHER")
+            lane_bytes = os.environ.get("DYNAMIQ_NCCL_LANE_BYTES")
             self._nccl[device] = NCCLTransport(self._mpi.comm, device, self.lanes,
+                                               int(lane_bytes) if lane_bytes else None,
                                                pair_allgather=pair == "1")
         return self._nccl[device]
 

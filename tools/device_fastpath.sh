@@ -22,7 +22,7 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_
        OMPI_MCA_hwloc_base_binding_policy=none
 export NCCL_NVLS_ENABLE=0                       # the machine's rule: no NVLink multicast
 PY=python3
-BENCH="$PY -m dynamiq_mpi bench --dtype bf16 --codec dynamiq:5,bf16 --topology ring -w 3 -n 5 --rounds 2"
+BENCH="$PY -m dynamiq_mpi bench --dtype bf16 --codec dynamiq:5,bf16 --topology ring -w 3 -n ${BENCH_ITERS:-5} --rounds 2"
 SOCKETS="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
 # Shared memory: point-to-point chunks of 512 KiB (the largest the default 4 MiB
 # buffers allow; NCCL's 128 KiB default for ranks of one node without NVLink);
