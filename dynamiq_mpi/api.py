@@ -39,8 +39,9 @@ class Collective:
     communicators (and streams) one large message is split over (default
     ``$DYNAMIQ_NCCL_LANES``, else "auto": 4 where NCCL links the ranks through
     shared memory, 1 elsewhere; ``report.transport_reason`` says which;
-    ``$DYNAMIQ_NCCL_LANE_BYTES`` sets the smallest slice a lane gets).  ``DYNAMIQ_NCCL_PAIR_ALLGATHER=1``
-    makes a two-rank exchange one NCCL all-gather (measured slower here).
+    ``$DYNAMIQ_NCCL_LANE_BYTES`` sets the smallest slice a lane gets).
+    ``DYNAMIQ_NCCL_PAIR_ALLGATHER=1`` makes a two-rank exchange one NCCL
+    all-gather (measured slower here, docs/benchmarks.md 2.0f).
     """
 
     def __init__(self, comm=None, transport: str = "auto", tile_bytes: int = DEFAULT_TILE_BYTES,

@@ -28,9 +28,10 @@ SOCKETS="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
 # buffers allow; NCCL's 128 KiB default for ranks of one node without NVLink);
 # NCCL's all-reduce does not read it (measured equal, 2026-11-23 chunks stage).
 SHM="NCCL_P2P_DISABLE=1 NCCL_P2P_PCI_CHUNKSIZE=524288"
-# Socket settings found best for both sides (spec section 7): more sockets and
-# threads and channels for the all-reduce, 2 MiB chunks for point-to-point.
-TUNED="NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=4 NCCL_MIN_NCHANNELS=8 NCCL_P2P_NET_CHUNKSIZE=2097152 NCCL_NCHANNELS_PER_NET_PEER=4"
+# Socket settings found best for both sides (docs/benchmarks.md 2.0f: NCCL's
+# all-reduce was fastest with 1-2 threads per connection and 8 channels; our
+# point-to-point needs the 2 MiB chunks and 4 channels per peer).
+TUNED="NCCL_NSOCKS_PERTHREAD=2 NCCL_SOCKET_NTHREADS=2 NCCL_MIN_NCHANNELS=8 NCCL_P2P_NET_CHUNKSIZE=2097152 NCCL_NCHANNELS_PER_NET_PEER=4"
 { date -u; nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -5
   $PY -c "import cupy, mpi4py, numpy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version(), 'mpi4py', mpi4py.__version__, 'numpy', numpy.__version__)"
   git log --oneline -1 2>/dev/null; } 2>&1 | tee "$OUT/env.txt"
@@ -214,7 +215,7 @@ if has sockset; then
                "N4 T2 C4:NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=2 NCCL_MIN_NCHANNELS=4"; do
     name=${probe%%:*}; envs=${probe#*:}
     echo "== sockset $name ($envs)" | tee -a "$OUT/sockset.txt"
-    env $SOCKETS $envs timeout 100 mpiexec -n 2 $PY tools/pair_ab.py --sizes ${SOCKSET_SIZES:-26,27} --rounds 2 2>&1 \
+    env $SOCKETS $envs NCCL_P2P_NET_CHUNKSIZE=2097152 NCCL_NCHANNELS_PER_NET_PEER=4 timeout 100 mpiexec -n 2 $PY tools/pair_ab.py --sizes ${SOCKSET_SIZES:-26,27} --rounds 2 2>&1 \
       | grep -v '^\[' | grep -v "^#" | tee -a "$OUT/sockset.txt"
   done
 fi
