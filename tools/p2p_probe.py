@@ -24,6 +24,16 @@ def parse_size(s):
     return int(float(s[:-1]) * units[s[-1]]) if s[-1] in units else int(s)
 
 
+def report(comm, nbytes, ncomm, split, t, t_ar):
+    """One row: the slowest rank's exchange and all-reduce times, as GB/s per direction."""
+    worst = comm.allreduce(t, op=MPI.MAX)
+    worst_ar = comm.allreduce(t_ar, op=MPI.MAX)
+    if comm.rank == 0:
+        print(f"{nbytes:>11d} {ncomm:>5} {split:>5} {worst * 1e3:8.3f} "
+              f"{nbytes / worst / 1e9:9.1f} {worst_ar * 1e3:12.3f} "
+              f"{nbytes / worst_ar / 1e9:14.1f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="4M,21M,42M")
@@ -60,12 +70,7 @@ def main():
             both = cp.zeros(2 * nbytes, cp.uint8)
             t = 1e-3 * event_ms(cp, lambda: nc.allGather(both.data.ptr + rank * nbytes, both.data.ptr, nbytes,
                                                      nccl.NCCL_UINT8, stream.ptr), args.iters)
-            worst = comm.allreduce(t, op=MPI.MAX)
-            worst_ar = comm.allreduce(t_ar, op=MPI.MAX)
-            if rank == 0:
-                print(f"{nbytes:>11d} {'1':>5s} {'AG':>5s} {worst * 1e3:8.3f} "
-                      f"{nbytes / worst / 1e9:9.1f} {worst_ar * 1e3:12.3f} "
-                      f"{nbytes / worst_ar / 1e9:14.1f}", flush=True)
+            report(comm, nbytes, 1, "AG", t, t_ar)
         for ncomm in (int(v) for v in args.comms.split(",")):
             for k in (int(v) for v in args.split.split(",")):
                 k = max(k, ncomm)
@@ -87,12 +92,7 @@ def main():
                         done.record(lane)
                         stream.wait_event(done)
                 t = 1e-3 * event_ms(cp, exchange, args.iters)
-                worst = comm.allreduce(t, op=MPI.MAX)
-                worst_ar = comm.allreduce(t_ar, op=MPI.MAX)
-                if rank == 0:
-                    print(f"{nbytes:>11d} {ncomm:>5d} {k:>5d} {worst * 1e3:8.3f} "
-                          f"{nbytes / worst / 1e9:9.1f} {worst_ar * 1e3:12.3f} "
-                          f"{nbytes / worst_ar / 1e9:14.1f}", flush=True)
+                report(comm, nbytes, ncomm, k, t, t_ar)
     for c in ncs:
         c.destroy()
 
