@@ -64,6 +64,11 @@ class Collective:
             if lanes < 1:
                 raise ValueError(f"lanes must be a positive integer or 'auto', got {lanes!r}")
         self.lanes = lanes
+        lane_bytes = os.environ.get("DYNAMIQ_NCCL_LANE_BYTES")
+        if lane_bytes is not None and not (lane_bytes.strip().isdigit() and int(lane_bytes) > 0):
+            raise ValueError("DYNAMIQ_NCCL_LANE_BYTES must be a positive number of bytes, "
+                             f"got {lane_bytes!r}")
+        self.lane_bytes = int(lane_bytes) if lane_bytes is not None else None
         self._mpi = MPITransport(comm)
         self.rank, self.size = self._mpi.rank, self._mpi.size
         self._nccl = {}
@@ -153,10 +158,8 @@ class Collective:
         if device not in self._nccl:          # every rank gets here in the same call
             from .transports.nccl import NCCLTransport
             pair = os.environ.get("DYNAMIQ_NCCL_PAIR_ALLGATHER")
-            lane_bytes = os.environ.get("DYNAMIQ_NCCL_LANE_BYTES")
             self._nccl[device] = NCCLTransport(self._mpi.comm, device, self.lanes,
-                                               int(lane_bytes) if lane_bytes else None,
-                                               pair_allgather=pair == "1")
+                                               self.lane_bytes, pair_allgather=pair == "1")
         return self._nccl[device]
 
     def _fence_stream(self):

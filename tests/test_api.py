@@ -143,3 +143,9 @@ def test_lanes_default_from_environment(monkeypatch):
     monkeypatch.delenv("DYNAMIQ_NCCL_LANES")
     assert dq.Collective(MPI.COMM_SELF).lanes == "auto"
     assert dq.Collective(MPI.COMM_SELF, lanes="2").lanes == 2
+    monkeypatch.setenv("DYNAMIQ_NCCL_LANE_BYTES", "4096")
+    assert dq.Collective(MPI.COMM_SELF).lane_bytes == 4096
+    for bad in ("0", "-5", "4M", ""):
+        monkeypatch.setenv("DYNAMIQ_NCCL_LANE_BYTES", bad)
+        with pytest.raises(ValueError, match="DYNAMIQ_NCCL_LANE_BYTES"):
+            dq.Collective(MPI.COMM_SELF)
