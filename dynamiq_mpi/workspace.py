@@ -58,12 +58,7 @@ class Workspace:
         key = (xp.__name__, _device_of(xp), name)
         held = self._filled.get(key)
         if held is None or held[1] != fill or held[0] < count or held[2] != np.dtype(dtype):
-            if fill == "zeros":
-                view[:] = 0
-            elif fill == "arange":
-                view[:] = xp.arange(count, dtype=dtype)
-            else:
-                raise ValueError(f"unknown fill {fill!r}")
+            _fill(xp, view, fill)
             self._filled[key] = (count, fill, np.dtype(dtype))
         return view
 
@@ -89,6 +84,17 @@ class Workspace:
         self._slices.clear()
 
 
+def _fill(xp, view, fill: str):
+    """Write a constant's content ("zeros" or "arange") into ``view``."""
+    if fill == "zeros":
+        view[:] = 0
+    elif fill == "arange":
+        view[:] = xp.arange(view.shape[0], dtype=view.dtype)
+    else:
+        raise ValueError(f"unknown fill {fill!r}")
+    return view
+
+
 class _Fresh:
     """Allocates a new buffer every time (no reuse)."""
 
@@ -99,11 +105,7 @@ class _Fresh:
         return array[a:b]
 
     def constant(self, xp, name: str, count: int, dtype, fill: str):
-        if fill == "zeros":
-            return xp.zeros(int(count), dtype=dtype)
-        if fill == "arange":
-            return xp.arange(int(count), dtype=dtype)
-        raise ValueError(f"unknown fill {fill!r}")
+        return _fill(xp, xp.empty(int(count), dtype=dtype), fill)
 
 
 FRESH = _Fresh()

@@ -15,7 +15,7 @@ forwarded and decoded from where it landed.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -108,6 +108,9 @@ class Tiling:
     offsets: list       # tile -> byte offset of its slot in the wire buffer (aligned)
     nbytes: list        # tile -> bytes
     wire_bytes: int     # size of the wire buffer (slots plus alignment padding)
+    # what codecs derive from this tiling alone (tile_stream hands the same
+    # Tiling to every call with the same runs, so it is computed once)
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def chunk_nbytes(self):

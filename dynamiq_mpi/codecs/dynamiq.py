@@ -178,10 +178,6 @@ def _params_for(codec, n_events, correlated, keys, kernels):
     return out
 
 
-# Width-homogeneous pieces of every tile, per Tiling (tile_stream keeps those):
-# id(tiling) -> (tiling, pieces).
-_PIECES: dict = {}
-
 # What DynamiQ hands inputs below ``small_input`` to.
 _SMALL_INPUT_CODEC = BF16()
 
@@ -257,13 +253,11 @@ class _DynamiQPlan(Plan):
         self.runs = [(w, counts[w]) for w in self.widths]
         layout = StreamLayout([(c, rec_bytes[w]) for w, c in self.runs])
         self.tiling = tile_stream(layout, n, tile_bytes)
-        pieces = _PIECES.get(id(self.tiling))
-        if pieces is None or pieces[0] is not self.tiling:
-            if len(_PIECES) > 256:
-                _PIECES.clear()
-            pieces = _PIECES[id(self.tiling)] = (
-                self.tiling, [self._pieces(a, b, layout) for a, b in self.tiling.units])
-        self.pieces = pieces[1]
+        key = ("dq.pieces", self.widths)
+        self.pieces = self.tiling.derived.get(key)
+        if self.pieces is None:
+            self.pieces = self.tiling.derived[key] = [self._pieces(a, b, layout)
+                                                      for a, b in self.tiling.units]
         self.wire = ws.take(xp, "dq.wire", self.tiling.wire_bytes, np.uint8)
         self._result = None             # float32 stream of decoded values, made on first use
         self._padded = None
