@@ -4,6 +4,7 @@
 from libc.stdint cimport int64_t, uint32_t, uint8_t, int32_t
 
 cdef extern from "dq_codec.h":
+    enum: DQ_SUPER
     ctypedef struct DqParams:
         int32_t width
         int32_t radius

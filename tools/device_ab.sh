@@ -10,6 +10,10 @@
 set -o pipefail
 OLD=${1:?old package directory}; ROUNDS=${2:-2}
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
+# PYTHONSAFEPATH=1: without it `python -m` puts the working directory (the new
+# package) before PYTHONPATH, and "old" silently runs the new code (it did in
+# the A/B of docs/benchmarks.md 2.0e; corrected there).
+export PYTHONSAFEPATH=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
        OMPI_MCA_hwloc_base_binding_policy=none NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 SHM="NCCL_P2P_DISABLE=1 NCCL_P2P_PCI_CHUNKSIZE=524288"
@@ -20,6 +24,9 @@ bench() {   # label, pythonpath, env, sizes, extra args
     --codec dynamiq:5 --topology ring -w 3 -n 20 --sizes "$4" $5 2>&1 | grep -v '^\[' \
     | grep -E "^ +[0-9]" | tee -a "$OUT/ab.txt"
 }
+for P in "$(cd "$OLD" && pwd)" "$PWD"; do   # which package each side imports
+  echo "PYTHONPATH=$P imports $(PYTHONPATH=$P python3 -c 'import dynamiq_mpi; print(dynamiq_mpi.__file__)')" | tee -a "$OUT/ab.txt"
+done
 for r in $(seq "$ROUNDS"); do
   for v in old new; do
     P=$PWD; [ "$v" = old ] && P=$(cd "$OLD" && pwd)

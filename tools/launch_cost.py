@@ -27,9 +27,29 @@ def main():
     from dynamiq_mpi import _gpu
     from dynamiq_mpi.codecs.levels import build_tables
 
-    t = build_tables(4, 0.20)
-    params = np.frombuffer(_gpu.make_params(4, True, True, 2, 1, 1, 2, t.mag, t.inv_gap,
-                                            t.level, t.lut, 0), dtype=np.uint8)
+    def params_of(width, eps, keys=(1, 2)):
+        t = build_tables(width, eps)
+        return np.frombuffer(_gpu.make_params(width, True, True, 2, 1, *keys, t.mag, t.inv_gap,
+                                              t.level, t.lut, 0), dtype=np.uint8)
+
+    params = params_of(4, 0.20)
+    # A call launches its kernels for widths 2, 4 and 8 in turn, with keys of
+    # its own: what the kernels' host-side parameter cache sees.
+    by_width = [params_of(w, e) for w, e in ((2, 0.27), (4, 0.20), (8, 0.08))]
+    turn = [0]
+
+    def compress_widths_in_turn():
+        k = turn[0] % 3
+        turn[0] += 1
+        _gpu.compress(by_width[k], src, 1, 0, 0, width_pieces[k])
+
+    new_keys = [0]
+
+    def compress_new_keys():
+        new_keys[0] += 1
+        p = params.copy()
+        p[24:32].view(np.uint32)[:] = (new_keys[0], 7)
+        _gpu.compress(p, src, 1, 0, 0, piece)
     x = cp.ones(256 * 8, dtype=cp.float32)
     order = cp.arange(8, dtype=cp.int64)
     mean = cp.zeros(8, dtype=cp.float32)
@@ -37,11 +57,14 @@ def main():
     wire = cp.zeros(1 << 20, dtype=cp.uint8)
     nb = _gpu.run_bytes(1, 4, True)
     piece = wire[:nb]
+    width_pieces = [wire[:_gpu.run_bytes(1, w, True)] for w in (2, 4, 8)]
     out = cp.zeros(256 * 8, dtype=cp.float32)
     stream = cp.cuda.get_current_stream()
     header = cp.zeros(10, dtype=cp.float64)
     rows = [
         ("_gpu.compress (1 super-group)", lambda: _gpu.compress(params, src, 1, 0, 0, piece)),
+        ("_gpu.compress, widths 2/4/8 in turn", compress_widths_in_turn),
+        ("_gpu.compress, new keys each call (+ copy)", compress_new_keys),
         ("_gpu.dar (1 super-group)", lambda: _gpu.dar(params, piece, src, 1, 0, 1, piece)),
         ("_gpu.decompress_out (1 super-group)",
          lambda: _gpu.decompress_out(params, piece, 1, 0, order, mean, 1.0, out)),

@@ -254,10 +254,12 @@ class _DynamiQPlan(Plan):
         layout = StreamLayout([(c, rec_bytes[w]) for w, c in self.runs])
         self.tiling = tile_stream(layout, n, tile_bytes)
         key = ("dq.pieces", self.widths)
-        self.pieces = self.tiling.derived.get(key)
-        if self.pieces is None:
-            self.pieces = self.tiling.derived[key] = [self._pieces(a, b, layout)
-                                                      for a, b in self.tiling.units]
+        pieces = self.tiling.derived.get(key)
+        if pieces is None:
+            pieces = self.tiling.derived[key] = self._split(layout)
+        # per tile: the coded pieces (one compiled call launches them all) and
+        # the raw BF16 ones (the optional 16-bit class)
+        self.coded, self.raw = pieces
         self.wire = ws.take(xp, "dq.wire", self.tiling.wire_bytes, np.uint8)
         self._result = None             # float32 stream of decoded values, made on first use
         self._padded = None
@@ -267,16 +269,21 @@ class _DynamiQPlan(Plan):
         z[:] = 0
         return z
 
-    def _pieces(self, a, b, layout):
-        """Width-homogeneous pieces of stream range [a, b):
-        (width, first stream sg, count, byte offset in the tile, bytes)."""
-        pieces, base = [], layout.offset(a)
-        for k, (w, count) in enumerate(self.runs):
-            s0, s1 = max(a, layout.starts[k]), min(b, layout.starts[k + 1])
-            if s1 > s0:
-                pieces.append((w, s0, s1 - s0, layout.offset(s0) - base,
-                               layout.offset(s1) - layout.offset(s0)))
-        return pieces
+    def _split(self, layout):
+        """Per tile, its width-homogeneous pieces (width, first stream sg,
+        count, byte offset in the tile, bytes), as (coded, raw BF16) lists."""
+        coded, raw = [], []
+        for a, b in self.tiling.units:
+            base = layout.offset(a)
+            coded.append([])
+            raw.append([])
+            for k, (w, count) in enumerate(self.runs):
+                s0, s1 = max(a, layout.starts[k]), min(b, layout.starts[k + 1])
+                if s1 > s0:
+                    (raw if w == BF16_WIDTH else coded)[-1].append(
+                        (w, s0, s1 - s0, layout.offset(s0) - base,
+                         layout.offset(s1) - layout.offset(s0)))
+        return coded, raw
 
     @property
     def result(self):
@@ -315,13 +322,10 @@ class _DynamiQPlan(Plan):
 
     def compress(self, tile, event):
         out = self.wire_slot(tile)
+        self.k.encode_pieces(self.params, self.source, self.coded[tile], event, out)
         sub = self.ws.sub
-        for w, s0, cnt, off, nb in self.pieces[tile]:
-            if w == BF16_WIDTH:
-                self._bf16_encode(None, None, 0, s0, cnt, sub(out, off, off + nb))
-            else:
-                self.k.compress(self.params[w], self.source, cnt, s0, event,
-                                sub(out, off, off + nb))
+        for _, s0, cnt, off, nb in self.raw[tile]:
+            self._bf16_encode(None, None, 0, s0, cnt, sub(out, off, off + nb))
         return out
 
     def accumulate(self, tile, payload, acc):
@@ -329,13 +333,10 @@ class _DynamiQPlan(Plan):
         if acc is None:
             acc = self._local_values(tile)
         a, _ = self.tiling.units[tile]
-        for w, s0, cnt, off, nb in self.pieces[tile]:
+        self.k.decompress_pieces(self.params, payload, self.coded[tile], acc, True, a)
+        for _, s0, cnt, off, nb in self.raw[tile]:
             r0 = (s0 - a) * SUPER
-            if w == BF16_WIDTH:
-                self._bf16_decode(sub(payload, off, off + nb), acc[r0:r0 + cnt * SUPER], True)
-            else:
-                self.k.decompress(self.params[w], sub(payload, off, off + nb), cnt,
-                                  acc[r0:r0 + cnt * SUPER], True)
+            self._bf16_decode(sub(payload, off, off + nb), acc[r0:r0 + cnt * SUPER], True)
         return acc
 
     def dar(self, tile, payload, acc, event):
@@ -343,13 +344,10 @@ class _DynamiQPlan(Plan):
         a, _ = self.tiling.units[tile]
         src = self.source if acc is None else self.k.Source(acc, None, a, None)
         out = self.wire_slot(tile)
-        for w, s0, cnt, off, nb in self.pieces[tile]:
-            if w == BF16_WIDTH:
-                self._bf16_encode(sub(payload, off, off + nb), acc, a, s0, cnt,
-                                  sub(out, off, off + nb))
-            else:
-                self.k.dar(self.params[w], sub(payload, off, off + nb), src, cnt, s0, event,
-                           sub(out, off, off + nb))
+        self.k.encode_pieces(self.params, src, self.coded[tile], event, out, payload)
+        for _, s0, cnt, off, nb in self.raw[tile]:
+            self._bf16_encode(sub(payload, off, off + nb), acc, a, s0, cnt,
+                              sub(out, off, off + nb))
         return out
 
     # -- the 16-bit class: raw BF16, rounded to nearest even at every hop ------
@@ -392,20 +390,16 @@ class _DynamiQPlan(Plan):
         return True
 
     def decode(self, tile, payload):
-        sub = self.ws.sub
         if self._bound is not None:
             out, divisor = self._bound
-            for w, s0, cnt, off, nb in self.pieces[tile]:
-                self.k.decompress_out(self.params[w], sub(payload, off, off + nb), cnt, s0,
-                                      self._order_full, self.mean_sum, divisor, out)
+            self.k.decompress_out_pieces(self.params, payload, self.coded[tile], self._order_full,
+                                         self.mean_sum, divisor, out)
             return
-        for w, s0, cnt, off, nb in self.pieces[tile]:
-            if w == BF16_WIDTH:
-                self._bf16_decode(sub(payload, off, off + nb),
-                                  self.result[s0 * SUPER:(s0 + cnt) * SUPER], False)
-            else:
-                self.k.decompress(self.params[w], sub(payload, off, off + nb), cnt,
-                                  self.result[s0 * SUPER:(s0 + cnt) * SUPER], False)
+        self.k.decompress_pieces(self.params, payload, self.coded[tile], self.result, False)
+        sub = self.ws.sub
+        for _, s0, cnt, off, nb in self.raw[tile]:
+            self._bf16_decode(sub(payload, off, off + nb),
+                              self.result[s0 * SUPER:(s0 + cnt) * SUPER], False)
 
     def finish(self, divisor, out):
         if self._bound is not None:

@@ -193,12 +193,22 @@ class NCCLTransport(RequestAnswers):
         self.pair_allgather = self.size == 2 and bool(pair_allgather)
         self._scratch = {}
         self._retired = []
+        self._cuts = {}
 
     # -- requests --------------------------------------------------------------
     def _slices(self, nbytes):
         """Byte ranges of a message per lane: a pure function of its size, so
         sender and receiver cut it alike.  (One lane with the pair all-gather:
-        a forwarded buffer must stay on the lane that received it.)"""
+        a forwarded buffer must stay on the lane that received it.)  Kept per
+        size: the messages of steady calls repeat."""
+        cut = self._cuts.get(nbytes)
+        if cut is None:
+            if len(self._cuts) > 256:
+                self._cuts.clear()
+            cut = self._cuts[nbytes] = self._cut(nbytes)
+        return cut
+
+    def _cut(self, nbytes):
         lanes = 1 if self.pair_allgather else self.lanes
         k = min(lanes, max(1, nbytes // self.lane_bytes))
         # cuts at multiples of 256 bytes: a slice that starts off a 16-byte
