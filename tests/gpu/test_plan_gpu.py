@@ -58,6 +58,40 @@ def test_gpu_planner_equals_cpu_planner(m):
                     assert np.array_equal(c, g, equal_nan=c.dtype.kind == "f"), (mode, bits)
 
 
+@pytest.mark.parametrize("graph", ["1", "0"], ids=["graph", "launches"])
+def test_steady_calls_replay_the_planner_with_new_norms(graph, monkeypatch):
+    """The same arguments and buffers call after call (a Collective's
+    workspace) replay one captured graph: each call must still plan its own
+    norms, equal to the CPU's; interleaving two sizes keeps two graphs."""
+    from test_plan import compiled_plan
+    from dynamiq_mpi.codecs.allocation import record_bits
+    monkeypatch.setenv("DYNAMIQ_PLAN_GRAPH", graph)
+    rng = np.random.default_rng(fresh_seed())
+    rec = [record_bits(w, True) for w in (2, 4, 8, 16)]
+    buffers = {}
+    for call in range(4):
+        for m in (1000, 70_000):
+            if m not in buffers:
+                buffers[m] = dict(norm=cp.empty(m, cp.float32), mean=cp.empty(m, cp.float32),
+                                  tail=cp.empty(2, cp.float32), widths=cp.empty(m, cp.int8),
+                                  order=cp.empty(m, cp.int64), sos=cp.empty(m, cp.int64),
+                                  header=cp.empty(_gpu.PLAN_HEADER, cp.float64),
+                                  scratch=cp.empty(_gpu.plan_scratch_bytes(m), cp.uint8))
+            b = buffers[m]
+            F = norm_sets(rng, m)[call % 5][:m]
+            mean = rng.standard_normal(m).astype(np.float32)
+            tail = np.array([0.0, float(call) + 0.5], np.float32)
+            b["norm"].set(F)
+            b["mean"].set(mean)
+            b["tail"].set(tail)
+            _gpu.plan(m, True, True, True, 0, 64 * m + 64, rec, 5.0 * m * 256,
+                      5.0 * m * 256 + 1e4, b["norm"], b["mean"], b["tail"], b["widths"],
+                      b["order"], b["sos"], b["header"], b["scratch"])
+            cpu = compiled_plan(_cpu, F, mean, tail, 5.0, 64 * m + 64)
+            for c, g in zip(cpu, (b["widths"], b["order"], b["sos"], b["header"])):
+                assert np.array_equal(c, cp.asnumpy(g), equal_nan=c.dtype.kind == "f"), (call, m)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("centre", [True, False])
 def test_gpu_stats_tail_equals_cpu(dtype, centre):
