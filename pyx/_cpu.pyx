@@ -12,9 +12,8 @@ cimport numpy as cnp
 cnp.import_array()
 
 from libc.stdint cimport int8_t
-from dq_codec cimport (DQ_SUPER, DQ_PLAN_HEADER, DqParams, DqPlanArgs, DqSource, check_bytes, check_event,
-                      fill_plan_args,
-                      wire_bytes)
+from dq_codec cimport (DQ_PLAN_HEADER, DQ_SUPER, DqParams, DqPlanArgs, DqSource, check_bytes,
+                      check_event, fill_plan_args, piece_in, piece_params, wire_bytes)
 
 cdef extern from "dq_api.h":
     int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
@@ -203,58 +202,44 @@ def dar(const uint8_t[::1] params, const uint8_t[::1] inp, Source local,
 # One call per tile, as _gpu: pieces (width, first stream super-group,
 # count, byte offset in the tile, bytes), one kernel call each.
 
-cdef inline int _piece_in(int64_t off, int64_t nb, int64_t size, what) except -1:
-    if off < 0 or nb < 0 or off + nb > size:
-        raise ValueError("%s: piece bytes [%d, %d) outside a buffer of %d" % (what, off, off + nb, size))
-    return 0
-
-
 def encode_pieces(params, Source local, pieces, unsigned event, uint8_t[::1] out, inp=None):
     """compress (``inp`` None) or dar of every piece of one tile (see _gpu)."""
     cdef const uint8_t[::1] iv
     cdef bint dar_ = inp is not None
+    cdef int64_t size = out.shape[0]
     if dar_:
         iv = inp
-    cdef const uint8_t[::1] blob
+        if iv.shape[0] < size:
+            size = iv.shape[0]
     cdef const DqParams* P
-    cdef int64_t s0, cnt, off, nb
+    cdef int64_t at[4]
     for piece in pieces:
-        w, s0, cnt, off, nb = piece
-        blob = params[w]
-        P = _params(blob)
-        _piece_in(off, nb, out.shape[0], "encode out")
-        if dar_:
-            _piece_in(off, nb, iv.shape[0], "dar input")
-        check_bytes(cnt, nb, P)
+        P = piece_params(params, piece, size, "encode buffers", at)
         check_event(event, P)
-        if cnt == 0:
+        if at[1] == 0:
             continue
         with nogil:
             if dar_:
-                dq_cpu_dar(P, &iv[off], &local.src, cnt, s0, event, &out[off])
+                dq_cpu_dar(P, &iv[at[2]], &local.src, at[1], at[0], event, &out[at[2]])
             else:
-                dq_cpu_compress(P, &local.src, cnt, s0, event, &out[off])
+                dq_cpu_compress(P, &local.src, at[1], at[0], event, &out[at[2]])
 
 
 def decompress_pieces(params, const uint8_t[::1] inp, pieces, float[::1] out, bint accumulate,
                       int64_t sg_first=0):
     """decompress every piece of one tile into the float32 rows of ``out``,
     whose first row is stream super-group ``sg_first`` (see _gpu)."""
-    cdef const uint8_t[::1] blob
     cdef const DqParams* P
-    cdef int64_t s0, cnt, off, nb, row
+    cdef int64_t at[4]
+    cdef int64_t row
     for piece in pieces:
-        w, s0, cnt, off, nb = piece
-        blob = params[w]
-        P = _params(blob)
-        _piece_in(off, nb, inp.shape[0], "decompress input")
-        row = (s0 - sg_first) * DQ_SUPER
-        _piece_in(row, cnt * DQ_SUPER, out.shape[0], "decompress out")
-        check_bytes(cnt, nb, P)
-        if cnt == 0:
+        P = piece_params(params, piece, inp.shape[0], "decompress input", at)
+        row = (at[0] - sg_first) * DQ_SUPER
+        piece_in(row, at[1] * DQ_SUPER, out.shape[0], "decompress out")
+        if at[1] == 0:
             continue
         with nogil:
-            dq_cpu_decompress(P, &inp[off], cnt, &out[row], 1 if accumulate else 0)
+            dq_cpu_decompress(P, &inp[at[2]], at[1], &out[row], 1 if accumulate else 0)
 
 
 def finish(const float[::1] stream, const int64_t[::1] stream_of_sg, const float[::1] mean_sum,

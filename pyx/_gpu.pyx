@@ -23,9 +23,8 @@ cnp.import_array()
 
 from libc.stdint cimport int8_t
 from libc.stddef cimport size_t
-from dq_codec cimport (DQ_SUPER, DQ_PLAN_HEADER, DqParams, DqPlanArgs, DqSource, check_bytes, check_event,
-                      fill_plan_args,
-                      wire_bytes)
+from dq_codec cimport (DQ_PLAN_HEADER, DQ_SUPER, DqParams, DqPlanArgs, DqSource, check_bytes,
+                      check_event, fill_plan_args, piece_in, piece_params, wire_bytes)
 
 cdef extern from "dq_gpu_api.h":
     int dq_gpu_device_count(int* count) nogil
@@ -374,45 +373,33 @@ def decompress_out(const uint8_t[::1] params, inp, int64_t nsg, int64_t sg_base,
 # in Python saves each launch its Python round trip, slicing and argument
 # checks (tools/host_cost.py --by-kernel; docs/benchmarks.md).
 
-cdef inline int _piece_in(int64_t off, int64_t nb, int64_t size, what) except -1:
-    if off < 0 or nb < 0 or off + nb > size:
-        raise ValueError("%s: piece bytes [%d, %d) outside a buffer of %d" % (what, off, off + nb, size))
-    return 0
-
-
 def encode_pieces(params, Source local, pieces, unsigned event, out, inp=None, stream=None):
     """compress (``inp`` None) or dar of every piece of one tile: piece
     (w, s0, cnt, off, nb) encodes stream super-groups s0 .. s0 + cnt with
     ``params[w]`` into out[off:off + nb], reading inp[off:off + nb] for dar."""
     _expect(out, np.uint8, -1, "encode out")
     cdef uint8_t* op = <uint8_t*>_dptr(out, "encode out")
-    cdef int64_t osize = out.size, isize = 0
+    cdef int64_t osize = out.size
     cdef const uint8_t* ip = NULL
     if inp is not None:
         _expect(inp, np.uint8, -1, "dar input")
         ip = <const uint8_t*>_dptr(inp, "dar input")
-        isize = inp.size
+        if inp.size < osize:
+            osize = inp.size
     cdef uintptr_t st = _stream(stream)
-    cdef const uint8_t[::1] blob
     cdef const DqParams* P
-    cdef int64_t s0, cnt, off, nb
+    cdef int64_t at[4]
     cdef int rc
     for piece in pieces:
-        w, s0, cnt, off, nb = piece
-        blob = params[w]
-        P = _params(blob)
-        _piece_in(off, nb, osize, "encode out")
-        if ip != NULL:
-            _piece_in(off, nb, isize, "dar input")
-        check_bytes(cnt, nb, P)
+        P = piece_params(params, piece, osize, "encode buffers", at)
         check_event(event, P)
-        if cnt == 0:
+        if at[1] == 0:
             continue
         with nogil:
             if ip != NULL:
-                rc = dq_gpu_dar(P, ip + off, &local.src, cnt, s0, event, op + off, st)
+                rc = dq_gpu_dar(P, ip + at[2], &local.src, at[1], at[0], event, op + at[2], st)
             else:
-                rc = dq_gpu_compress(P, &local.src, cnt, s0, event, op + off, st)
+                rc = dq_gpu_compress(P, &local.src, at[1], at[0], event, op + at[2], st)
         _check(rc, "dar" if ip != NULL else "compress")
 
 
@@ -424,24 +411,19 @@ def decompress_pieces(params, inp, pieces, out, bint accumulate, int64_t sg_firs
     _expect(out, np.float32, -1, "decompress out")
     cdef const uint8_t* ip = <const uint8_t*>_dptr(inp, "decompress input")
     cdef float* op = <float*>_dptr(out, "decompress out")
-    cdef int64_t isize = inp.size, osize = out.size
+    cdef int64_t isize = inp.size, osize = out.size, row
     cdef uintptr_t st = _stream(stream)
-    cdef const uint8_t[::1] blob
     cdef const DqParams* P
-    cdef int64_t s0, cnt, off, nb, row
+    cdef int64_t at[4]
     cdef int rc
     for piece in pieces:
-        w, s0, cnt, off, nb = piece
-        blob = params[w]
-        P = _params(blob)
-        _piece_in(off, nb, isize, "decompress input")
-        row = (s0 - sg_first) * DQ_SUPER
-        _piece_in(row, cnt * DQ_SUPER, osize, "decompress out")
-        check_bytes(cnt, nb, P)
-        if cnt == 0:
+        P = piece_params(params, piece, isize, "decompress input", at)
+        row = (at[0] - sg_first) * DQ_SUPER
+        piece_in(row, at[1] * DQ_SUPER, osize, "decompress out")
+        if at[1] == 0:
             continue
         with nogil:
-            rc = dq_gpu_decompress(P, ip + off, cnt, op + row, 1 if accumulate else 0, st)
+            rc = dq_gpu_decompress(P, ip + at[2], at[1], op + row, 1 if accumulate else 0, st)
         _check(rc, "decompress")
 
 
@@ -461,22 +443,18 @@ def decompress_out_pieces(params, inp, pieces, order, mean_sum, float divisor, o
     cdef const float* mp = <const float*>_dptr(mean_sum, "decompress_out mean_sum")
     cdef void* op = <void*>_dptr(out, "decompress_out out")
     cdef uintptr_t st = _stream(stream)
-    cdef const uint8_t[::1] blob
     cdef const DqParams* P
-    cdef int64_t s0, cnt, off, nb
+    cdef int64_t at[4]
     cdef int rc
     for piece in pieces:
-        w, s0, cnt, off, nb = piece
-        blob = params[w]
-        P = _params(blob)
-        _piece_in(off, nb, isize, "decompress_out input")
-        if s0 < 0 or s0 + cnt > nrows:
+        P = piece_params(params, piece, isize, "decompress_out input", at)
+        if at[0] < 0 or at[0] + at[1] > nrows:
             raise ValueError("decompress_out: stream super-groups beyond the order map")
-        check_bytes(cnt, nb, P)
-        if cnt == 0:
+        if at[1] == 0:
             continue
         with nogil:
-            rc = dq_gpu_decompress_out(P, ip + off, cnt, s0, gp, mp, divisor, op, dtype, length, st)
+            rc = dq_gpu_decompress_out(P, ip + at[2], at[1], at[0], gp, mp, divisor, op, dtype,
+                                       length, st)
         _check(rc, "decompress_out")
 
 

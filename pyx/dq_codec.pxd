@@ -48,6 +48,32 @@ cdef inline int check_bytes(int64_t nsg, int64_t nbytes, const DqParams* P) exce
     return 0
 
 
+cdef inline int piece_in(int64_t off, int64_t nb, int64_t size, what) except -1:
+    if off < 0 or nb < 0 or off + nb > size:
+        raise ValueError("%s: piece bytes [%d, %d) outside a buffer of %d" % (what, off, off + nb, size))
+    return 0
+
+
+cdef inline const DqParams* piece_params(params, piece, int64_t size, what,
+                                         int64_t* at) except NULL:
+    """The params of one piece (w, s0, cnt, off, nb) of a tile, from
+    ``params[w]``; its bytes checked against a buffer of ``size`` bytes and the
+    record size; ``at`` gets s0, cnt, off, nb.  (The blob stays alive in
+    ``params``.)"""
+    w, s0, cnt, off, nb = piece
+    cdef const uint8_t[::1] blob = params[w]
+    if blob.shape[0] != sizeof(DqParams):
+        raise ValueError("params blob has the wrong size")
+    cdef const DqParams* P = <const DqParams*>&blob[0]
+    piece_in(off, nb, size, what)
+    check_bytes(cnt, nb, P)
+    at[0] = s0
+    at[1] = cnt
+    at[2] = off
+    at[3] = nb
+    return P
+
+
 cdef extern from "dq_plan_api.h":
     ctypedef struct DqPlanArgs:
         int64_t nsg
