@@ -15,6 +15,10 @@ from .transports.simulate import SimulatedTransport
 from .workspace import FRESH, Workspace
 
 
+# The codec of calls that name none (codecs are immutable: one serves them all).
+_DEFAULT_CODEC = DynamiQ()
+
+
 def _check_transport(transport):
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -95,7 +99,7 @@ class Collective:
         """All-reduce ``x`` (see :func:`allreduce`).  ``profile=True``
         synchronises at every phase boundary and puts the per-phase times into
         ``report.phases`` (slower: for breakdowns, not for production)."""
-        codec = DynamiQ() if codec is None else codec
+        codec = _DEFAULT_CODEC if codec is None else codec
         with self._lock:
             counter = self._counter
             self._counter += 1
@@ -238,7 +242,7 @@ def simulate_allreduce(xs, *, codec=None, topology="ring", op="sum", seed=0, cou
                        tile_bytes=DEFAULT_TILE_BYTES, return_reports=False):
     """Run the all-reduce of ``len(xs)`` ranks in this process (rank r passes
     ``xs[r]``).  Returns the list of every rank's output (and reports)."""
-    codec = DynamiQ() if codec is None else codec
+    codec = _DEFAULT_CODEC if codec is None else codec
     n = len(xs)
     spec = CallSpec(codec, topology, op, seed, counter, "auto", tile_bytes)
     results = SimulatedTransport(n).run(

@@ -96,6 +96,9 @@ def _check_local(x, out, spec: CallSpec, n: int):
 
 
 def _agree(metas: list) -> None:
+    first = metas[0]
+    if not first["error"] and all(m is first for m in metas):
+        return      # the agreement matched digests and handed back one record
     bad = [(r, m["error"]) for r, m in enumerate(metas) if m["error"]]
     if bad:
         detail = "; ".join(f"rank {r}: {e}" for r, e in bad)
