@@ -8,7 +8,8 @@ import time
 
 from .codecs.base import DEFAULT_TILE_BYTES
 from .codecs.dynamiq import DynamiQ
-from .engine import CallSpec, rank_program
+from .engine import NONFINITE, CallSpec, rank_program
+from .paths import PathChooser, default_path, size_class
 from .transports import TRANSPORTS, explain_transport
 from .transports.ops import Agree, Route
 from .transports.simulate import SimulatedTransport
@@ -46,14 +47,31 @@ class Collective:
     ``$DYNAMIQ_NCCL_LANE_BYTES`` sets the smallest slice a lane gets).
     ``DYNAMIQ_NCCL_PAIR_ALLGATHER=1`` makes a two-rank exchange one NCCL
     all-gather (measured slower here, docs/benchmarks.md 2.0f).
+
+    ``path``: "auto" (default, or ``$DYNAMIQ_PATH``): per class of calls
+    (size as a power of two, dtype, codec, ...) the collective times the
+    compressed path and the transport's own all-reduce (NCCL's BF16 one for
+    device arrays, MPI's for host arrays) on the first calls, agrees on the
+    result across ranks and keeps the faster (paths.py); "compressed" or
+    "native" force one.  ``report.path`` and ``report.path_reason`` say
+    which ran and why; :meth:`path_decisions` lists the classes decided.
+
+    ``nonfinite``: "propagate" (default; NCCL's semantics: a NaN or Inf on
+    any rank gives NaN on every rank, ``report.nonfinite`` is True, nothing
+    is raised) or "raise" (``NonFiniteInputError`` / ``SumOverflowError``
+    on every rank, before any data byte moves).
     """
 
     def __init__(self, comm=None, transport: str = "auto", tile_bytes: int = DEFAULT_TILE_BYTES,
-                 lanes: int | str | None = None):
+                 lanes: int | str | None = None, path: str | None = None,
+                 nonfinite: str = "propagate"):
         if comm is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD
         _check_transport(transport)
+        _check_nonfinite(nonfinite)
+        self.path = default_path(path)
+        self.nonfinite = nonfinite
         from .transports.mpi_host import MPITransport
         self.parent = comm
         self.transport = transport
@@ -81,6 +99,7 @@ class Collective:
         self._lock = threading.Lock()
         self._workspace = Workspace()
         self._last_stream = None     # (stream pointer, event at the end of the last call)
+        self._paths = PathChooser(self._mpi.comm)
 
     @property
     def counter(self) -> int:
@@ -95,21 +114,70 @@ class Collective:
             self._counter = int(value)
 
     def allreduce(self, x, *, codec=None, topology="ring", op="sum", seed=0, out=None,
-                  transport=None, tile_bytes=None, return_report=False, profile=False):
+                  transport=None, tile_bytes=None, return_report=False, profile=False,
+                  path=None, nonfinite=None):
         """All-reduce ``x`` (see :func:`allreduce`).  ``profile=True``
         synchronises at every phase boundary and puts the per-phase times into
-        ``report.phases`` (slower: for breakdowns, not for production)."""
+        ``report.phases`` (slower: for breakdowns, not for production).
+        ``path`` and ``nonfinite`` override the collective's (see the class)."""
         codec = _DEFAULT_CODEC if codec is None else codec
+        transport = self.transport if transport is None else transport
+        nonfinite = self.nonfinite if nonfinite is None else nonfinite
+        requested = self.path if path is None else default_path(path)
         with self._lock:
             counter = self._counter
             self._counter += 1
-            spec = CallSpec(codec, topology, op, seed, counter,
-                            self.transport if transport is None else transport,
-                            self.tile_bytes if tile_bytes is None else tile_bytes)
+            key, chosen, why, timed = self._choose_path(x, codec, topology, op, transport,
+                                                        requested)
+            spec = CallSpec(codec, topology, op, seed, counter, transport,
+                            self.tile_bytes if tile_bytes is None else tile_bytes,
+                            path=chosen, nonfinite=nonfinite)
             program = rank_program(self.rank, self.size, x, spec, out, self._workspace,
                                    detailed_report=return_report)
-            out, report = self._drive(program, x, profile, return_report)
+            if timed:
+                _sync(x)
+                t0 = time.perf_counter()
+            out, report = self._drive(program, x, profile, return_report or timed)
+            if timed:
+                _sync(x)
+                if not report.nonfinite:
+                    self._paths.record(key, chosen, time.perf_counter() - t0, report.path,
+                                       report.path_reason)
+            if not report.path_reason:
+                report.path_reason = why
         return (out, report) if return_report else out
+
+    def _choose_path(self, x, codec, topology, op, transport, requested):
+        """(class key, path, why, timed) of this call, from local facts only
+        (every rank has the same ones when the call is valid; an invalid one
+        fails agreement on every rank whatever the path)."""
+        if requested != "auto" or self.size == 1:
+            return None, requested if self.size > 1 else "compressed", "requested", False
+        module = type(x).__module__
+        on_device = module.startswith("cupy")
+        dtype = getattr(x, "dtype", None)
+        length = getattr(x, "size", 0)
+        if on_device:
+            from .transports.nccl import nccl_status
+            can_native = transport in ("auto", "nccl") and nccl_status()[0]
+        else:
+            can_native = transport in ("auto", "mpi") and module.startswith("numpy")
+        sig = codec.signature() if hasattr(codec, "signature") else repr(codec)
+        key = ("gpu" if on_device else "cpu", str(dtype), size_class(length), sig, topology,
+               transport, op)
+        path, why, timed = self._paths.choose(key, requested, getattr(codec, "auto_path", False),
+                                              can_native, getattr(codec, "name", ""))
+        return key, path, why, timed
+
+    def path_decisions(self) -> dict:
+        """{(backend, dtype, log2 size, codec, topology, transport, op): (path,
+        why)} for the classes of calls ``path="auto"`` has decided."""
+        return self._paths.decisions()
+
+    def forget_paths(self):
+        """Measure every class of calls again (all ranks must call it alike)."""
+        with self._lock:
+            self._paths.forget()
 
     # -- driving one call ------------------------------------------------------
     def _drive(self, program, x, profile, want_report=True):
@@ -194,6 +262,18 @@ class Collective:
             self._mpi.free()
 
 
+def _check_nonfinite(nonfinite):
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+
+
+def _sync(x):
+    """Wait for the caller's stream (device arrays); nothing for host arrays."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+
+
 def _phases(prof, t0) -> dict:
     """Per-phase seconds from the marks of a profiled call (phases are
     serialised by the profiling), plus kernel and wire time where measured."""
@@ -223,7 +303,7 @@ def collective_for(comm=None) -> Collective:
 
 
 def allreduce(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0, out=None,
-              transport="auto", return_report=False):
+              transport="auto", return_report=False, path=None, nonfinite="propagate"):
     """Compressed all-reduce of ``x`` over ``comm`` (default ``MPI.COMM_WORLD``).
 
     Every rank passes an array of the same length and dtype (float32, bfloat16,
@@ -232,19 +312,31 @@ def allreduce(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0, ou
     mean) on every rank, bit for bit: a new one, or ``out`` (which may be ``x``
     itself).  CuPy arrays run on the current CuPy stream and the result is
     valid in its order.  With ``return_report=True`` returns ``(result, Report)``.
+
+    ``path``: "auto" (default, or ``$DYNAMIQ_PATH``) takes, per class of
+    calls, whichever of the compressed path and the transport's own
+    all-reduce (NCCL's BF16 one, MPI's) the collective measured faster;
+    "compressed" / "native" force one (see :class:`Collective`).
+    ``nonfinite``: "propagate" (NCCL's semantics: NaN/Inf on any rank gives a
+    NaN output on every rank and ``report.nonfinite``) or "raise"
+    (``NonFiniteInputError`` on every rank).
     """
     return collective_for(comm).allreduce(x, codec=codec, topology=topology, op=op, seed=seed,
                                           out=out, transport=transport,
-                                          return_report=return_report)
+                                          return_report=return_report, path=path,
+                                          nonfinite=nonfinite)
 
 
 def simulate_allreduce(xs, *, codec=None, topology="ring", op="sum", seed=0, counter=0,
-                       tile_bytes=DEFAULT_TILE_BYTES, return_reports=False):
+                       tile_bytes=DEFAULT_TILE_BYTES, return_reports=False,
+                       nonfinite="propagate"):
     """Run the all-reduce of ``len(xs)`` ranks in this process (rank r passes
-    ``xs[r]``).  Returns the list of every rank's output (and reports)."""
+    ``xs[r]``; always the compressed path).  Returns the list of every rank's
+    output (and reports)."""
     codec = _DEFAULT_CODEC if codec is None else codec
     n = len(xs)
-    spec = CallSpec(codec, topology, op, seed, counter, "auto", tile_bytes)
+    spec = CallSpec(codec, topology, op, seed, counter, "auto", tile_bytes,
+                    nonfinite=nonfinite)
     results = SimulatedTransport(n).run(
         [rank_program(r, n, xs[r], spec, None, FRESH, return_reports) for r in range(n)])
     outs = [r[0] for r in results]

@@ -30,12 +30,15 @@ import time
 import numpy as np
 
 from .backend import BFLOAT16
+from .paths import SAMPLES, WARMUP
 from .codecs.base import DEFAULT_TILE_BYTES
 from .transports import TRANSPORTS
 
 DTYPES = {"bf16": BFLOAT16, "bfloat16": BFLOAT16, "f32": np.dtype(np.float32),
           "float32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
 NCCL_ENV_PREFIXES = ("NCCL_", "DYNAMIQ_", "OMPI_MCA_hwloc")
+# warm-up calls of a path="auto" row: past the calls that measure both paths
+AUTO_CALLS = 2 * (WARMUP + SAMPLES) + 1
 
 
 def parse_size(text: str) -> int:
@@ -134,10 +137,16 @@ class _Device:
         return float(self.xp.sum(d * d)) / norm if norm > 0 else 0.0
 
 
-def _codec_call(coll, x, codec, topo, seed, out):
+def _codec_call(coll, x, codec, topo, seed, out, path):
     def call():
-        coll.allreduce(x, codec=codec, topology=topo, seed=seed, out=out)
+        coll.allreduce(x, codec=codec, topology=topo, seed=seed, out=out, path=path)
     return call
+
+
+def _row_paths(codec, paths):
+    """The paths a codec's rows run: every one asked for codecs that
+    path="auto" may hand to the native all-reduce, else the compressed one."""
+    return paths if getattr(codec, "auto_path", False) else ["compressed"]
 
 
 def _time(fn, dev, comm, warmup, iters):
@@ -172,11 +181,16 @@ def run(args) -> list:
     dtype = DTYPES[args.dtype]
     codecs = [(s, codec_mod.codec_from_string(s)) for s in args.codec.split(",") if s]
     topologies = [t for t in args.topology.split(",") if t]
+    paths = [p for p in args.paths.split(",") if p]
+    bad = [p for p in paths if p not in ("auto", "compressed", "native")]
+    if bad:
+        raise SystemExit(f"--paths takes auto, compressed, native; got {bad}")
     tile_bytes = parse_size(args.tile_bytes) if args.tile_bytes else DEFAULT_TILE_BYTES
     coll = Collective(comm, transport=args.transport, tile_bytes=tile_bytes,
                       lanes=args.lanes)
     sizes = sizes_from(args)
-    total = len(sizes) * (len(codecs) * len(topologies) + (0 if args.no_reference else 1))
+    total = len(sizes) * (sum(len(_row_paths(c, paths)) for _, c in codecs) * len(topologies)
+                          + (0 if args.no_reference else 1))
     done = 0
     rows = []
     ref_name = "nccl" if use_gpu else "mpi"
@@ -193,13 +207,16 @@ def run(args) -> list:
         runs = [] if args.no_reference else [("ref", lambda: dev.reference_allreduce(x, out))]
         for label, codec in codecs:
             for topo in topologies:
-                if topo == "butterfly" and n & (n - 1):
-                    done += 1
-                    continue
-                runs.append(((label, topo), _codec_call(coll, x, codec, topo, args.seed, out)))
+                for path in _row_paths(codec, paths):
+                    if topo == "butterfly" and n & (n - 1):
+                        done += 1
+                        continue
+                    runs.append(((label, topo, path),
+                                 _codec_call(coll, x, codec, topo, args.seed, out, path)))
         times = {key: 0.0 for key, _ in runs}
         for key, fn in runs:
-            for _ in range(args.warmup):
+            # path="auto" measures both paths on its first calls: warm it up past them
+            for _ in range(max(args.warmup, AUTO_CALLS if key[-1] == "auto" else 0)):
                 fn()
         for _ in range(args.rounds):
             for key, fn in runs:
@@ -216,14 +233,15 @@ def run(args) -> list:
             _progress(rank, f"[{done}/{total}] {count} {args.dtype} {ref_name} all-reduce: "
                             f"{ref_time * 1e6:.1f} us")
         for label, codec in codecs:
-            for topo in topologies:
-                if (label, topo) not in times:
+            for topo, path in [(t, p) for t in topologies for p in _row_paths(codec, paths)]:
+                if (label, topo, path) not in times:
                     continue
-                t = times[(label, topo)]
+                t = times[(label, topo, path)]
                 _, rep = coll.allreduce(x, codec=codec, topology=topo, seed=args.seed, out=out,
-                                        return_report=True, profile=args.breakdown)
+                                        return_report=True, profile=args.breakdown, path=path)
                 dev.sync()
                 row = dict(base, codec=label, bits=rep.bits_per_coord, topology=topo,
+                           path=path, ran=rep.path, path_reason=rep.path_reason,
                            transport=rep.transport, time_us=t * 1e6,
                            vnmse=dev.vnmse(out, exact, norm), wrong=dev.count_wrong(out),
                            speedup=(ref_time / t) if ref_time else None,
@@ -239,7 +257,8 @@ def run(args) -> list:
                         row["timeline_ms"] = rep.phases["timeline"]
                 rows.append(row)
                 done += 1
-                _progress(rank, f"[{done}/{total}] {count} {args.dtype} {label} {topo} "
+                _progress(rank, f"[{done}/{total}] {count} {args.dtype} {label} {topo} {path}"
+                                f"{'->' + rep.path if path == 'auto' else ''} "
                                 f"{rep.transport}: {t * 1e6:.1f} us, {rep.bits_per_coord:.3f} bits")
         del x, exact, out
     for r in rows:
@@ -278,18 +297,25 @@ def print_table(rows, n, device, args):
     if env:
         print("# NCCL environment: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())))
     print(f"#{'size':>11s} {'count':>11s} {'type':>5s} {'codec':>18s} {'bits':>6s} {'topo':>9s} "
-          f"{'transport':>9s} {'time(us)':>10s} {'algbw':>7s} {'busbw':>7s} {'vNMSE':>9s} "
-          f"{'#wrong':>6s} {'speedup':>7s}")
+          f"{'path':>17s} {'transport':>9s} {'time(us)':>10s} {'algbw':>7s} {'busbw':>7s} "
+          f"{'vNMSE':>9s} {'#wrong':>6s} {'speedup':>7s}")
     for r in rows:
         sp = f"{r['speedup']:.2f}x" if r.get("speedup") else "-"
-        note = "  (BF16 fallback)" if r.get("fallback") else ""
+        note = "  (BF16 fallback)" if r.get("fallback") and r.get("ran") != "native" else ""
         if r.get("array_code"):
             note += "  (array code: time not representative)"
+        path = r.get("path", "-")
+        if path == "auto":
+            path = f"auto->{r.get('ran')}"
         print(f" {r['size']:>11d} {r['count']:>11d} {r['dtype']:>5s} {r['codec']:>18s} "
-              f"{r['bits']:6.2f} {r['topology']:>9s} {r['transport']:>9s} {r['time_us']:10.1f} "
-              f"{r['algbw']:7.2f} {r['busbw']:7.2f} {r['vnmse']:9.2e} {r['wrong']:>6d} {sp:>7s}{note}")
+              f"{r['bits']:6.2f} {r['topology']:>9s} {path:>17s} {r['transport']:>9s} "
+              f"{r['time_us']:10.1f} {r['algbw']:7.2f} {r['busbw']:7.2f} {r['vnmse']:9.2e} "
+              f"{r['wrong']:>6d} {sp:>7s}{note}")
     wrong = sum(r["wrong"] for r in rows)
     print(f"# out of bounds values (#wrong total): {wrong}")
+    chosen = [(r["count"], r["codec"], r["path_reason"]) for r in rows if r.get("path") == "auto"]
+    for count, codec, why in chosen:
+        print(f"# path of {codec} at {count} elements: {why}")
     reasons = sorted({r["transport_reason"] for r in rows if r.get("transport_reason")})
     if reasons:
         print("# transport: " + " | ".join(reasons))
@@ -322,6 +348,10 @@ def add_arguments(p):
                    help="comma-separated codecs: dynamiq[:bits[:field=value...]], bf16, exact, "
                         "mxfp:e4m3 (e5m2, e3m2, e2m3, e2m1), thc, omnireduce[:density]")
     p.add_argument("--topology", default="ring", help="ring,butterfly")
+    p.add_argument("--paths", default="compressed,native,auto",
+                   help="rows per codec that path='auto' may hand to the native all-reduce: "
+                        "compressed, native (the transport's own all-reduce), auto (the "
+                        "library's choice, measured on its first calls)")
     p.add_argument("--transport", default="auto", choices=list(TRANSPORTS),
                    help="auto: NCCL, else CUDA-aware MPI (mpi-cuda), else host-staged MPI")
     p.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))

@@ -21,6 +21,14 @@ Order of one call:
    step);
 6. finish: the result in the caller's layout and dtype, into ``out``.
 
+A call on the *native* path (``CallSpec.path``, chosen by the caller, see
+paths.py) agrees like any other, then hands the whole sum to the transport's
+own all-reduce (native.py) instead of steps 2-5.
+
+Non-finite input (``CallSpec.nonfinite``): the statistics phase flags it on
+every rank alike; "propagate" (NCCL's semantics) fills every rank's output
+with NaN and sends no data, "raise" raises on every rank.
+
 The engine posts every exchange as soon as its payload is computed and
 claims a received buffer only right before a kernel reads it, so a transport
 that works asynchronously (NCCL on its own stream) overlaps the kernel of one
@@ -35,17 +43,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import schedules
-from .backend import SUPPORTED_DTYPES, backend_for, dtype_name
+from .backend import BFLOAT16, SUPPORTED_DTYPES, backend_for, dtype_name
 from .codecs.base import DEFAULT_TILE_BYTES, Codec, align_up
 from .codecs.plain import ByteMaxPlan, ElementwisePlan, exact_sum_into
-from .errors import InputMismatchError, InvalidInputError
+from .errors import InputMismatchError, InvalidInputError, NonFiniteInputError, SumOverflowError
 from .report import Report
 from .rng import call_keys
-from .transports import TRANSPORTS, choose_transport, transport_capabilities
-from .transports.ops import Agree, Claim, Exchange, Mark, Route
+from .transports import TRANSPORTS, choose_transport, native_wires, transport_capabilities
+from .transports.ops import Agree, Claim, Exchange, Mark, NativeAllreduce, Route
+from . import native
 from .workspace import FRESH
 
 OPS = ("sum", "mean")
+PATHS = ("compressed", "native")
+NONFINITE = ("propagate", "raise")
 # Input dtypes the codecs read directly; others are converted to float32 first.
 NATIVE_DTYPES = SUPPORTED_DTYPES[:2]
 
@@ -59,6 +70,8 @@ class CallSpec:
     counter: int
     transport: str = "auto"
     tile_bytes: int = DEFAULT_TILE_BYTES
+    path: str = "compressed"        # or "native": the transport's own all-reduce
+    nonfinite: str = "propagate"    # or "raise"
 
 
 def _check_local(x, out, spec: CallSpec, n: int):
@@ -73,6 +86,10 @@ def _check_local(x, out, spec: CallSpec, n: int):
         raise ValueError(f"tile_bytes must be a positive integer, got {spec.tile_bytes!r}")
     if spec.transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {spec.transport!r}")
+    if spec.path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {spec.path!r}")
+    if spec.nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {spec.nonfinite!r}")
     schedules.check_topology(spec.topology, n)
     backend = backend_for(x)
     if x.dtype not in SUPPORTED_DTYPES:
@@ -104,7 +121,7 @@ def _agree(metas: list) -> None:
         detail = "; ".join(f"rank {r}: {e}" for r, e in bad)
         raise InvalidInputError(f"invalid all-reduce input ({detail})")
     for key in ("length", "dtype", "backend", "codec", "topology", "op", "seed", "counter",
-                "transport", "tile_bytes"):
+                "transport", "tile_bytes", "path", "nonfinite"):
         values = [m[key] for m in metas]
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
@@ -215,6 +232,22 @@ def _reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
     return plan.reduced_values(), sent, 2 * (n - 1) * sum(plan.chunk_nbytes)
 
 
+def _holds_nonfinite(xp, a) -> bool:
+    """Any NaN/Inf in ``a`` (BF16 by its exponent bits: no float ufunc needed)."""
+    if a.dtype == BFLOAT16:
+        return bool(((a.view(np.uint16) & np.uint16(0x7F80)) == np.uint16(0x7F80)).any())
+    return not bool(xp.isfinite(a).all())
+
+
+def _local_statistics(flat, spec, backend, workspace):
+    """(values, codec of this length, keys, (stats, local state)): the part of
+    a compressed call that needs no other rank."""
+    values = flat if flat.dtype in NATIVE_DTYPES else flat.astype(np.float32)
+    codec = spec.codec.for_length(int(flat.shape[0]))
+    keys = call_keys(int(spec.seed), spec.counter)
+    return values, codec, keys, codec.local_stats(values, backend, workspace, keys=keys)
+
+
 def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH,
                  detailed_report: bool = True):
     """Generator: one rank's all-reduce.  Returns (output, Report)."""
@@ -229,12 +262,9 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
     # fails agreement discards them (they live in the workspace, nothing of
     # the caller's is touched).
     early = None
-    if error is None and n > 1 and flat.shape[0] > 0:
+    if error is None and n > 1 and flat.shape[0] > 0 and spec.path == "compressed":
         try:
-            values = flat if flat.dtype in NATIVE_DTYPES else flat.astype(np.float32)
-            codec = spec.codec.for_length(int(flat.shape[0]))
-            keys = call_keys(int(spec.seed), spec.counter)
-            early = (values, codec, keys, codec.local_stats(values, backend, workspace, keys=keys))
+            early = _local_statistics(flat, spec, backend, workspace)
         except Exception as exc:  # reported to every rank like a bad input
             error = f"{type(exc).__name__}: {exc}"
     meta = {
@@ -246,7 +276,7 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
         "topology": spec.topology, "op": spec.op, "seed": int(spec.seed) if
         isinstance(spec.seed, (int, np.integer)) else repr(spec.seed),
         "counter": spec.counter, "transport": spec.transport,
-        "tile_bytes": spec.tile_bytes,
+        "tile_bytes": spec.tile_bytes, "path": spec.path, "nonfinite": spec.nonfinite,
         "can": transport_capabilities(backend),
     }
     metas = yield Agree(meta)
@@ -265,6 +295,26 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
         report.seconds = time.perf_counter() - t0
         return shaped, report
 
+    divisor = n if spec.op == "mean" else 1
+    if spec.path == "native":
+        wires = native_wires(transport, backend.name)
+        if wires:
+            wire = native.wire_dtype(spec.codec, dtype_name(flat.dtype), wires)
+            report.path = "native"
+            buf = native.to_wire(backend, flat, wire, result, workspace)
+            buf = yield NativeAllreduce(buf)
+            native.from_wire(backend, buf, divisor, result)
+            if detailed_report:
+                report.nonfinite = _holds_nonfinite(xp, result)
+            # a ring's bytes: what NCCL's and MPI's bandwidth-optimal algorithms send
+            report.wire_bytes_total = 2 * (n - 1) * length * buf.dtype.itemsize
+            report.bytes_sent = report.wire_bytes_total // n
+            report.codec_info = {"native": f"{transport}'s all-reduce, {wire} on the wire"}
+            report.seconds = time.perf_counter() - t0
+            return shaped, report
+        report.path_reason = f"no native all-reduce on {transport} for {backend.name} arrays"
+        early = _local_statistics(flat, spec, backend, workspace)
+
     values, codec, keys, (stats, local_state) = early
     schedule = schedules.build(spec.topology, n)
     yield Mark("statistics")
@@ -273,15 +323,28 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
         reduced, sent, stats_total = yield from _reduce_stats(
             stats, n, rank, schedule, backend, workspace, spec.tile_bytes)
     yield Mark("plan")
-    plan = codec.plan(values, reduced, n, keys, backend, local_state, workspace, spec.tile_bytes)
-    divisor = n if spec.op == "mean" else 1
+    try:
+        plan = codec.plan(values, reduced, n, keys, backend, local_state, workspace,
+                          spec.tile_bytes)
+    except (NonFiniteInputError, SumOverflowError) as exc:
+        # decided from the reduced statistics: the same on every rank
+        if spec.nonfinite == "raise":
+            raise
+        result.fill(np.nan)
+        report.nonfinite = True
+        report.wire_bytes_total = report.stats_bytes_total = stats_total
+        report.bytes_sent = sent
+        report.codec_info = {"nonfinite": f"{type(exc).__name__}: {exc}; output set to NaN"}
+        report.seconds = time.perf_counter() - t0
+        return shaped, report
     # native output dtype: the plan may decode straight into the result
     if result.dtype in NATIVE_DTYPES:
         plan.bind_output(result, divisor)
     yield Mark("reduce-scatter")
     sent += yield from run_schedule(plan, schedule, rank)
     yield Mark("finish")
-    if codec is not spec.codec and getattr(spec.codec, "rejects_nonfinite", False):
+    if (codec is not spec.codec and getattr(spec.codec, "rejects_nonfinite", False)
+            and spec.nonfinite == "raise"):
         # A small input sent uncompressed keeps the contract of the codec asked
         # for: the decoded sum is the same on every rank, so every rank raises
         # alike, and nothing reached the caller's buffer yet.
@@ -298,6 +361,10 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
     report.stats_bytes_total = stats_total
     report.bytes_sent = sent
     report.tiles_per_chunk = len(plan.chunk_tiles[0])
+    if stats is not None:
+        report.nonfinite = False       # the statistics would have flagged it
+    elif detailed_report:
+        report.nonfinite = _holds_nonfinite(xp, result)
     info = plan.report(detailed_report)
     if codec is not spec.codec:
         info["fallback"] = (f"{codec.name}: {length} elements < small_input="

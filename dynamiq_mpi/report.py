@@ -16,6 +16,9 @@ class Report:
     call_counter: int
     transport: str = ""           # the transport that carried the data: "nccl", "mpi-cuda", "mpi", "simulate"
     transport_reason: str = ""    # why "auto" (or the request) led to it
+    path: str = "compressed"      # "compressed" (the codec's ring) or "native" (the transport's own all-reduce)
+    path_reason: str = ""         # why: requested, measured crossover, codec, ...
+    nonfinite: bool | None = None  # some rank's input held NaN/Inf (None: not checked)
     wire_bytes_total: int = 0     # bytes sent by all ranks, statistics included
     stats_bytes_total: int = 0    # of which the statistics phase
     bytes_sent: int = 0           # bytes this rank sent

@@ -26,6 +26,7 @@ import time
 import torch
 
 from . import Collective, DynamiQ, InputMismatchError
+from .paths import PathChooser, default_path, size_class
 
 __all__ = ["HookState", "ddp_comm_hook", "allreduce_gradients", "init_process_group_from_mpi",
            "tensor_as_array"]
@@ -97,14 +98,26 @@ class HookState:
     """
 
     _PICKLED = ("codec", "seed", "transport", "topology", "iteration", "measure_error",
-                "reports", "timing")
+                "reports", "timing", "path", "nonfinite")
 
     def __init__(self, codec=None, comm=None, seed: int = 0, transport: str = "auto", *,
-                 topology: str = "ring", reports: bool = True, timing: bool = False):
+                 topology: str = "ring", reports: bool = True, timing: bool = False,
+                 path: str | None = None, nonfinite: str = "propagate"):
         self.codec = DynamiQ(bits=5) if codec is None else codec
         self.seed = int(seed)
         self.transport = transport
         self.topology = topology
+        # "auto": per bucket size, the DDP hook takes whichever of the
+        # compressed all-reduce and torch.distributed's own all-reduce (what
+        # DDP does without a hook, asynchronous) it measured faster;
+        # "compressed" / "native" force one.  Without a matching
+        # torch.distributed group, "native" is the collective's (NCCL BF16).
+        self.path = default_path(path)
+        # "propagate": NaN/Inf on any rank gives NaN gradients on every rank
+        # (GradScaler then skips the step); "raise": NonFiniteInputError.
+        if nonfinite not in ("propagate", "raise"):
+            raise ValueError(f"nonfinite must be 'propagate' or 'raise', got {nonfinite!r}")
+        self.nonfinite = nonfinite
         self.iteration = 0          # DDP iterations seen (advanced on the last bucket)
         self.measure_error = False
         self.reports = reports      # keep each call's Report (last_report, bits in pop_stats)
@@ -117,6 +130,8 @@ class HookState:
         self._collective = None
         self._lock = threading.Lock()
         self.last_report = None
+        self._paths = None          # the hook's PathChooser (made on first use)
+        self._path_comm = None
         self._reset_stats()
 
     def _reset_stats(self):
@@ -136,6 +151,8 @@ class HookState:
         return state
 
     def __setstate__(self, state):
+        state.setdefault("path", "auto")           # checkpoints of earlier versions
+        state.setdefault("nonfinite", "propagate")
         for k in self._PICKLED:
             setattr(self, k, state[k])
         self._counter = int(state["counter"])
@@ -185,15 +202,16 @@ class HookState:
                 self._collective.counter = int(value)
 
     # -- the all-reduce of one tensor
-    def allreduce_(self, t: torch.Tensor) -> torch.Tensor:
+    def allreduce_(self, t: torch.Tensor, path: str | None = None) -> torch.Tensor:
         """Replace contiguous ``t`` by its mean over the ranks (compressed by
-        ``codec``); returns ``t``.  Measures the error first when asked."""
+        ``codec``, or as the collective's path choice says); returns ``t``.
+        Measures the error first when asked."""
         exact = self.exact_mean(t) if self.measure_error else None
         with _torch_stream(t.device):
             coll = self.collective
             arr = tensor_as_array(t)
             start = self._start_timer(t.device)
-            report = self._reduce_array(coll, arr)
+            report = self._reduce_array(coll, arr, path)
             self._stop_timer(t.device, start)
         self._calls += 1
         self._coords += t.numel()
@@ -205,14 +223,77 @@ class HookState:
             self.record_error(t, exact)
         return t
 
-    def _reduce_array(self, coll, arr):
+    def _reduce_array(self, coll, arr, path=None):
         """Mean over the ranks written into ``arr`` itself; the Report or None."""
         res = coll.allreduce(arr, codec=self.codec, topology=self.topology, op="mean",
-                             seed=self.seed, out=arr, return_report=self.reports)
+                             seed=self.seed, out=arr, return_report=self.reports,
+                             path=self.path if path is None else path,
+                             nonfinite=self.nonfinite)
         res, report = res if self.reports else (res, None)
         if res is not arr:          # the contract returns ``out``; be safe if not
             arr[...] = res
         return report
+
+    # -- the DDP hook's path: compressed, or torch.distributed's own all-reduce
+    def bucket_future(self, buf: torch.Tensor) -> torch.futures.Future:
+        """The mean of ``buf`` over the ranks, as DDP wants it from a hook.
+
+        With a torch.distributed group over the same ranks, ``path="auto"``
+        compares, per bucket size (a power of two), this hook's compressed
+        all-reduce with the group's own all-reduce of the bucket (DDP's
+        default, asynchronous): two untimed and four timed calls, then the
+        slowest rank's medians decide, the same on every rank (paths.py).
+        The native path returns the group's future at once, so the
+        communication overlaps the rest of the backward pass as in plain DDP.
+        """
+        native_ok = buf.device.type in ("cpu", "cuda") and _dist_matches(self.comm)
+        path, key, timed = self._hook_path(buf, native_ok)
+        if path == "native" and native_ok:
+            if timed:
+                t0 = self._synced_time(buf)
+            buf.div_(self.comm.Get_size())
+            work = torch.distributed.all_reduce(buf, async_op=True)
+            if timed:
+                work.wait()
+                self._paths.record(key, "native", self._synced_time(buf) - t0, "native")
+            self._calls += 1
+            self._coords += buf.numel()
+            return work.get_future().then(lambda fut: fut.value()[0])
+        if timed:
+            t0 = self._synced_time(buf)
+        self.allreduce_(buf, path="compressed" if key is not None else None)
+        if timed:
+            self._paths.record(key, "compressed", self._synced_time(buf) - t0, "compressed")
+        # For CUDA values the future must name the device, so that DDP's
+        # consumers wait on our stream's work instead of the host waiting.
+        fut = (torch.futures.Future(devices=[buf.device]) if buf.is_cuda
+               else torch.futures.Future())
+        fut.set_result(buf)
+        return fut
+
+    def _hook_path(self, buf, native_ok):
+        """(path, class key or None, timed) of a DDP bucket."""
+        if self.path != "auto" or not native_ok:
+            return self.path, None, False
+        if self._paths is None:
+            self._path_comm = self.comm.Dup()
+            self._paths = PathChooser(self._path_comm)
+        sig = self.codec.signature()
+        key = (buf.device.type, str(buf.dtype), size_class(buf.numel()), sig, self.topology,
+               "ddp", "mean")
+        path, _, timed = self._paths.choose(key, "auto", getattr(self.codec, "auto_path", False),
+                                            True, self.codec.name)
+        return path, key, timed
+
+    @staticmethod
+    def _synced_time(buf):
+        if buf.is_cuda:
+            torch.cuda.synchronize(buf.device)
+        return time.perf_counter()
+
+    def path_decisions(self) -> dict:
+        """The DDP hook's decided bucket classes: {key: (path, why)}."""
+        return {} if self._paths is None else self._paths.decisions()
 
     def _start_timer(self, device):
         if not self.timing:
@@ -296,19 +377,15 @@ def ddp_comm_hook(state: "HookState", bucket) -> torch.futures.Future[torch.Tens
     """DDP communication hook: ``ddp.register_comm_hook(state, ddp_comm_hook)``.
 
     All-reduces the bucket's flat buffer in place to the mean over the ranks
-    (DDP hands it over undivided) and returns a completed future holding it.
-    Errors (e.g. NaN/Inf on some rank) are raised on every rank by the
-    collective and surface from ``loss.backward()``.
+    (DDP hands it over undivided), compressed or by torch.distributed's own
+    all-reduce as ``state.path`` decides (see :meth:`HookState.bucket_future`).
+    NaN/Inf on any rank gives NaN gradients on every rank (``GradScaler``
+    skips the step); with ``HookState(nonfinite="raise")`` every rank raises
+    from ``loss.backward()`` instead.
     """
-    buf = bucket.buffer()
-    state.allreduce_(buf)
+    fut = state.bucket_future(bucket.buffer())
     if bucket.is_last():
         state.iteration += 1
-    # For CUDA values the future must name the device, so that DDP's consumers
-    # wait on our stream's work instead of the host waiting for it.
-    fut = (torch.futures.Future(devices=[buf.device]) if buf.is_cuda
-           else torch.futures.Future())
-    fut.set_result(buf)
     return fut
 
 

@@ -1,6 +1,8 @@
 """Test-session hooks shared by the serial and the MPI suites.
 
-Only one thing lives here: under ``mpiexec`` a failure on a single rank must
+Two things live here.  The suite tests the codecs and the compressed path,
+so ``DYNAMIQ_PATH`` defaults to "compressed" (the tests of the path choice,
+tests/mpi/test_paths_mpi.py, pass ``path=`` explicitly).  And under ``mpiexec`` a failure on a single rank must
 not leave the other ranks waiting forever in a collective that the failing
 rank will never enter.  As soon as an MPI-marked test fails (in setup, call or
 teardown) on any rank, that rank prints the failure with its rank number and
@@ -16,6 +18,8 @@ import os
 import sys
 
 import pytest
+
+os.environ.setdefault("DYNAMIQ_PATH", "compressed")
 
 
 def _world():

@@ -108,7 +108,9 @@ def test_errors():
     xs = rank_inputs(fresh_seed(), 2, 1000)
     xs[1][5] = np.inf
     with pytest.raises(dq.NonFiniteInputError):
-        dq.simulate_allreduce(xs, codec=dq.MXFP("e4m3"))
+        dq.simulate_allreduce(xs, codec=dq.MXFP("e4m3"), nonfinite="raise")
+    outs, reps = dq.simulate_allreduce(xs, codec=dq.MXFP("e4m3"), return_reports=True)
+    assert all(np.isnan(o).all() and r.nonfinite for o, r in zip(outs, reps))
     with pytest.raises(ValueError, match="unknown MX element format"):
         dq.MXFP("e3m3")
     from dynamiq_mpi.codecs import codec_from_string

@@ -156,7 +156,10 @@ def test_non_finite_raises(topology, bad):
     xs = rank_inputs(fresh_seed(), 4, 1000)
     xs[2][999] = bad
     with pytest.raises(dq.NonFiniteInputError, match="NaN or Inf"):
-        dq.simulate_allreduce(xs, codec=OmniReduce(), topology=topology)
+        dq.simulate_allreduce(xs, codec=OmniReduce(), topology=topology, nonfinite="raise")
+    outs, reps = dq.simulate_allreduce(xs, codec=OmniReduce(), topology=topology,
+                                       return_reports=True)
+    assert all(np.isnan(o).all() and r.nonfinite for o, r in zip(outs, reps))
 
 
 def test_configuration():

@@ -139,7 +139,8 @@ def test_edges():
     xs[2][17] = np.nan
     for codec in (CODECS["dynamiq:5"], CODECS["mxfp:e4m3"]):
         with pytest.raises(NonFiniteInputError):
-            dq.simulate_allreduce(xs, codec=codec)
+            dq.simulate_allreduce(xs, codec=codec, nonfinite="raise")
+        assert all(np.isnan(o).all() for o in dq.simulate_allreduce(xs, codec=codec))
         with pytest.raises(NonFiniteInputError):
             scale_allreduce(ArraySource(xs), 4, codec=codec)
 

@@ -250,10 +250,14 @@ def test_non_finite_and_overflow_raise(topology, bad):
     xs = rank_inputs(fresh_seed(), 4, 1000)
     xs[3][517] = bad
     with pytest.raises(dq.NonFiniteInputError, match="NaN or Inf"):
-        dq.simulate_allreduce(xs, codec=THC(), topology=topology)
+        dq.simulate_allreduce(xs, codec=THC(), topology=topology, nonfinite="raise")
     huge = [np.full(1000, 3e38, np.float32) for _ in range(4)]
     with pytest.raises(dq.SumOverflowError):
-        dq.simulate_allreduce(huge, codec=THC(), topology=topology)
+        dq.simulate_allreduce(huge, codec=THC(), topology=topology, nonfinite="raise")
+    for inputs in (xs, huge):       # propagated (the default): NaN everywhere, flagged
+        outs, reps = dq.simulate_allreduce(inputs, codec=THC(), topology=topology,
+                                           return_reports=True)
+        assert all(np.isnan(o).all() and r.nonfinite for o, r in zip(outs, reps))
 
 
 def test_configuration_errors_and_the_per_call_rotation():

@@ -2,6 +2,7 @@
 # The fast-path run on a two-GPU machine (device kind nvidia-h200-x2), one call:
 #   bash tools/device_fastpath.sh [STAGES]   STAGES: any of build tests profile ncu timeline
 #                                            nvlink shm sockets probe tune hostid lanes mx agprobe pairab sockset shm1
+#                                            paths ddp
 # build: the extension in place; tests: GPU kernel/planner tests, then the MPI
 # suites with CuPy arrays over NCCL and host-staged MPI (one rank per GPU);
 # nvlink/shm/sockets: `python -m dynamiq_mpi bench` against NCCL's own BF16
@@ -46,7 +47,7 @@ fi
 if has tests; then
   echo "== tests"; t0=$(date +%s)
   { timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tail -15
-    SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_transports_mpi.py" \
+    SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_transports_mpi.py tests/mpi/test_paths_gpu_mpi.py tests/mpi/test_paths_mpi.py" \
       MPI_TIMEOUT=360 timeout 390 tools/run_tests.sh $PY 2 2>&1 | tail -25
   } 2>&1 | tee "$OUT/tests.txt"
   echo "tests took $(( $(date +%s) - t0 )) s"
@@ -93,6 +94,20 @@ has shm && run_bench shm "$SHM" --sizes 16M,128M,256M,512M --breakdown
 has shm1 && run_bench shm_1lane "$SHM DYNAMIQ_NCCL_LANES=1" --sizes 16M,128M,256M,512M
 has sockets && run_bench sockets_tuned "$SOCKETS $TUNED" --sizes 2M,16M,64M,128M,256M,512M --breakdown
 has sockets && run_bench sockets_default "$SOCKETS" --sizes 16M,256M
+# paths: DynamiQ compressed, NCCL's BF16 all-reduce (native) and the library's
+# choice (auto) against NCCL's own all-reduce, 2^16..2^28 BF16 elements per link
+PATH_SIZES=128K,1M,8M,16M,64M,128M,256M,512M
+has paths && run_bench paths_nvlink "" --codec dynamiq:5 --sizes $PATH_SIZES
+has paths && run_bench paths_shm "$SHM" --codec dynamiq:5 --sizes $PATH_SIZES
+has paths && run_bench paths_sockets "$SOCKETS $TUNED" --codec dynamiq:5 --sizes $PATH_SIZES
+if has ddp; then   # DDP step time: plain, torch's BF16 hook, our hook (auto, compressed)
+  for link in "nvlink:" "sockets:$SOCKETS $TUNED" "shm:$SHM"; do
+    echo "== ddp ${link%%:*}: ${link#*:}"; t0=$(date +%s)
+    env ${link#*:} timeout 240 mpiexec -n 2 $PY mpi_examples/ddp_bench.py --params ${DDP_PARAMS:-268M} \
+      --json "$OUT/ddp_${link%%:*}.json" 2>&1 | grep -v '^\[' | tee -a "$OUT/ddp.txt"
+    echo "ddp ${link%%:*} took $(( $(date +%s) - t0 )) s"
+  done
+fi
 if has tune; then   # socket and shm settings for the point-to-point path, 2^27 elements, same-run ratios
   for probe in "sockets 32M:$SOCKETS $TUNED:32M" "sockets 8M:$SOCKETS $TUNED:8M" \
                "sockets 32M, 8 channels/peer, 1 MiB chunks:$SOCKETS ${TUNED/NCCL_P2P_NET_CHUNKSIZE=2097152 NCCL_NCHANNELS_PER_NET_PEER=4/NCCL_P2P_NET_CHUNKSIZE=1048576 NCCL_NCHANNELS_PER_NET_PEER=8}:32M" \

@@ -33,6 +33,12 @@ class Codec:
     # False: on device arrays the codec runs as CuPy array code, not fused
     # kernels, so its GPU timings are not representative (benchmarks say so).
     fused_gpu = True
+    # The native path (the transport's own all-reduce, native.py): the dtype
+    # it sums in (None: the input's own), and whether path="auto" may take it
+    # where it measures faster (lossy codecs whose accuracy BF16 matches or
+    # beats; the baselines always run compressed unless asked).
+    native_wire = "bfloat16"
+    auto_path = False
 
     def signature(self) -> tuple:
         """Hashable description every rank must agree on before any byte moves."""

@@ -143,6 +143,7 @@ class ElementwisePlan(Plan):
 class Exact(Codec):
     """float32 on the wire, float32 adds at every hop (about n ulp of error)."""
     name = "exact"
+    native_wire = None      # the native path keeps the input's precision
 
     def signature(self):
         return ("exact",)
@@ -156,6 +157,7 @@ class Exact(Codec):
 class BF16(Codec):
     """BF16 on the wire (nearest-even), float32 accumulation at every hop."""
     name = "bf16"
+    auto_path = True
 
     def signature(self):
         return ("bf16",)

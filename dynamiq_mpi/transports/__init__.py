@@ -26,6 +26,18 @@ from ..errors import InvalidInputError
 
 TRANSPORTS = ("auto", "nccl", "mpi-cuda", "mpi")
 
+# The transports with an all-reduce of their own (the "native" path of a
+# call), per array backend, and the wire dtypes it sums: NCCL on device
+# arrays, MPI on host arrays (MPI has no bfloat16 sum).
+_NATIVE_WIRES = {("nccl", "gpu"): ("bfloat16", "float16", "float32", "float64"),
+                 ("mpi", "cpu"): ("float32", "float64")}
+
+
+def native_wires(transport: str, backend_name: str) -> tuple:
+    """Wire dtypes of ``transport``'s own all-reduce for ``backend_name``
+    arrays; () when it has none (then a call runs compressed)."""
+    return _NATIVE_WIRES.get((transport, backend_name), ())
+
 
 def transport_capabilities(backend) -> dict:
     """What this rank could use for its input (part of the agreement record).

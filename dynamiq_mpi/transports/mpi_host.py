@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from .ops import Agree, Claim, Exchange, Mark, Received, payload_array
+from .ops import Agree, Claim, Exchange, Mark, NativeAllreduce, Received, payload_array
 
 _TAG = 0x5D17
 
@@ -67,11 +67,16 @@ class RequestAnswers:
             return agree(self.agreement_comm, request.value)
         if isinstance(request, Mark):
             return self._mark(request.name)
+        if isinstance(request, NativeAllreduce):
+            return self._native_allreduce(request.buffer)
         raise RuntimeError(f"unknown request {request!r}")
 
     def stop_profile(self):
         prof, self.profile = self.profile, None
         return prof
+
+    def _native_allreduce(self, buffer):
+        raise RuntimeError(f"transport {self.name!r} has no native all-reduce")
 
 
 class MPITransport(RequestAnswers):
@@ -119,6 +124,11 @@ class MPITransport(RequestAnswers):
 
     def _claim(self, handle):
         return handle.buffer          # every exchange completed before its answer
+
+    def _native_allreduce(self, buffer):
+        from mpi4py import MPI
+        self.comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
+        return buffer
 
     def _mark(self, name):
         if self.profile is not None:

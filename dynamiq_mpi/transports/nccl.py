@@ -194,6 +194,7 @@ class NCCLTransport(RequestAnswers):
         self._scratch = {}
         self._retired = []
         self._cuts = {}
+        self._native = None      # the communicator of the native all-reduce (made on first use)
 
     # -- requests --------------------------------------------------------------
     def _slices(self, nbytes):
@@ -293,6 +294,27 @@ class NCCLTransport(RequestAnswers):
         done = [self._record(self.streams[i], timing=False) for i in range(len(recvs))]
         return Received(req.recv, done)
 
+    _NCCL_TYPES = {"bfloat16": "NCCL_BFLOAT16", "float16": "NCCL_FLOAT16",
+                   "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64"}
+
+    def _native_allreduce(self, buffer):
+        """NCCL's own all-reduce (sum) of ``buffer`` in place, on the caller's
+        stream.  A communicator of its own, so that it never shares one with
+        the lanes' point-to-point on other streams; every rank reaches its
+        first native call in the same call (the path is agreed), so it is
+        made there."""
+        from ..backend import dtype_name
+        nccl = self.nccl
+        if self._native is None:
+            uid = self.mpi.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
+            with self.cupy.cuda.Device(self.device_id):
+                self._native = nccl.NcclCommunicator(self.size, uid, self.rank)
+        compute = self.cupy.cuda.get_current_stream()
+        wire = getattr(nccl, self._NCCL_TYPES[dtype_name(buffer.dtype)])
+        ptr = _ptr(buffer)
+        self._native.allReduce(ptr, ptr, buffer.size, wire, nccl.NCCL_SUM, compute.ptr)
+        return buffer
+
     def _record(self, stream, timing=True):
         e = self.cupy.cuda.Event(block=False, disable_timing=not timing)
         e.record(stream)
@@ -320,6 +342,12 @@ class NCCLTransport(RequestAnswers):
         self.profile = _Profile(self.cupy, self.cupy.cuda.get_current_stream())
 
     def free(self):
+        if self._native is not None:
+            try:
+                self._native.destroy()
+            except Exception:
+                pass
+            self._native = None
         for c in getattr(self, "comms", ()):
             try:
                 c.destroy()

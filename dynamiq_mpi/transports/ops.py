@@ -13,7 +13,10 @@ The engine is one generator per rank; it yields these and a transport answers:
   over (chosen from the agreed records, the same on every rank); the answer is
   the name of the transport that carries it;
 * :class:`Mark` - a phase boundary, for the per-phase breakdown (a no-op unless
-  the transport profiles).
+  the transport profiles);
+* :class:`NativeAllreduce` - the transport's own uncompressed all-reduce (NCCL's,
+  MPI's) of one buffer, in place: the "native" path of a call, which the
+  engine takes where compression does not pay.
 
 A payload that is a :class:`Received` handle is forwarded unchanged: it needs
 no wait for the computation, only for its own receive.
@@ -53,6 +56,16 @@ class Route:
 @dataclass
 class Mark:
     name: str
+
+
+@dataclass
+class NativeAllreduce:
+    """Sum ``buffer`` (a flat float array) over the ranks in place, with the
+    transport's own all-reduce; the answer is ``buffer``, valid in the
+    caller's stream order.  Every rank gets the same bits (NCCL's ring and
+    tree reduce each element on one rank and forward the result; MPI's
+    reductions add the same operands, commutatively, on every rank)."""
+    buffer: Any
 
 
 class Received:

@@ -136,7 +136,9 @@ def test_gpu_bad_input_raises_everywhere(cp):
     if comm.rank == N - 1:
         x[3] = cp.nan
     with pytest.raises(dq.NonFiniteInputError):
-        dq.allreduce(x, codec=dq.DynamiQ(small_input=0))
+        dq.allreduce(x, codec=dq.DynamiQ(small_input=0), nonfinite="raise")
+    out, rep = dq.allreduce(x, codec=dq.DynamiQ(small_input=0), return_report=True)
+    assert rep.nonfinite and bool(cp.isnan(out).all())      # propagated (the default)
 
 
 @pytest.mark.mpi(min_size=2)

@@ -35,7 +35,8 @@ def test_non_finite_on_one_rank(bad, topology):
         x[517] = bad
     before = x.copy()
     raises_everywhere(dq.NonFiniteInputError,
-                      lambda: dq.allreduce(x, codec=dq.DynamiQ(small_input=0, bits=5), topology=topology),
+                      lambda: dq.allreduce(x, codec=dq.DynamiQ(small_input=0, bits=5), topology=topology,
+                                           nonfinite="raise"),
                       "NaN or Inf")
     assert np.array_equal(x, before, equal_nan=True)
     # the communicator still works afterwards
@@ -104,5 +105,6 @@ def test_non_contiguous_on_one_rank():
 @pytest.mark.mpi(min_size=2)
 def test_overflowing_sum():
     x = np.full(512, np.float32(3.0e38), dtype=np.float32)
-    raises_everywhere(dq.SumOverflowError, lambda: dq.allreduce(x, codec=dq.DynamiQ(small_input=0)),
+    raises_everywhere(dq.SumOverflowError, lambda: dq.allreduce(x, codec=dq.DynamiQ(small_input=0),
+                                                                nonfinite="raise"),
                       "float32 range")

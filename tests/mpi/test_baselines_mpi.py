@@ -41,7 +41,7 @@ def test_non_finite_on_one_rank_raises_everywhere(codec, bad):
     before = x.copy()
     for topology in TOPOLOGIES:
         with pytest.raises(dq.NonFiniteInputError, match="NaN or Inf") as info:
-            dq.allreduce(x, codec=codec, topology=topology)
+            dq.allreduce(x, codec=codec, topology=topology, nonfinite="raise")
         assert len(set(comm.allgather(str(info.value)))) == 1
     assert np.array_equal(x, before, equal_nan=True)
     out = dq.allreduce(rank_inputs(1, N, 3000)[comm.rank], codec=codec)   # still usable

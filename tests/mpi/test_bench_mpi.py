@@ -20,7 +20,8 @@ def test_bench_command_runs_on_host_arrays(capsys):
     topologies = "ring,butterfly"
     main(["bench", "--array", "numpy", "--sizes", "64K,2M", "--codec",
           "dynamiq:5,dynamiq:5:small_input=0,bf16", "--topology", topologies,
-          "-w", "1", "-n", "2", "--rounds", "2", "--breakdown", "--json", path])
+          "--paths", "compressed", "-w", "1", "-n", "2", "--rounds", "2", "--breakdown",
+          "--json", path])
     comm.Barrier()
     with open(path) as f:
         data = json.load(f)
@@ -43,3 +44,24 @@ def test_bench_command_runs_on_host_arrays(capsys):
     out = capsys.readouterr().out
     if comm.rank == 0:
         assert "#wrong" in out and "speedup" in out and "breakdown" in out
+
+
+@pytest.mark.mpi(min_size=2)
+def test_bench_shows_both_paths_and_the_one_chosen(capsys):
+    folder = comm.bcast(tempfile.mkdtemp(prefix="bench_") if comm.rank == 0 else None)
+    path = os.path.join(folder, "bench.json")
+    main(["bench", "--array", "numpy", "--sizes", "256K", "--codec", "dynamiq:5,mxfp:e4m3",
+          "-w", "1", "-n", "2", "--json", path])
+    comm.Barrier()
+    with open(path) as f:
+        rows = json.load(f)["rows"]
+    dq_rows = {r["path"]: r for r in rows if r["codec"] == "dynamiq:5"}
+    assert set(dq_rows) == {"compressed", "native", "auto"}
+    assert dq_rows["compressed"]["ran"] == "compressed" and dq_rows["native"]["ran"] == "native"
+    auto = dq_rows["auto"]
+    assert auto["ran"] in ("compressed", "native") and "measured" in auto["path_reason"]
+    assert [r["path"] for r in rows if r["codec"] == "mxfp:e4m3"] == ["compressed"]
+    assert all(r["wrong"] == 0 for r in rows)
+    out = capsys.readouterr().out
+    if comm.rank == 0:
+        assert f"auto->{auto['ran']}" in out and "# path of dynamiq:5" in out

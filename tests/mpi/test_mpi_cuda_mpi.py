@@ -173,7 +173,8 @@ def test_a_call_that_fails_after_data_moved_leaves_nothing_in_flight(recorded):
     bad = xs[comm.rank].copy()
     if comm.rank == N - 1:
         bad[5] = np.nan
-    spec = CallSpec(dq.DynamiQ(bits=5, small_input=0), "ring", "sum", 1, 0, "auto", 500)
+    spec = CallSpec(dq.DynamiQ(bits=5, small_input=0), "ring", "sum", 1, 0, "auto", 500,
+                    nonfinite="raise")
     with pytest.raises(dq.NonFiniteInputError):
         run_on(transport, bad, spec)
     transport.end_call(failed=True)

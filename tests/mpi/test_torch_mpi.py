@@ -5,6 +5,7 @@ steps of mpi_examples/train_lm.py run inside this MPI job.
 
 Run: mpiexec -n 2 python -m pytest --with-mpi --only-mpi tests/mpi/test_torch_mpi.py
 """
+import json
 import os
 import pickle
 import tempfile
@@ -226,9 +227,9 @@ def test_restored_state_drives_a_new_ddp():
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("small_input", [0, 1 << 16], ids=["compressed", "small-as-bf16"])
-def test_nan_gradient_on_one_rank_raises_on_every_rank(small_input):
+def test_nan_gradient_on_one_rank_raises_on_every_rank_when_asked(small_input):
     model = DDP(make_net(), bucket_cap_mb=0.004)
-    state = dqt.HookState(codec=dq.DynamiQ(bits=5, small_input=small_input))
+    state = dqt.HookState(codec=dq.DynamiQ(bits=5, small_input=small_input), nonfinite="raise")
     model.register_comm_hook(state, dqt.ddp_comm_hook)
     x, y = batch(0)
     if comm.rank == LAST:
@@ -239,6 +240,81 @@ def test_nan_gradient_on_one_rank_raises_on_every_rank(small_input):
     assert all(m == messages[0] for m in messages), messages
     assert isinstance(info.value, dq.NonFiniteInputError), messages[0]
     assert "NaN or Inf" in messages[0]
+
+
+def _train_with_scaler(state, steps=6, bad=(1, 3, 4)):
+    """A few steps under torch.amp.GradScaler; on the steps in ``bad`` the last
+    rank's batch holds an Inf, so its gradients overflow.  Returns the model,
+    the scale after each step and which steps left the parameters unchanged."""
+    model = DDP(make_net(), bucket_cap_mb=0.004)
+    if state is not None:
+        model.register_comm_hook(state, dqt.ddp_comm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, growth_interval=1000)
+    scales, skipped = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step)
+        if step in bad and comm.rank == LAST:
+            x[3, 5] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.scale(loss_of(model, x, y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        skipped.append(all(torch.equal(a, b) for a, b in zip(before, model.parameters())))
+    return model, scales, skipped
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("codec", [dq.Exact(), dynamiq5(), dq.DynamiQ(bits=5)],
+                         ids=["exact", "dynamiq", "dynamiq-small-as-bf16"])
+def test_grad_scaler_skips_overflowing_steps_as_plain_ddp_does(codec):
+    plain, scales0, skipped0 = _train_with_scaler(None)
+    hooked, scales1, skipped1 = _train_with_scaler(dqt.HookState(codec=codec, path="compressed"))
+    assert skipped0 == [False, True, False, True, True, False], skipped0
+    assert skipped1 == skipped0 and scales1 == scales0, (skipped1, scales1, scales0)
+    assert scales0[-1] == 2.0 ** 12 / 8
+    params = list(hooked.parameters())
+    assert all(torch.isfinite(p).all() for p in params)
+    assert_same_on_every_rank(params, "parameters after the overflowing steps")
+    if isinstance(codec, dq.Exact):
+        for a, b in zip(params, plain.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hook_native_path_is_plain_ddp():
+    plain, _, _ = _train_with_scaler(None, steps=3, bad=(1,))
+    state = dqt.HookState(codec=dynamiq5(), path="native")
+    hooked, _, skipped = _train_with_scaler(state, steps=3, bad=(1,))
+    assert skipped == [False, True, False]
+    assert state.last_report is None            # the compressed collective never ran
+    for a, b in zip(hooked.parameters(), plain.parameters()):
+        # DDP scales by 1/n inside its reducer, the hook divides: equal up to
+        # one rounding (bit for bit at n = 2)
+        if N == 2:
+            assert torch.equal(a, b)
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hook_auto_path_measures_then_agrees_on_every_rank():
+    state = dqt.HookState(codec=dynamiq5(), path="auto")
+    model = DDP(make_net(), bucket_cap_mb=0.004)
+    model.register_comm_hook(state, dqt.ddp_comm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(8):           # enough calls for every bucket class to decide
+        opt.zero_grad()
+        loss_of(model, *batch(step)).backward()
+        opt.step()
+    decisions = state.path_decisions()
+    assert decisions, "no bucket class decided after 8 steps"
+    assert all(path in ("compressed", "native") and "measured" in why
+               for path, why in decisions.values())
+    summary = sorted((k[2], p) for k, (p, _) in decisions.items())
+    assert all(other == summary for other in comm.allgather(summary))
+    assert_same_on_every_rank(list(model.parameters()), "parameters under path='auto'")
 
 
 def _grads(rank, shapes_dtypes, seed=0):
@@ -335,3 +411,21 @@ def test_train_lm_tiny_runs_in_this_job():
     dq_run = runs["dynamiq:5:small_input=0"]
     assert all(0 < v["vnmse"] < 0.2 for v in dq_run["vnmse"]), dq_run["vnmse"]
     assert 4 < dq_run["summary"]["bits_per_coord"] <= 5.5
+
+
+@pytest.mark.mpi(min_size=2)
+def test_ddp_bench_tiny_runs_in_this_job():
+    """mpi_examples/ddp_bench.py on a tiny model: every mode runs, the ranks
+    agree, the hook's path choice is listed, the JSON is written."""
+    mod = load_example("ddp_bench")
+    folder = comm.bcast(tempfile.mkdtemp(prefix="ddp_bench_") if comm.rank == 0 else None)
+    path = os.path.join(folder, "ddp.json")
+    rows = mod.main(["--params", "200K", "--width", "128", "--bucket-mb", "0.1", "--steps", "2",
+                     "--warmup", "4", "--json", path])
+    assert [r["mode"] for r in rows] == list(mod.MODES)
+    assert all(r["step_ms"] > 0 and np.isfinite(r["loss"]) for r in rows)
+    auto = next(r for r in rows if r["mode"] == "dynamiq")
+    assert auto["paths"] and all("measured" in why for why in auto["paths"].values())
+    comm.Barrier()
+    with open(path) as f:
+        assert json.load(f)["meta"]["ranks"] == N

@@ -221,7 +221,7 @@ def test_small_input_with_nan_still_raises_everywhere():
         x[7] = np.nan
     keep = x.copy()
     with pytest.raises(dq.NonFiniteInputError, match="NaN or Inf"):
-        dq.allreduce(x, codec=dq.DynamiQ(bits=5), out=x)
+        dq.allreduce(x, codec=dq.DynamiQ(bits=5), out=x, nonfinite="raise")
     assert np.array_equal(x, keep, equal_nan=True)          # nothing written
 
 

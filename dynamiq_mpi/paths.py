@@ -1,0 +1,110 @@
+"""Which path a call takes: the codec's compressed ring, or the transport's
+own uncompressed all-reduce ("native": NCCL's BF16 all-reduce for device
+arrays, MPI's for host arrays), chosen from crossovers the collective
+measures itself.
+
+With ``path="auto"`` the first calls of each *class* (array backend, dtype,
+size as floor(log2(length)), codec, topology, transport asked for, op) run
+both paths in turn: one untimed call of each (workspace, communicators and
+graphs are made there), then ``SAMPLES`` timed calls of each, every one
+synchronised before and after.  The ranks then agree on the slowest rank's
+median time of each path (one small MPI all-reduce, at the same call on
+every rank since every rank makes the same calls), and the class keeps the
+faster path from then on.  The compressed path must win by ``MARGIN``: on a
+tie BF16 is the more accurate.  The report of every call says which path ran
+and why.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass, field
+
+import numpy as np
+
+PATH_CHOICES = ("auto", "compressed", "native")
+WARMUP = 1          # untimed calls of each path per class
+SAMPLES = 2         # timed calls of each path per class
+MARGIN = 1.05       # compressed only when at least 5 % faster
+
+
+def default_path(value=None) -> str:
+    """``value``, else ``$DYNAMIQ_PATH``, else "auto"; a clear error otherwise."""
+    if value is None:
+        value = os.environ.get("DYNAMIQ_PATH", "auto").strip() or "auto"
+    if value not in PATH_CHOICES:
+        raise ValueError(f"path must be one of {PATH_CHOICES} (argument or $DYNAMIQ_PATH), "
+                         f"got {value!r}")
+    return value
+
+
+def size_class(length: int) -> int:
+    """floor(log2(length)): calls within a power of two share a choice."""
+    return max(0, int(length).bit_length() - 1)
+
+
+@dataclass
+class _Class:
+    times: dict = field(default_factory=lambda: {"compressed": [], "native": []})
+    choice: str | None = None
+    why: str = ""
+
+
+class PathChooser:
+    """Per-class path decisions of one communicator (every rank holds one and
+    feeds it the same calls, so the decisions agree)."""
+
+    def __init__(self, comm, warmup: int = WARMUP, samples: int = SAMPLES,
+                 margin: float = MARGIN):
+        self.comm = comm            # an MPI communicator of the ranks (agreeing on timings)
+        self.warmup, self.samples, self.margin = int(warmup), int(samples), float(margin)
+        self._classes: dict = {}
+
+    def choose(self, key, requested: str, codec_auto: bool, can_native: bool,
+               codec_name: str = "") -> tuple:
+        """(path, why, timed): the path of the next call of ``key``; ``timed``
+        asks the caller to time it and :meth:`record` the seconds."""
+        if requested != "auto":
+            return requested, "requested", False
+        if not codec_auto:
+            return "compressed", f"codec {codec_name} runs compressed unless path='native'", False
+        if not can_native:
+            return "compressed", "no native all-reduce for these arrays and transport", False
+        c = self._classes.setdefault(key, _Class())
+        if c.choice is not None:
+            return c.choice, c.why, False
+        nc, nn = len(c.times["compressed"]), len(c.times["native"])
+        path = "compressed" if nc <= nn else "native"
+        total = 2 * (self.warmup + self.samples)
+        return path, f"auto: measuring both paths (call {nc + nn + 1} of {total})", True
+
+    def record(self, key, path: str, seconds: float, ran: str, ran_why: str = "") -> None:
+        """The time of a measuring call of ``key`` that asked for ``path`` and
+        ran ``ran``.  When both paths have their samples, agree and decide."""
+        c = self._classes.get(key)
+        if c is None or c.choice is not None:
+            return
+        if ran != path:          # native asked but not available after agreement
+            c.choice, c.why = ran, ran_why or f"{path} unavailable"
+            return
+        c.times[path].append(float(seconds))
+        need = self.warmup + self.samples
+        if any(len(t) < need for t in c.times.values()):
+            return
+        mine = np.array([statistics.median(c.times[p][self.warmup:])
+                         for p in ("compressed", "native")], dtype=np.float64)
+        worst = np.empty_like(mine)
+        from mpi4py import MPI
+        self.comm.Allreduce(mine, worst, op=MPI.MAX)
+        tc, tn = float(worst[0]), float(worst[1])
+        c.choice = "compressed" if tc * self.margin < tn else "native"
+        c.why = (f"auto: measured compressed {tc * 1e3:.3f} ms, native {tn * 1e3:.3f} ms "
+                 f"(slowest rank, median of {self.samples}) for 2^{key[2]}+ elements")
+
+    def decisions(self) -> dict:
+        """{class key: (choice, why)} of the classes decided so far."""
+        return {k: (c.choice, c.why) for k, c in self._classes.items() if c.choice is not None}
+
+    def forget(self) -> None:
+        """Measure every class again (e.g. after the link changed)."""
+        self._classes.clear()
