@@ -3,8 +3,9 @@
     from dynamiq_mpi import allreduce, DynamiQ
     total = allreduce(grad, codec=DynamiQ(bits=5), topology="ring")
 """
-from .api import Collective, allreduce, collective_for, simulate_allreduce
+from .api import Collective, allreduce, collective_for, reduce_scatter, simulate_allreduce
 from .codecs import BF16, MXFP, THC, DynamiQ, Exact, OmniReduce
+from .engine_rs import simulate_reduce_scatter
 from .errors import (DynamiQError, InputMismatchError, InvalidInputError, NonFiniteInputError,
                      SumOverflowError)
 from .report import Report
@@ -22,6 +23,6 @@ def has_cuda() -> bool:
     return _has_cuda()
 
 
-__all__ = ["allreduce", "simulate_allreduce", "Collective", "collective_for", "DynamiQ",
+__all__ = ["allreduce", "simulate_allreduce", "reduce_scatter", "simulate_reduce_scatter", "Collective", "collective_for", "DynamiQ",
            "Exact", "BF16", "MXFP", "THC", "OmniReduce", "Report", "has_cuda", "DynamiQError", "InputMismatchError",
            "InvalidInputError", "NonFiniteInputError", "SumOverflowError", "TopologyError"]

@@ -147,6 +147,27 @@ class Collective:
                 report.path_reason = why
         return (out, report) if return_report else out
 
+    def reduce_scatter(self, x, *, codec=None, topology="ring", op="sum", seed=0, out=None,
+                       transport=None, tile_bytes=None, return_report=False, profile=False,
+                       nonfinite=None):
+        """Reduce-scatter ``x`` (see :func:`reduce_scatter`); always compressed
+        (``path`` does not apply).  Shares the call counter with
+        :meth:`allreduce`."""
+        from .engine_rs import rank_program_rs
+        codec = _DEFAULT_CODEC if codec is None else codec
+        transport = self.transport if transport is None else transport
+        nonfinite = self.nonfinite if nonfinite is None else nonfinite
+        with self._lock:
+            counter = self._counter
+            self._counter += 1
+            spec = CallSpec(codec, topology, op, seed, counter, transport,
+                            self.tile_bytes if tile_bytes is None else tile_bytes,
+                            nonfinite=nonfinite)
+            program = rank_program_rs(self.rank, self.size, x, spec, out, self._workspace,
+                                      detailed_report=return_report)
+            out, report = self._drive(program, x, profile, return_report)
+        return (out, report) if return_report else out
+
     def _choose_path(self, x, codec, topology, op, transport, requested):
         """(class key, path, why, timed) of this call, from local facts only
         (every rank has the same ones when the call is valid; an invalid one
@@ -325,6 +346,25 @@ def allreduce(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0, ou
                                           out=out, transport=transport,
                                           return_report=return_report, path=path,
                                           nonfinite=nonfinite)
+
+
+def reduce_scatter(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0, out=None,
+                   transport="auto", return_report=False, nonfinite="propagate"):
+    """Compressed reduce-scatter of ``x`` over ``comm`` (default ``MPI.COMM_WORLD``).
+
+    Every rank passes a C-contiguous array of the same length (divisible by the
+    number of ranks n, else every rank raises ``InvalidInputError``) and dtype;
+    rank r gets a new flat array (or ``out``: any contiguous array of that
+    size) of ``len(x) / n`` elements: coordinates ``[r len/n, (r+1) len/n)``
+    of the sum (or mean), estimated by the reduce-scatter half of the ring
+    (or butterfly) with ``codec``.  ``nonfinite`` as in :func:`allreduce`.
+    Each rank's chunk is planned on its own (a DynamiQ threshold per chunk:
+    every message carries about the same bytes; docs/design.md).
+    """
+    return collective_for(comm).reduce_scatter(x, codec=codec, topology=topology, op=op,
+                                               seed=seed, out=out, transport=transport,
+                                               return_report=return_report,
+                                               nonfinite=nonfinite)
 
 
 def simulate_allreduce(xs, *, codec=None, topology="ring", op="sum", seed=0, counter=0,

@@ -26,15 +26,18 @@ class Report:
     seconds: float = 0.0          # host time of the call on this rank
     codec_info: dict = field(default_factory=dict)
     phases: dict = field(default_factory=dict)    # seconds per phase, when profiled
+    collective: str = "allreduce"  # or "reduce_scatter"
 
     @property
     def bits_per_coord(self) -> float:
         """All bytes sent by all ranks x 8 / (2 (n-1)/n x n x length): for ring
-        and butterfly, the encoded size per coordinate, metadata included."""
+        and butterfly, the encoded size per coordinate, metadata included
+        (a reduce-scatter moves half of that: (n-1)/n x n x length)."""
         n = self.world_size
         if n < 2 or self.length == 0:
             return 0.0
-        return self.wire_bytes_total * 8.0 / (2.0 * (n - 1) * self.length)
+        hops = 1.0 if self.collective == "reduce_scatter" else 2.0
+        return self.wire_bytes_total * 8.0 / (hops * (n - 1) * self.length)
 
     def as_dict(self) -> dict:
         d = asdict(self)

@@ -15,6 +15,8 @@ forwarded and decoded from where it landed.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -125,13 +127,34 @@ class Tiling:
 
 _TILINGS: dict = {}
 
+# The number of chunks a plan cuts its stream into, when the engine asks for
+# another than the world size (the reduce-scatter plans each caller-fixed
+# coordinate range as a stream of its own: one chunk, see engine_rs.py).  A
+# plan still gets the world size as ``n`` (events of correlated rounding, MX
+# headroom, THC's integer width), so codecs need not know.
+_CHUNKS: contextvars.ContextVar = contextvars.ContextVar("dynamiq_chunks", default=None)
+
+
+@contextlib.contextmanager
+def plan_chunks(chunks: int):
+    """Plans built inside cut their stream into ``chunks`` chunks instead of n."""
+    token = _CHUNKS.set(int(chunks))
+    try:
+        yield
+    finally:
+        _CHUNKS.reset(token)
+
 
 def tile_stream(layout: StreamLayout, n: int, tile_bytes: int) -> Tiling:
     """Cut the stream into ``n`` chunks of (nearly) equal bytes - a ring step
     lasts as long as its largest message - and every chunk into the same
     number of tiles of at most about ``tile_bytes``, so that the tiles of one
     step pair up send for receive.  A pure function of its arguments, kept
-    for the next call with the same runs (a Tiling is never modified)."""
+    for the next call with the same runs (a Tiling is never modified).
+    Inside :func:`plan_chunks` the stream is cut into that many chunks."""
+    chunks = _CHUNKS.get()
+    if chunks is not None:
+        n = chunks
     key = (tuple(layout.runs), int(n), int(tile_bytes))
     tiling = _TILINGS.get(key)
     if tiling is None:
