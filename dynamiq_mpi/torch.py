@@ -29,7 +29,7 @@ from . import Collective, DynamiQ, InputMismatchError
 from .paths import PathChooser, default_path, size_class
 
 __all__ = ["HookState", "ddp_comm_hook", "allreduce_gradients", "init_process_group_from_mpi",
-           "tensor_as_array"]
+           "tensor_as_array", "ReduceScatter"]
 
 DEFAULT_BUCKET_CAP_MB = 25.0   # DDP's default bucket size
 
@@ -506,3 +506,6 @@ def init_process_group_from_mpi(backend: str | None = None, comm=None, timeout=N
         kwargs["device_id"] = device
     dist.init_process_group(backend, **kwargs)
     return rank, size, device
+
+
+from .torch_fsdp import ReduceScatter  # noqa: E402,F401  (FSDP2's reduce-scatter)

@@ -1,0 +1,168 @@
+"""FSDP2's gradient reduce-scatter through :func:`dynamiq_mpi.reduce_scatter`.
+
+    import dynamiq_mpi as dq
+    import dynamiq_mpi.torch as dqt
+    from torch.distributed.fsdp import fully_shard
+
+    dqt.init_process_group_from_mpi()
+    for layer in model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    rs = dqt.ReduceScatter(codec=dq.DynamiQ(bits=5))
+    for module in model.modules():          # every FSDP module has its own param group
+        if hasattr(module, "set_custom_reduce_scatter"):
+            module.set_custom_reduce_scatter(rs)
+
+FSDP2 (torch >= 2.11) calls the object on its own reduce-scatter stream with
+the padded flat gradient of one parameter group (``len = n x shard``) and
+the shard to fill; this runs the compressed reduce-scatter there (CUDA
+tensors as CuPy views on torch's current stream, CPU tensors as NumPy views,
+zero-copy).  Parameters are all-gathered by FSDP itself, uncompressed.
+
+State, pickling, reports, ``pop_stats`` and the non-finite semantics are
+:class:`~dynamiq_mpi.torch.HookState`'s: NaN/Inf on any rank gives NaN
+gradient shards on every rank (DynamiQ decides it from its statistics
+phase, so every rank's whole shard is NaN and ``GradScaler`` skips the step
+on every rank alike; ``Exact``/``BF16`` propagate per coordinate), or with
+``nonfinite="raise"`` every rank raises.  ``path="auto"`` (default) times,
+per size class, the compressed reduce-scatter against the process group's
+own ``reduce_scatter_tensor`` (what FSDP does without a custom one) and keeps
+the faster, agreed by all ranks (paths.py); "compressed" / "native" force.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .paths import PathChooser, size_class
+from .torch import HookState, _dist_matches, _torch_stream, tensor_as_array
+
+try:     # the abstract class is not re-exported by torch; FSDP only calls it
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _FSDPReduceScatter
+except Exception:   # torch without FSDP2's custom reduce-scatter (< 2.11)
+    class _FSDPReduceScatter:
+        pass
+
+__all__ = ["ReduceScatter"]
+
+
+def _op_name(op) -> str:
+    """"sum" or "mean" from FSDP's reduce op (SUM or AVG)."""
+    R = dist.ReduceOp
+    for name, value in (("sum", R.SUM), ("mean", R.AVG)):
+        try:
+            if op == value:
+                return name
+        except Exception:           # a PREMUL_SUM op does not compare
+            pass
+    raise NotImplementedError(
+        f"dynamiq_mpi.torch.ReduceScatter supports ReduceOp.SUM and AVG, got {op!r} (FSDP "
+        "passes PREMUL_SUM when set_gradient_divide_factor differs from the world size)")
+
+
+class ReduceScatter(_FSDPReduceScatter, HookState):
+    """FSDP2's ``ReduceScatter`` interface (``allocate`` and ``__call__``) for
+    ``FSDPModule.set_custom_reduce_scatter``, on :func:`dynamiq_mpi.reduce_scatter`.
+
+    ``codec`` defaults to ``DynamiQ(bits=5)``; ``seed`` keys the generator
+    with the collective's call counter (checkpoint the object: pickling keeps
+    the configuration and the counter, see :class:`HookState`).  The FSDP
+    group must span the same ranks as ``comm`` (default ``MPI.COMM_WORLD``):
+    plain FSDP, not HSDP's sub-groups.
+    """
+
+    def __init__(self, codec=None, seed: int = 0, comm=None, transport: str = "auto", *,
+                 topology: str = "ring", reports: bool = False, timing: bool = False,
+                 path: str | None = None, nonfinite: str = "propagate"):
+        HookState.__init__(self, codec, comm, seed, transport, topology=topology,
+                           reports=reports, timing=timing, path=path, nonfinite=nonfinite)
+
+    # -- FSDP's interface
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
+                 op, async_op: bool = False):
+        opname = _op_name(op)
+        self._check_group(group)
+        path, key, timed = self._rs_path(input_tensor, group)
+        if timed:
+            t0 = self._synced_time(input_tensor)
+        if path == "native":
+            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+        else:
+            self.reduce_scatter_(output_tensor, input_tensor, opname,
+                                 path="compressed" if key is not None else None)
+        if timed:
+            self._paths.record(key, path, self._synced_time(input_tensor) - t0, path)
+        if path == "native":
+            self._calls += 1
+            self._coords += input_tensor.numel()
+        if async_op:
+            fut = torch.futures.Future()
+            fut.set_result([output_tensor])
+            return torch._C._distributed_c10d._create_work_from_future(fut)
+        return None
+
+    # -- the compressed reduce-scatter of one flat tensor
+    def reduce_scatter_(self, output: torch.Tensor, input: torch.Tensor, op: str = "mean",
+                        path=None) -> torch.Tensor:
+        """Write rank r's chunk of the sum (``op="sum"``) or mean of ``input``
+        over the ranks into ``output`` (``input.numel() / n`` elements)."""
+        exact = self._exact_chunk(input, op) if self.measure_error else None
+        with _torch_stream(input.device):
+            coll = self.collective
+            arr, out = tensor_as_array(input), tensor_as_array(output)
+            start = self._start_timer(input.device)
+            res = coll.reduce_scatter(arr, codec=self.codec, topology=self.topology, op=op,
+                                      seed=self.seed, out=out, return_report=self.reports,
+                                      nonfinite=self.nonfinite)
+            self._stop_timer(input.device, start)
+        report = res[1] if self.reports else None
+        self._calls += 1
+        self._coords += input.numel()
+        if report is not None:
+            self.last_report = report
+            self._reported += input.numel()
+            self._bits += report.bits_per_coord * input.numel()
+        if exact is not None:
+            self.record_error(output, exact)
+        return output
+
+    def _exact_chunk(self, t, op):
+        ref = self.exact_mean(t)
+        if op == "sum":
+            ref.mul_(self.comm.Get_size())
+        n, r = self.comm.Get_size(), self.comm.Get_rank()
+        m = t.numel() // n
+        return ref.reshape(-1)[r * m:(r + 1) * m]
+
+    def _check_group(self, group):
+        if group is None:
+            return
+        n, r = self.comm.Get_size(), self.comm.Get_rank()
+        if group.size() != n or dist.get_rank(group) != r:
+            raise ValueError(
+                f"dynamiq_mpi.torch.ReduceScatter: FSDP's group (size {group.size()}, rank "
+                f"{dist.get_rank(group)}) is not the communicator's (size {n}, rank {r}); "
+                "HSDP sub-groups need a matching mpi4py communicator as comm=")
+
+    def _rs_path(self, t, group):
+        """(path, class key or None, timed) of one reduce-scatter."""
+        native_ok = t.device.type in ("cpu", "cuda") and _dist_matches(self.comm)
+        if self.path != "auto" or not native_ok:
+            return ("compressed" if self.path == "auto" else self.path), None, False
+        if self._paths is None:
+            self._path_comm = self.comm.Dup()
+            self._paths = PathChooser(self._path_comm)
+        key = (t.device.type, str(t.dtype), size_class(t.numel()), self.codec.signature(),
+               self.topology, "fsdp", "reduce_scatter")
+        path, _, timed = self._paths.choose(key, "auto", getattr(self.codec, "auto_path", False),
+                                            True, self.codec.name)
+        return path, key, timed
+
+    def __repr__(self):
+        return (f"ReduceScatter(codec={self.codec!r}, seed={self.seed}, "
+                f"topology={self.topology!r}, transport={self.transport!r}, "
+                f"counter={self.counter})")
+
