@@ -3,6 +3,7 @@ gradients all-reduced by DDP's built-in hooks or by dynamiq_mpi's hook.
 
     mpiexec -n 2 python mpi_examples/train_lm.py --codec dynamiq:5 --json run.json
     mpiexec -n 2 python mpi_examples/train_lm.py --tiny --steps 20 --codec bf16   # CPU, gloo
+    mpiexec -n 2 python mpi_examples/train_lm.py --fsdp --codec dynamiq:5          # FSDP2
     python mpi_examples/train_lm.py plot curves.png run1.json run2.json            # loss curves
 
 Codecs: ``fp32`` (plain DDP, its own float32 all-reduce), ``bf16`` (DDP with
@@ -12,6 +13,13 @@ through ``dynamiq_mpi.torch.ddp_comm_hook``: ``dynamiq:B``, ``exact``,
 three where the installed dynamiq_mpi has them).  Every codec sees the same
 model initialisation and the same batches for a given ``--seed``.
 
+``--fsdp``: the same model sharded by FSDP2 (``fully_shard`` per decoder
+layer, then the model; float32 parameters) instead of DDP; gradients leave
+by a reduce-scatter: ``fp32`` is plain FSDP2 (float32 reduce-scatter of the
+process group), ``bf16`` FSDP2 with ``MixedPrecisionPolicy(reduce_dtype=
+bfloat16)`` (BF16 reduce-scatter of the group), any dynamiq_mpi codec
+``dynamiq_mpi.torch.ReduceScatter`` (``set_custom_reduce_scatter``).
+
 The corpus (docs/training.md): the files of ``CORPUS_FILES`` below, relative
 to ``sysconfig.get_paths()["stdlib"]``: modules present under the same path in
 Python 3.11 and 3.12.  In that sorted list every 10th file (index % 10 == 9)
@@ -20,6 +28,7 @@ vocabulary is the 256 byte values.  The JSON records the corpus' sha256, so
 runs are comparable only when it matches.
 """
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -136,6 +145,8 @@ def parse_args(argv):
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--topology", default="ring")
     p.add_argument("--transport", default="auto", help="dynamiq_mpi transport")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2 (fully_shard) with a reduce-scatter instead of DDP")
     for k, v in PRESETS["default"].items():
         p.add_argument("--" + k.replace("_", "-"), type=type(v), default=None,
                        help=f"default {v}, --tiny {PRESETS['tiny'][k]}")
@@ -193,6 +204,20 @@ def evaluate(model, val, args, rank, world, device, torch):
     return float(total[0] / total[1])
 
 
+@contextlib.contextmanager
+def _no_sync(model):
+    """DDP's no_sync, or FSDP2's set_requires_gradient_sync(False)."""
+    if hasattr(model, "no_sync"):
+        with model.no_sync():
+            yield
+        return
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
 def _compute_probe(ddp, opt, w, device, torch, sync):
     """Forward and backward of batch ``w`` again, under ``no_sync`` (no
     communication): the compute of a step, timed between steps so that it sees
@@ -200,7 +225,7 @@ def _compute_probe(ddp, opt, w, device, torch, sync):
     stepped: training is unchanged."""
     sync()
     t0 = time.perf_counter()
-    with ddp.no_sync():
+    with _no_sync(ddp):
         _loss(ddp, w, device, torch).backward()
     sync()
     ms = (time.perf_counter() - t0) * 1e3
@@ -279,21 +304,25 @@ def main(argv=None):
                       pad_token_id=None)
     model = LlamaForCausalLM(cfg).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              gradient_as_bucket_view=True)
-    state = dqt.HookState(codec=None if isinstance(codec, str) else codec, seed=args.seed,
-                          transport=args.transport, topology=args.topology, reports=False,
-                          timing=True)
-    if codec == "bf16":
-        ddp.register_comm_hook(state, _builtin_hook("bf16"))
-    elif codec != "fp32":                      # fp32: DDP's own all-reduce, no hook
-        ddp.register_comm_hook(state, dqt.ddp_comm_hook)
+    if args.fsdp:
+        ddp, state = _fsdp_model(model, codec, args, dqt, torch)
+    else:
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  gradient_as_bucket_view=True)
+        state = dqt.HookState(codec=None if isinstance(codec, str) else codec, seed=args.seed,
+                              transport=args.transport, topology=args.topology, reports=False,
+                              timing=True)
+        if codec == "bf16":
+            ddp.register_comm_hook(state, _builtin_hook("bf16"))
+        elif codec != "fp32":                      # fp32: DDP's own all-reduce, no hook
+            ddp.register_comm_hook(state, dqt.ddp_comm_hook)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     run = {"config": dict(vars(args), world_size=world, n_params=n_params,
                           backend=dist.get_backend(), device=_device_name(device, torch),
                           torch=torch.__version__, transformers=transformers.__version__),
-           "corpus": corpus, "steps": [], "evals": [], "vnmse": []}
+           "corpus": corpus, "steps": [], "evals": [], "vnmse": [],
+           "mode": "fsdp" if args.fsdp else "ddp"}
     progress = _Progress(args.steps, rank == 0, args.no_progress)
     if rank == 0 and args.no_progress:
         print(f"{args.codec}: {n_params / 1e6:.2f}M parameters, {world} ranks, "
@@ -303,7 +332,8 @@ def main(argv=None):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         w = batch_for(step, rank, world, train, args, torch).to(device, non_blocking=True)
-        measure = codec != "fp32" and (step % args.vnmse_every == 0 or step == args.steps - 1)
+        measure = (codec != "fp32" and not (args.fsdp and isinstance(codec, str))
+                   and (step % args.vnmse_every == 0 or step == args.steps - 1))
         state.measure_error = state.reports = measure   # both cost host syncs: logged steps only
         sync()
         t0 = time.perf_counter()
@@ -333,7 +363,7 @@ def main(argv=None):
             probe_ms.append(_compute_probe(ddp, opt, w, device, torch, sync))
         if (step + 1) % args.eval_every == 0 or step == args.steps - 1:
             run["evals"].append({"step": step + 1, "val_loss": evaluate(
-                ddp.module, val, args, rank, world, device, torch)})
+                ddp if args.fsdp else ddp.module, val, args, rank, world, device, torch)})
         text = f"loss {loss_v:.4f}"
         if run["evals"]:
             text += f" val {run['evals'][-1]['val_loss']:.4f}"
@@ -375,6 +405,25 @@ def main(argv=None):
     if owns_group:
         dist.destroy_process_group()
     return run
+
+
+def _fsdp_model(model, codec, args, dqt, torch):
+    """FSDP2 over every decoder layer, then the model; (model, state): the
+    state is our ReduceScatter (a HookState) for dynamiq_mpi codecs, else a
+    HookState that only carries the statistics (none: the group reduces)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if codec == "bf16" else None)
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if isinstance(codec, str):                 # fp32 / bf16: the process group's reduce-scatter
+        return model, dqt.HookState(seed=args.seed, reports=False, timing=False)
+    state = dqt.ReduceScatter(codec=codec, seed=args.seed, transport=args.transport,
+                              topology=args.topology, reports=False, timing=True)
+    for m in model.modules():
+        if hasattr(m, "set_custom_reduce_scatter"):
+            m.set_custom_reduce_scatter(state)
+    return model, state
 
 
 def _fmt(x):

@@ -161,3 +161,24 @@ def test_raise_and_pickle_and_direct_call():
         y[5] = float("nan")
     with pytest.raises(dq.NonFiniteInputError):
         rs2(torch.empty(512), y, dist.group.WORLD, dist.ReduceOp.AVG)
+
+
+def test_train_lm_fsdp_tiny_runs_in_this_job():
+    """mpi_examples/train_lm.py --fsdp: plain FSDP2 and DynamiQ reduce-scatter
+    start from the same loss, the ranks agree, the error is measured."""
+    if N != 2:
+        pytest.skip("run at world size 2 only (transformers is slow to import on 2 cores)")
+    pytest.importorskip("transformers")
+    from helpers import load_example
+    mod = load_example("train_lm")
+    runs = {c: mod.main(["--fsdp", "--tiny", "--steps", "2", "--codec", c, "--no-progress",
+                         "--probe-every", "1", "--device", "cpu"])
+            for c in ("fp32", "dynamiq:5:small_input=0")}
+    for run in runs.values():
+        finals = comm.allgather(run["summary"]["final_val_loss"])
+        assert len(set(finals)) == 1 and np.isfinite(finals[0]) and run["mode"] == "fsdp"
+    a, b = runs["fp32"], runs["dynamiq:5:small_input=0"]
+    assert a["steps"][0]["loss"] == b["steps"][0]["loss"]
+    assert abs(a["summary"]["final_val_loss"] - b["summary"]["final_val_loss"]) < 0.05
+    assert all(0 < v["vnmse"] < 0.2 for v in b["vnmse"]), b["vnmse"]
+    assert 4 < b["summary"]["bits_per_coord"] <= 5.5
