@@ -26,8 +26,9 @@ phase, so every rank's whole shard is NaN and ``GradScaler`` skips the step
 on every rank alike; ``Exact``/``BF16`` propagate per coordinate), or with
 ``nonfinite="raise"`` every rank raises.  ``path="auto"`` (default) times,
 per size class, the compressed reduce-scatter against the process group's
-own ``reduce_scatter_tensor`` (what FSDP does without a custom one) and keeps
-the faster, agreed by all ranks (paths.py); "compressed" / "native" force.
+own ``reduce_scatter_tensor`` (what FSDP does without a custom one; BF16 on
+the wire for DynamiQ, as the all-reduce's native path) and keeps the faster,
+agreed by all ranks (paths.py); "compressed" / "native" force.
 """
 from __future__ import annotations
 
@@ -89,7 +90,7 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
         if timed:
             t0 = self._synced_time(input_tensor)
         if path == "native":
-            dist.reduce_scatter_tensor(output_tensor, input_tensor, op=op, group=group)
+            self._native(output_tensor, input_tensor, group, op)
         else:
             self.reduce_scatter_(output_tensor, input_tensor, opname,
                                  path="compressed" if key is not None else None)
@@ -103,6 +104,19 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
             fut.set_result([output_tensor])
             return torch._C._distributed_c10d._create_work_from_future(fut)
         return None
+
+    def _native(self, output, input, group, op):
+        """The group's own reduce-scatter, with the codec's native wire dtype
+        (BF16 for DynamiQ and BF16, as the all-reduce's native path: what
+        ``MixedPrecisionPolicy(reduce_dtype=bfloat16)`` sends) or the input's."""
+        wire = getattr(self.codec, "native_wire", None)
+        if wire == "bfloat16" and input.dtype == torch.float32:
+            low = input.to(torch.bfloat16)
+            out = torch.empty(output.shape, dtype=torch.bfloat16, device=output.device)
+            dist.reduce_scatter_tensor(out, low, op=op, group=group)
+            output.copy_(out)
+        else:
+            dist.reduce_scatter_tensor(output, input, op=op, group=group)
 
     # -- the compressed reduce-scatter of one flat tensor
     def reduce_scatter_(self, output: torch.Tensor, input: torch.Tensor, op: str = "mean",

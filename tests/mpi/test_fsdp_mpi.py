@@ -182,3 +182,25 @@ def test_train_lm_fsdp_tiny_runs_in_this_job():
     assert abs(a["summary"]["final_val_loss"] - b["summary"]["final_val_loss"]) < 0.05
     assert all(0 < v["vnmse"] < 0.2 for v in b["vnmse"]), b["vnmse"]
     assert 4 < b["summary"]["bits_per_coord"] <= 5.5
+
+
+def test_native_and_auto_paths():
+    """path="native": the group's reduce-scatter (BF16 on the wire for
+    DynamiQ); path="auto": measured against the compressed one, then agreed."""
+    x = torch.randn(N * 1000, generator=torch.Generator().manual_seed(comm.rank))
+    full = torch.zeros(N * 1000, dtype=torch.float64)
+    for r in range(N):
+        full += torch.randn(N * 1000, generator=torch.Generator().manual_seed(r)).double()
+    mine = full[comm.rank * 1000:(comm.rank + 1) * 1000] / N
+    out = torch.empty(1000)
+    rs = dqt.ReduceScatter(codec=dq.DynamiQ(small_input=0), path="native")
+    rs(out, x, dist.group.WORLD, dist.ReduceOp.AVG)
+    assert torch.allclose(out.double(), mine, rtol=2e-2, atol=2e-2)
+    auto = dqt.ReduceScatter(codec=dq.DynamiQ(small_input=0), path="auto")
+    for _ in range(13):
+        auto(out, x, dist.group.WORLD, dist.ReduceOp.AVG)
+        assert float((out.double() - mine).norm() / mine.norm()) < 0.2
+    decisions = auto.path_decisions()
+    assert len(decisions) == 1
+    choices = comm.allgather([v[0] for v in decisions.values()])
+    assert all(c == choices[0] for c in choices)
