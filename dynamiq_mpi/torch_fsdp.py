@@ -61,6 +61,15 @@ def _op_name(op) -> str:
         "passes PREMUL_SUM when set_gradient_divide_factor differs from the world size)")
 
 
+def _group_reduce_scatter(output, input, op, group):
+    """torch.distributed's reduce-scatter of one flat tensor (the name changed
+    in torch 2.13: reduce_scatter_single; reduce_scatter_tensor before)."""
+    single = getattr(dist, "reduce_scatter_single", None)
+    if single is not None:
+        return single(output=output, input=input, group=group, op=op)
+    return dist.reduce_scatter_tensor(output, input, op=op, group=group)
+
+
 class ReduceScatter(_FSDPReduceScatter, HookState):
     """FSDP2's ``ReduceScatter`` interface (``allocate`` and ``__call__``) for
     ``FSDPModule.set_custom_reduce_scatter``, on :func:`dynamiq_mpi.reduce_scatter`.
@@ -113,10 +122,10 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
         if wire == "bfloat16" and input.dtype == torch.float32:
             low = input.to(torch.bfloat16)
             out = torch.empty(output.shape, dtype=torch.bfloat16, device=output.device)
-            dist.reduce_scatter_tensor(out, low, op=op, group=group)
+            _group_reduce_scatter(out, low, op, group)
             output.copy_(out)
         else:
-            dist.reduce_scatter_tensor(output, input, op=op, group=group)
+            _group_reduce_scatter(output, input, op, group)
 
     # -- the compressed reduce-scatter of one flat tensor
     def reduce_scatter_(self, output: torch.Tensor, input: torch.Tensor, op: str = "mean",
