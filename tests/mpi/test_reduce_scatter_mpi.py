@@ -72,8 +72,11 @@ def test_mean_out_bf16_and_shapes():
     xb = x.astype(BF16)
     ob = dq.reduce_scatter(xb, codec=dq.BF16())
     assert ob.dtype == BF16 and ob.shape == (512,)
-    Sb = chunk(exact_sum([np.asarray(v, dtype=np.float32).astype(BF16) for v in xs]))
-    assert all_ok(np.allclose(ob.astype(np.float64), Sb, rtol=2 ** -6 * N, atol=1e-2))
+    xb64 = [np.asarray(v.astype(BF16), dtype=np.float64) for v in xs]
+    Sb = chunk(exact_sum(xb64))
+    # every hop rounds a partial sum to BF16 (2^-8 relative), the output too
+    bound = (N + 1) * 2.0 ** -8 * chunk(np.sum(np.abs(np.array(xb64)), axis=0))
+    assert all_ok(np.all(np.abs(ob.astype(np.float64) - Sb) <= bound))
     # float64 input comes back as float64
     o64 = dq.reduce_scatter(x.astype(np.float64), codec=dq.Exact())
     assert o64.dtype == np.float64 and all_ok(np.allclose(o64, chunk(exact_sum(xs)), rtol=1e-5, atol=1e-5))
@@ -100,7 +103,10 @@ def test_codec_chunk_matches_its_allreduce_in_distribution(name):
     err_rs = err_ar = ref = 0.0
     calls = 4 if name in ("thc", "bf16") else 2
     for k in range(calls):
-        xs, x = my_inputs(seed + k, N * 8192, kind="normal")
+        # OmniReduce picks whole 256-blocks per chunk: short chunks round its
+        # top-k coarsely (1.12x the error at 32 blocks and n = 8, 1.03x at 128)
+        per = 32768 if name == "omnireduce" else 8192
+        xs, x = my_inputs(seed + k, N * per, kind="normal")
         S = exact_sum(xs)
         rs, rep = coll.reduce_scatter(x, codec=codec, seed=k, return_report=True)
         ar = coll.allreduce(x, codec=codec, seed=k)
