@@ -19,8 +19,9 @@ CODECS = {
     "dynamiq:5.5 ablation": dq.DynamiQ(bits=5.5, small_input=0, uniform=True,
                                        variable_width=False, correlated=False, zero_class=False),
     "dynamiq:5 small-input": dq.DynamiQ(bits=5),          # hands these lengths to BF16
-    "dynamiq:9 bf16 class": dq.DynamiQ(bits=9, small_input=0, bf16_class=True,
-                                       scale_code="hybrid"),
+    "dynamiq:9 bf16 class": dq.DynamiQ(bits=9, small_input=0),
+    "dynamiq:5 ceil, no 16-bit class": dq.DynamiQ(bits=5, small_input=0, scale_code="ceil",
+                                                  bf16_class=False),
     "bf16": dq.BF16(),
     "exact": dq.Exact(),
     "mxfp:e4m3": dq.MXFP("e4m3"),

@@ -3,7 +3,7 @@
 Per call: local statistics (per super-group mean and squared norm of the
 centred values, plus a non-finite flag and max |x|) are all-reduced exactly;
 from the reduced norms every rank computes the same width per super-group (0,
-2, 4 or 8 bits; 16 = raw BF16 with ``bf16_class``), the same stable
+2, 4, 8 or 16 bits, 16 = raw BF16; without ``bf16_class`` at most 8), the same stable
 reordering into width-homogeneous runs, and
 the same cut into n chunks of nearly equal wire bytes.  For CuPy inputs all of
 that planning runs on the device; the host learns a handful of numbers (the
@@ -76,14 +76,17 @@ class DynamiQ(Codec):
     centring: bool = True           # subtract per-super-group means first
     zero_class: bool = True         # super-groups zero on every rank send nothing
     small_input: int = DEFAULT_SMALL_INPUT
-    # group scale codes: "ceil" (spec 2.7, rounded up) or "hybrid" (unbiased
-    # stochastic codes where the rounded-up code is >= 128; for long rings,
-    # docs/error-study.md; a proposed change to spec 2.7)
-    scale_code: str = "ceil"
-    # the optional 16-bit class (spec 2.3): outlier super-groups travel as raw
-    # BF16 (no scales), every hop rounding the float32 partial sum to nearest
-    # even; the paper's large-scale simulation allocates from {2, 4, 8, 16}
-    bf16_class: bool = False
+    # group scale codes (spec 2.7): "hybrid", the default since 2026-11-23
+    # (unbiased stochastic codes where the rounded-up code is >= 128, the
+    # rounded-up code below: no scale ratchet on long rings,
+    # docs/error-study.md), or "ceil" (every code rounded up, the earlier
+    # default)
+    scale_code: str = "hybrid"
+    # the 16-bit class (spec 2.3, on by default since 2026-11-23): outlier
+    # super-groups travel as raw BF16 (no scales), every hop rounding the
+    # float32 partial sum to nearest even; widths {0, 2, 4, 8, 16} as in the
+    # paper's large-scale simulation.  False: widths {0, 2, 4, 8}
+    bf16_class: bool = True
 
     name = "dynamiq"
     rejects_nonfinite = True        # NaN/Inf input raises NonFiniteInputError on every rank
