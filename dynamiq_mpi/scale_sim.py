@@ -353,7 +353,7 @@ class _DynamiQAdapter:
 
     def retile(self, plan):
         _one_tile(plan)
-        plan.coded, plan.raw = plan._split(plan.tiling.layout)
+        plan.pieces = plan._split(plan.tiling.layout)
 
     def bind(self, plan, x, mean):
         plan.x, plan.local_mean, plan._padded = x, mean, None
