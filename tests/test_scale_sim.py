@@ -157,3 +157,15 @@ def test_progress_lines(capsys, monkeypatch):
     scale_allreduce(LogNormalMixture(2048, seed=1), 16, codec=CODECS["dynamiq:5"], progress=True)
     err = capsys.readouterr().err
     assert "32/32 roles" in err
+
+
+def test_detailed_report_gives_the_widths_of_simulate_allreduce():
+    """scale_allreduce(detailed=True): the codec's detailed report, DynamiQ's
+    per-super-group widths included (tools/ring_class_share.py uses them)."""
+    source = LogNormalMixture(40 * 256, seed=3)
+    xs = [source.rank_vector(np, r) for r in range(4)]
+    codec = dq.DynamiQ(bits=7, small_input=0)
+    _, reps = dq.simulate_allreduce(xs, codec=codec, seed=1, return_reports=True)
+    res = scale_allreduce(source, 4, codec=codec, seed=1, detailed=True)
+    assert list(res.codec_info["supergroup_widths"]) == list(reps[0].codec_info["supergroup_widths"])
+    assert "supergroup_widths" not in scale_allreduce(source, 4, codec=codec, seed=1).codec_info
