@@ -33,7 +33,7 @@ def _widths(report) -> str:
         return ""
     w = info["widths"]
     note = "" if info["budget_binds"] else " (budget does not bind)"
-    return "/".join(str(w[k]) for k in (0, 2, 4, 8)) + note
+    return "/".join(str(w.get(k, 0)) for k in (0, 2, 4, 8, 16)) + note
 
 
 def cmd_demo(args):
@@ -79,7 +79,7 @@ def cmd_demo(args):
         print(f"dynamiq-mpi demo on {where}: {n} ranks, {args.length} float32 gradient-like entries per rank "
               "(heavy-tailed, layer scales over 5 decades, a quarter of it an embedding table, 90% zero rows)")
         print(f"{'codec':16s} {'topology':10s} {'bits/coord':>10s} {'vNMSE':>10s} "
-              f"{'time (ms)':>10s} {'identical':>9s}  super-groups at 0/2/4/8 bits")
+              f"{'time (ms)':>10s} {'identical':>9s}  super-groups at 0/2/4/8/16 bits")
         print("(time: slowest rank, second call; the first call of each row warms up)")
         for name, topo, bits, err, t, same, widths in rows:
             if bits is None:

@@ -35,6 +35,9 @@ Data sets (``--data``):
 
 DynamiQ codecs run with ``small_input=0`` unless the spelling sets it: the
 study measures the codec, not the library's hand-over of small inputs to BF16.
+They run with the codec's defaults (hybrid group codes, the 16-bit class, since
+2026-11-23) unless the spelling sets ``scale_code`` / ``bf16_class`` or the
+command line ``--scale-code ceil`` / ``--bf16-class off`` (the earlier defaults).
 """
 from __future__ import annotations
 
@@ -68,14 +71,30 @@ EQUAL_BITS = (("mxfp:e4m3", "dynamiq:8.25"), ("mxfp:e3m2", "dynamiq:6.25"),
 
 
 # ----------------------------------------------------------------------------- codecs
-def parse_codec(spec: str):
+def parse_codec(spec: str, overrides=None):
     """A codec from its spelling (``codec_from_string``); DynamiQ gets
-    ``small_input=0`` unless the spelling sets it."""
+    ``small_input=0`` unless the spelling sets it, and each field of
+    ``overrides`` (``--scale-code``, ``--bf16-class``) unless the spelling
+    sets that field."""
     from .codecs import DynamiQ, codec_from_string
     codec = codec_from_string(spec)
-    if isinstance(codec, DynamiQ) and "small_input" not in spec:
-        codec = dataclasses.replace(codec, small_input=0)
+    if isinstance(codec, DynamiQ):
+        fields = {"small_input": 0, **(overrides or {})}
+        given = {item.split("=", 1)[0].strip() for item in spec.split(":")[1:] if "=" in item}
+        change = {k: v for k, v in fields.items() if k not in given}
+        if change:
+            codec = dataclasses.replace(codec, **change)
     return codec
+
+
+def dynamiq_overrides(args) -> dict:
+    """The DynamiQ fields that --scale-code / --bf16-class set."""
+    out = {}
+    if getattr(args, "scale_code", None):
+        out["scale_code"] = args.scale_code
+    if getattr(args, "bf16_class", None):
+        out["bf16_class"] = args.bf16_class == "on"
+    return out
 
 
 def available_codecs(specs=DEFAULT_CODECS) -> list:
@@ -91,14 +110,20 @@ def available_codecs(specs=DEFAULT_CODECS) -> list:
 
 
 def ablation_ladder(bits):
-    """Paper Table 6 order, each row adding one technique, all at ``bits``."""
+    """Paper Table 6 order, each row adding one technique, all at ``bits``;
+    the paper's rows use widths {0, 2, 4, 8} and the rounded-up group codes,
+    then two rows add what the library's defaults add (spec 2.3, 2.7): the
+    hybrid group codes, then the 16-bit class (the last row is ``DynamiQ(bits)``)."""
     from .codecs import DynamiQ
     base = dict(bits=bits, uniform=True, variable_width=False, hierarchical=False,
-                correlated=False, zero_class=False, small_input=0)
+                correlated=False, zero_class=False, small_input=0, scale_code="ceil",
+                bf16_class=False)
     steps = [("uniform, one width", {}), ("+ non-uniform levels", {"uniform": False}),
              ("+ variable width, 0-bit class", {"variable_width": True, "zero_class": True}),
              ("+ hierarchical scales", {"hierarchical": True}),
-             ("+ correlated rounding", {"correlated": True})]
+             ("+ correlated rounding", {"correlated": True}),
+             ("+ hybrid group codes", {"scale_code": "hybrid"}),
+             ("+ 16-bit class (defaults)", {"bf16_class": True})]
     rows = []
     for name, change in steps:
         base.update(change)
@@ -455,6 +480,12 @@ def add_arguments(p):
     p.add_argument("--ablation", action="store_true",
                    help="run the ablation ladder (paper Table 6) instead of the codec sweep")
     p.add_argument("--ablation-bits", type=float, default=5.5)
+    p.add_argument("--scale-code", choices=["hybrid", "ceil"], default=None,
+                   help="group scale code of every DynamiQ spelling that does not set "
+                        "scale_code (default: the codec's, hybrid)")
+    p.add_argument("--bf16-class", choices=["on", "off"], default=None,
+                   help="the 16-bit class of every DynamiQ spelling that does not set "
+                        "bf16_class (default: the codec's, on); off: widths {0, 2, 4, 8}")
     p.add_argument("--cache", default=str(DEFAULT_CACHE),
                    help="folder of the captured real gradients")
     p.add_argument("--json", default=None, help="write every row (and the set-up) here")
@@ -482,7 +513,8 @@ def run(args, out=None):
     else:
         specs = ([s.strip() for s in args.codecs.split(",") if s.strip()] if args.codecs
                  else available_codecs())
-        codecs = [(s, parse_codec(s)) for s in specs]
+        overrides = dynamiq_overrides(args)
+        codecs = [(s, parse_codec(s, overrides)) for s in specs]
     datasets = [_Data(d, args, max(ranks_list)) for d in names]
     print(f"vNMSE study: data {', '.join(f'{d.name} ({d.length})' for d in datasets)}; "
           f"n = {', '.join(map(str, ranks_list))}; {', '.join(topologies)}; "
@@ -502,6 +534,7 @@ def run(args, out=None):
         cpu=platform.processor() or platform.machine(),
         seconds=seconds, ranks=ranks_list, topologies=topologies, repeats=args.repeats,
         seed=args.seed, ablation_bits=args.ablation_bits if args.ablation else None,
+        dynamiq_overrides=dynamiq_overrides(args) or None,
         codecs=[c for c, _ in codecs],
         codec_signatures={c: list(map(str, codec.signature())) for c, codec in codecs},
         datasets={d.name: d.notes for d in datasets}, rows=rows)

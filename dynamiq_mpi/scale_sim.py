@@ -353,7 +353,7 @@ class _DynamiQAdapter:
 
     def retile(self, plan):
         _one_tile(plan)
-        plan.coded, plan.raw = plan._split(plan.tiling.layout)
+        plan.pieces = plan._split(plan.tiling.layout)
 
     def bind(self, plan, x, mean):
         plan.x, plan.local_mean, plan._padded = x, mean, None
@@ -479,13 +479,14 @@ class _Sim:
 
 def scale_allreduce(source: RankSource, n: int, *, codec=None, topology="ring", op="sum",
                     seed=0, counter=0, tile_bytes=DEFAULT_TILE_BYTES, xp=None, exact=True,
-                    progress=False) -> ScaleResult:
+                    progress=False, detailed=False) -> ScaleResult:
     """The all-reduce of ``n`` ranks whose inputs ``source`` produces, one
     role at a time (see the module docstring): the same result as
     ``simulate_allreduce([source.rank_vector(np, r) for r in range(n)], ...)``
     in memory independent of ``n``.  ``exact=True`` also sums the inputs in
     float64 on the way (for the vNMSE).  ``xp``: numpy (default) or cupy.
-    ``progress``: a progress bar (tqdm) or lines on stderr."""
+    ``progress``: a progress bar (tqdm) or lines on stderr.  ``detailed``: the
+    codec's detailed report (DynamiQ: the width of every super-group)."""
     xp = np if xp is None else xp
     codec = DynamiQ() if codec is None else codec
     schedules.check_topology(topology, n)
@@ -516,7 +517,7 @@ def scale_allreduce(source: RankSource, n: int, *, codec=None, topology="ring", 
     plan = run.plan(zeros, reduced, n, sim.keys, sim.backend, state0, FRESH, tile_bytes)
     chunk_of_row = adapter.data_rows(plan)
     stream_nbytes = sum(plan.chunk_nbytes)
-    info = plan.report(False)
+    info = plan.report(bool(detailed))
     adapter.retile(plan)
     total = xp.zeros(length, dtype=np.float64) if exact else None
     t2 = time.perf_counter()

@@ -13,7 +13,7 @@ cnp.import_array()
 
 from libc.stdint cimport int8_t
 from dq_codec cimport (DQ_PLAN_HEADER, DQ_SUPER, DqParams, DqPlanArgs, DqSource, check_bytes,
-                      check_event, fill_plan_args, piece_in, piece_params, wire_bytes)
+                      check_event, fill_plan_args, piece_in, piece_params, raw_piece, wire_bytes)
 
 cdef extern from "dq_api.h":
     int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
@@ -26,6 +26,15 @@ cdef extern from "dq_api.h":
                     int64_t sg_base, uint32_t event, uint8_t* out) nogil
     void dq_cpu_finish(const float* stream, const int64_t* stream_of_sg, const float* mean_sum,
                        int64_t nsg, float divisor, void* out, int dtype, int64_t length) nogil
+    void dq_cpu_decompress_out(const DqParams* P, const uint8_t* inp, int64_t nsg, int64_t sg_base,
+                               const int64_t* order, const float* mean_sum, float divisor,
+                               void* out, int dtype, int64_t length) nogil
+    void dq_cpu_bf16_encode(const uint8_t* inp, const DqSource* local, int64_t nsg,
+                            int64_t sg_base, uint8_t* out) nogil
+    void dq_cpu_bf16_decompress(const uint8_t* inp, int64_t n, float* out, int accumulate) nogil
+    void dq_cpu_bf16_decompress_out(const uint8_t* inp, int64_t nsg, int64_t sg_base,
+                                    const int64_t* order, const float* mean_sum, float divisor,
+                                    void* out, int dtype, int64_t length) nogil
 
 cdef extern from "dq_plan_api.h":
     void dq_cpu_plan(const DqPlanArgs* A, const float* norm2, const float* mean_sum,
@@ -200,7 +209,8 @@ def dar(const uint8_t[::1] params, const uint8_t[::1] inp, Source local,
 
 
 # One call per tile, as _gpu: pieces (width, first stream super-group,
-# count, byte offset in the tile, bytes), one kernel call each.
+# count, byte offset in the tile, bytes), one kernel call each.  Width 16 is
+# the 16-bit class: raw BF16 records, no params.
 
 def encode_pieces(params, Source local, pieces, unsigned event, uint8_t[::1] out, inp=None):
     """compress (``inp`` None) or dar of every piece of one tile (see _gpu)."""
@@ -211,9 +221,18 @@ def encode_pieces(params, Source local, pieces, unsigned event, uint8_t[::1] out
         iv = inp
         if iv.shape[0] < size:
             size = iv.shape[0]
-    cdef const DqParams* P
+    cdef const DqParams* P = NULL
     cdef int64_t at[4]
     for piece in pieces:
+        if raw_piece(piece, size, "encode buffers", at):
+            if at[1] == 0:
+                continue
+            with nogil:
+                if dar_:
+                    dq_cpu_bf16_encode(&iv[at[2]], &local.src, at[1], at[0], &out[at[2]])
+                else:
+                    dq_cpu_bf16_encode(NULL, &local.src, at[1], at[0], &out[at[2]])
+            continue
         P = piece_params(params, piece, size, "encode buffers", at)
         check_event(event, P)
         if at[1] == 0:
@@ -229,29 +248,79 @@ def decompress_pieces(params, const uint8_t[::1] inp, pieces, float[::1] out, bi
                       int64_t sg_first=0):
     """decompress every piece of one tile into the float32 rows of ``out``,
     whose first row is stream super-group ``sg_first`` (see _gpu)."""
-    cdef const DqParams* P
+    cdef const DqParams* P = NULL
     cdef int64_t at[4]
     cdef int64_t row
+    cdef bint raw
     for piece in pieces:
-        P = piece_params(params, piece, inp.shape[0], "decompress input", at)
+        raw = raw_piece(piece, inp.shape[0], "decompress input", at)
+        if not raw:
+            P = piece_params(params, piece, inp.shape[0], "decompress input", at)
         row = (at[0] - sg_first) * DQ_SUPER
         piece_in(row, at[1] * DQ_SUPER, out.shape[0], "decompress out")
         if at[1] == 0:
             continue
         with nogil:
-            dq_cpu_decompress(P, &inp[at[2]], at[1], &out[row], 1 if accumulate else 0)
+            if raw:
+                dq_cpu_bf16_decompress(&inp[at[2]], at[1] * DQ_SUPER, &out[row],
+                                       1 if accumulate else 0)
+            else:
+                dq_cpu_decompress(P, &inp[at[2]], at[1], &out[row], 1 if accumulate else 0)
 
 
-def finish(const float[::1] stream, const int64_t[::1] stream_of_sg, const float[::1] mean_sum,
+def decompress_out_pieces(params, const uint8_t[::1] inp, pieces, const int64_t[::1] order,
+                          const float[::1] mean_sum, float divisor, cnp.ndarray out):
+    """Decode every piece of one tile straight into the caller's layout: stream
+    super-group s goes to input row order[s] of ``out`` (float32 or BF16,
+    flat), as decompress then finish would write it (same bits)."""
+    cdef int dtype = _dtype_code(out)
+    cdef int64_t length = out.shape[0], nrows = order.shape[0]
+    if mean_sum.shape[0] * SUPER < length:
+        raise ValueError("decompress_out: mean_sum does not cover the output")
+    if length == 0:
+        return
+    cdef void* o = cnp.PyArray_DATA(out)
+    cdef const DqParams* P = NULL
+    cdef int64_t at[4]
+    cdef bint raw
+    for piece in pieces:
+        raw = raw_piece(piece, inp.shape[0], "decompress_out input", at)
+        if not raw:
+            P = piece_params(params, piece, inp.shape[0], "decompress_out input", at)
+        if at[0] < 0 or at[0] + at[1] > nrows:
+            raise ValueError("decompress_out: stream super-groups beyond the order map")
+        if at[1] == 0:
+            continue
+        with nogil:
+            if raw:
+                dq_cpu_bf16_decompress_out(&inp[at[2]], at[1], at[0], &order[0], &mean_sum[0],
+                                           divisor, o, dtype, length)
+            else:
+                dq_cpu_decompress_out(P, &inp[at[2]], at[1], at[0], &order[0], &mean_sum[0],
+                                      divisor, o, dtype, length)
+
+
+def finish(stream, const int64_t[::1] stream_of_sg, const float[::1] mean_sum,
            float divisor, cnp.ndarray out):
-    """Scatter the decoded stream back to the caller's layout (see dq_api.h)."""
+    """Scatter the decoded stream back to the caller's layout (see dq_api.h);
+    stream None: only the rows absent from the stream (the others were
+    written by decompress_out_pieces)."""
     cdef int dtype = _dtype_code(out)
     cdef int64_t nsg = stream_of_sg.shape[0]
     cdef int64_t length = out.shape[0]
+    cdef const float[::1] sv
+    cdef const float* sp = NULL
+    cdef int64_t g
     if mean_sum.shape[0] != nsg or nsg * SUPER < length:
         raise ValueError("finish: super-group arrays do not cover the output")
+    if stream is not None:
+        sv = stream
+        for g in range(nsg):          # every stream row the scatter reads is there
+            if stream_of_sg[g] >= 0 and (stream_of_sg[g] + 1) * SUPER > sv.shape[0]:
+                raise ValueError("finish: the stream does not cover stream_of_sg")
+        if sv.shape[0]:
+            sp = &sv[0]
     cdef void* o = cnp.PyArray_DATA(out)
-    cdef const float* sp = &stream[0] if stream.shape[0] else NULL
     if nsg:
         with nogil:
             dq_cpu_finish(sp, &stream_of_sg[0], &mean_sum[0], nsg, divisor, o, dtype, length)

@@ -24,7 +24,8 @@ cnp.import_array()
 from libc.stdint cimport int8_t
 from libc.stddef cimport size_t
 from dq_codec cimport (DQ_PLAN_HEADER, DQ_SUPER, DqParams, DqPlanArgs, DqSource, check_bytes,
-                      check_event, fill_plan_args, piece_in, piece_params, wire_bytes)
+                      check_event, fill_plan_args, piece_in, piece_params, raw_piece,
+                      shifted_source, wire_bytes)
 
 cdef extern from "dq_gpu_api.h":
     int dq_gpu_device_count(int* count) nogil
@@ -49,6 +50,9 @@ cdef extern from "dq_gpu_api.h":
     int dq_gpu_decompress_out(const DqParams* P, const uint8_t* inp, int64_t nsg, int64_t sg_base,
                               const int64_t* order, const float* mean_sum, float divisor,
                               void* out, int dtype, int64_t length, uintptr_t stream) nogil
+    int dq_gpu_bf16_decompress_out(const uint16_t* inp, int64_t nsg, int64_t sg_base,
+                                   const int64_t* order, const float* mean_sum, float divisor,
+                                   void* out, int dtype, int64_t length, uintptr_t stream) nogil
     int dq_gpu_bf16_compress(const DqSource* local, int64_t nsg, int64_t n, uint16_t* out,
                              uintptr_t stream) nogil
     int dq_gpu_bf16_decompress(const uint16_t* inp, int64_t n, float* out, int accumulate,
@@ -387,10 +391,24 @@ def encode_pieces(params, Source local, pieces, unsigned event, out, inp=None, s
         if inp.size < osize:
             osize = inp.size
     cdef uintptr_t st = _stream(stream)
-    cdef const DqParams* P
+    cdef const DqParams* P = NULL
     cdef int64_t at[4]
     cdef int rc
+    cdef DqSource shifted
     for piece in pieces:
+        if raw_piece(piece, osize, "encode buffers", at):     # the 16-bit class
+            if at[1] == 0:
+                continue
+            shifted = shifted_source(&local.src, at[0])
+            with nogil:
+                if ip != NULL:
+                    rc = dq_gpu_bf16_dar(<const uint16_t*>(ip + at[2]), &shifted, at[1],
+                                         at[1] * DQ_SUPER, <uint16_t*>(op + at[2]), st)
+                else:
+                    rc = dq_gpu_bf16_compress(&shifted, at[1], at[1] * DQ_SUPER,
+                                              <uint16_t*>(op + at[2]), st)
+            _check(rc, "bf16_dar" if ip != NULL else "bf16_compress")
+            continue
         P = piece_params(params, piece, osize, "encode buffers", at)
         check_event(event, P)
         if at[1] == 0:
@@ -413,22 +431,30 @@ def decompress_pieces(params, inp, pieces, out, bint accumulate, int64_t sg_firs
     cdef float* op = <float*>_dptr(out, "decompress out")
     cdef int64_t isize = inp.size, osize = out.size, row
     cdef uintptr_t st = _stream(stream)
-    cdef const DqParams* P
+    cdef const DqParams* P = NULL
     cdef int64_t at[4]
     cdef int rc
+    cdef bint raw
     for piece in pieces:
-        P = piece_params(params, piece, isize, "decompress input", at)
+        raw = raw_piece(piece, isize, "decompress input", at)
+        if not raw:
+            P = piece_params(params, piece, isize, "decompress input", at)
         row = (at[0] - sg_first) * DQ_SUPER
         piece_in(row, at[1] * DQ_SUPER, osize, "decompress out")
         if at[1] == 0:
             continue
         with nogil:
-            rc = dq_gpu_decompress(P, ip + at[2], at[1], op + row, 1 if accumulate else 0, st)
-        _check(rc, "decompress")
+            if raw:
+                rc = dq_gpu_bf16_decompress(<const uint16_t*>(ip + at[2]), at[1] * DQ_SUPER,
+                                            op + row, 1 if accumulate else 0, st)
+            else:
+                rc = dq_gpu_decompress(P, ip + at[2], at[1], op + row, 1 if accumulate else 0, st)
+        _check(rc, "bf16_decompress" if raw else "decompress")
 
 
 def decompress_out_pieces(params, inp, pieces, order, mean_sum, float divisor, out, stream=None):
-    """decompress_out of every piece of one tile (see decompress_out)."""
+    """decompress_out of every piece of one tile (see decompress_out); pieces
+    of width 16 (raw BF16 records, the 16-bit class) likewise."""
     cdef int dtype = _dtype_code(out, "decompress_out out")
     _expect(inp, np.uint8, -1, "decompress_out input")
     _expect(order, np.int64, -1, "decompress_out order")
@@ -443,19 +469,26 @@ def decompress_out_pieces(params, inp, pieces, order, mean_sum, float divisor, o
     cdef const float* mp = <const float*>_dptr(mean_sum, "decompress_out mean_sum")
     cdef void* op = <void*>_dptr(out, "decompress_out out")
     cdef uintptr_t st = _stream(stream)
-    cdef const DqParams* P
+    cdef const DqParams* P = NULL
     cdef int64_t at[4]
     cdef int rc
+    cdef bint raw
     for piece in pieces:
-        P = piece_params(params, piece, isize, "decompress_out input", at)
+        raw = raw_piece(piece, isize, "decompress_out input", at)     # the 16-bit class
+        if not raw:
+            P = piece_params(params, piece, isize, "decompress_out input", at)
         if at[0] < 0 or at[0] + at[1] > nrows:
             raise ValueError("decompress_out: stream super-groups beyond the order map")
         if at[1] == 0:
             continue
         with nogil:
-            rc = dq_gpu_decompress_out(P, ip + at[2], at[1], at[0], gp, mp, divisor, op, dtype,
-                                       length, st)
-        _check(rc, "decompress_out")
+            if raw:
+                rc = dq_gpu_bf16_decompress_out(<const uint16_t*>(ip + at[2]), at[1], at[0], gp,
+                                                mp, divisor, op, dtype, length, st)
+            else:
+                rc = dq_gpu_decompress_out(P, ip + at[2], at[1], at[0], gp, mp, divisor, op,
+                                           dtype, length, st)
+        _check(rc, "bf16_decompress_out" if raw else "decompress_out")
 
 
 def finish(stream_values, stream_of_sg, mean_sum, float divisor, out, stream=None):

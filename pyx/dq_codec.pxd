@@ -54,6 +54,41 @@ cdef inline int piece_in(int64_t off, int64_t nb, int64_t size, what) except -1:
     return 0
 
 
+# Width of the 16-bit class: its pieces are raw BF16 records (256 values, 512
+# bytes per super-group) with no DqParams.
+cdef enum:
+    DQ_RAW_WIDTH = 16
+    DQ_RAW_BYTES = 2 * DQ_SUPER
+
+
+cdef inline bint raw_piece(piece, int64_t size, what, int64_t* at) except -1:
+    """True for a piece (w, s0, cnt, off, nb) of the 16-bit class, whose bytes
+    are then checked against a buffer of ``size`` bytes (``at`` gets s0, cnt,
+    off, nb); False for a coded piece (not checked here: piece_params)."""
+    w, s0, cnt, off, nb = piece
+    if w != DQ_RAW_WIDTH:
+        return False
+    piece_in(off, nb, size, what)
+    if nb != cnt * DQ_RAW_BYTES:
+        raise ValueError("expected %d wire bytes, got %d" % (cnt * DQ_RAW_BYTES, nb))
+    at[0] = s0
+    at[1] = cnt
+    at[2] = off
+    at[3] = nb
+    return True
+
+
+cdef inline DqSource shifted_source(const DqSource* S, int64_t s0) nogil:
+    """S read from stream super-group s0 on: row(s) of the result is
+    row(s0 + s) of S (for the plain kernels, which start at stream super-group 0)."""
+    cdef DqSource r = S[0]
+    if r.sg_map != NULL:
+        r.sg_map = r.sg_map + s0
+    else:
+        r.sg_offset = r.sg_offset - s0
+    return r
+
+
 cdef inline const DqParams* piece_params(params, piece, int64_t size, what,
                                          int64_t* at) except NULL:
     """The params of one piece (w, s0, cnt, off, nb) of a tile, from

@@ -38,8 +38,30 @@ void dq_cpu_dar(const DqParams* P, const uint8_t* in, const DqSource* local, int
 // v = (stream_of_sg[g] >= 0 ? stream[stream_of_sg[g] * 256 + i] : 0) + mean_sum[g],
 // then v / divisor (skipped when divisor == 1), stored as float32 or BF16 (RNE)
 // for the first `length` elements only.
+// stream NULL: only the rows absent from the stream (stream_of_sg[g] < 0) are
+// written; the others are left as they are (filled by the decompress_out calls).
 void dq_cpu_finish(const float* stream, const int64_t* stream_of_sg, const float* mean_sum,
                    int64_t nsg, float divisor, void* out, int dtype, int64_t length);
+// decompress and finish in one pass for the nsg stream super-groups from
+// sg_base: stream super-group s goes to input row order[s] of out, as
+// dq_cpu_finish would write it from the decompressed values (same bits).
+void dq_cpu_decompress_out(const DqParams* P, const uint8_t* in, int64_t nsg, int64_t sg_base,
+                           const int64_t* order, const float* mean_sum, float divisor, void* out,
+                           int dtype, int64_t length);
+
+// The 16-bit class (raw BF16 records of 256 little-endian values per
+// super-group; the GPU's dq_gpu_bf16_* on a source shifted to sg_base):
+// encode   out[e] = bf16_rne(local(e))                  (in NULL: compress)
+//          out[e] = bf16_rne(float(in[e]) + local(e))   (dar)
+//          local(e) = element e % 256 of stream super-group sg_base + e / 256
+// decompress      out[e] (+)= float(in[e]), e < n
+// decompress_out  as dq_cpu_decompress_out, for raw records
+void dq_cpu_bf16_encode(const uint8_t* in, const DqSource* local, int64_t nsg, int64_t sg_base,
+                        uint8_t* out);
+void dq_cpu_bf16_decompress(const uint8_t* in, int64_t n, float* out, int accumulate);
+void dq_cpu_bf16_decompress_out(const uint8_t* in, int64_t nsg, int64_t sg_base,
+                                const int64_t* order, const float* mean_sum, float divisor,
+                                void* out, int dtype, int64_t length);
 
 #ifdef __cplusplus
 }

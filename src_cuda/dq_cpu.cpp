@@ -110,6 +110,15 @@ void load_local(const DqSource* S, int64_t stream_sg, float* out) {
     for (int i = 0; i < DQ_SUPER; i++) out[i] = dq_source_value(S, row, i);
 }
 
+// The final rounding of a result element (the GPU's store_final): (v + ms) /
+// divisor (skipped for 1), stored at out[k] as float32 or BF16 (nearest even).
+void store_final(float v, float ms, float divisor, void* out, int dtype, int64_t k) {
+    v = v + ms;
+    if (divisor != 1.0f) v = v / divisor;
+    if (dtype) ((uint16_t*)out)[k] = dq_f32_to_bf16_rne(v);
+    else ((float*)out)[k] = v;
+}
+
 }  // namespace
 
 extern "C" {
@@ -187,14 +196,64 @@ void dq_cpu_finish(const float* stream, const int64_t* stream_of_sg, const float
                    int64_t nsg, float divisor, void* out, int dtype, int64_t length) {
     for (int64_t g = 0; g < nsg; g++) {
         int64_t s = stream_of_sg[g];
+        if (s >= 0 && !stream) continue;     // written by a decompress_out already
         for (int i = 0; i < DQ_SUPER; i++) {
             int64_t k = g * DQ_SUPER + i;
             if (k >= length) return;
-            float v = s >= 0 ? stream[s * DQ_SUPER + i] : 0.0f;
-            v = v + mean_sum[g];
-            if (divisor != 1.0f) v = v / divisor;
-            if (dtype) ((uint16_t*)out)[k] = dq_f32_to_bf16_rne(v);
-            else ((float*)out)[k] = v;
+            store_final(s >= 0 ? stream[s * DQ_SUPER + i] : 0.0f, mean_sum[g], divisor, out,
+                        dtype, k);
+        }
+    }
+}
+
+void dq_cpu_decompress_out(const DqParams* P, const uint8_t* in, int64_t nsg, int64_t sg_base,
+                           const int64_t* order, const float* mean_sum, float divisor, void* out,
+                           int dtype, int64_t length) {
+    RunView v = view_run(P, in, nsg);
+    float tmp[DQ_SUPER];
+    for (int64_t s = 0; s < nsg; s++) {
+        const int64_t g = order[sg_base + s];
+        decode_sg(P, v, s, tmp);
+        for (int i = 0; i < DQ_SUPER; i++) {
+            const int64_t k = g * DQ_SUPER + i;
+            if (k >= length) break;
+            store_final(tmp[i], mean_sum[g], divisor, out, dtype, k);
+        }
+    }
+}
+
+// ---------------------------------------------------------------- 16-bit class
+void dq_cpu_bf16_encode(const uint8_t* in, const DqSource* local, int64_t nsg, int64_t sg_base,
+                        uint8_t* out) {
+    float x[DQ_SUPER];
+    for (int64_t s = 0; s < nsg; s++) {
+        load_local(local, sg_base + s, x);
+        const int64_t e0 = s * DQ_SUPER;
+        for (int i = 0; i < DQ_SUPER; i++) {
+            // (no "0 +" for compress: -0.0 must stay -0.0, as on the GPU)
+            const float v = in ? dq_bf16_to_f32(load_u16(in + 2 * (e0 + i))) + x[i] : x[i];
+            store_u16(out + 2 * (e0 + i), dq_f32_to_bf16_rne(v));
+        }
+    }
+}
+
+void dq_cpu_bf16_decompress(const uint8_t* in, int64_t n, float* out, int accumulate) {
+    for (int64_t e = 0; e < n; e++) {
+        const float v = dq_bf16_to_f32(load_u16(in + 2 * e));
+        out[e] = accumulate ? out[e] + v : v;
+    }
+}
+
+void dq_cpu_bf16_decompress_out(const uint8_t* in, int64_t nsg, int64_t sg_base,
+                                const int64_t* order, const float* mean_sum, float divisor,
+                                void* out, int dtype, int64_t length) {
+    for (int64_t s = 0; s < nsg; s++) {
+        const int64_t g = order[sg_base + s];
+        for (int i = 0; i < DQ_SUPER; i++) {
+            const int64_t k = g * DQ_SUPER + i;
+            if (k >= length) break;
+            store_final(dq_bf16_to_f32(load_u16(in + 2 * (s * DQ_SUPER + i))), mean_sum[g],
+                        divisor, out, dtype, k);
         }
     }
 }

@@ -57,6 +57,12 @@ int dq_gpu_finish(const float* stream_values, const int64_t* stream_of_sg, const
 int dq_gpu_decompress_out(const DqParams* P, const uint8_t* in, int64_t nsg, int64_t sg_base,
                           const int64_t* order, const float* mean_sum, float divisor, void* out,
                           int dtype, int64_t length, uintptr_t stream);
+// the same for nsg raw BF16 records of the 16-bit class (256 values each,
+// `in` 2-byte aligned): what dq_gpu_bf16_decompress then dq_gpu_finish would
+// write (same bits).
+int dq_gpu_bf16_decompress_out(const uint16_t* in, int64_t nsg, int64_t sg_base,
+                               const int64_t* order, const float* mean_sum, float divisor,
+                               void* out, int dtype, int64_t length, uintptr_t stream);
 
 // -------------------------------------------------------------- baselines
 // Stream element e (0 <= e < n, n <= nsg * 256: the last super-group may be

@@ -866,6 +866,41 @@ k_finish(const float* stream, const int64_t* stream_of_sg, const float* mean_sum
     }
 }
 
+// The 16-bit class straight into the caller's layout (k_plain_decode of raw
+// BF16 records and the scatter of k_finish in one pass): 8 entries per thread
+// step; stream super-group sg_base + s (records of 256 BF16 values from `in`)
+// is input row g = order[sg_base + s]; out[g * 256 + i] =
+// store((float(in[s * 256 + i]) + mean_sum[g]) / divisor), the bits of
+// bf16_decompress + finish.
+__global__ void __launch_bounds__(kThreads)
+k_bf16_decompress_out(const uint16_t* in, int64_t nsg, int64_t sg_base, const int64_t* order,
+                      const float* mean_sum, float divisor, void* out, int dtype,
+                      int64_t length) {
+    const int64_t nchunks = nsg * (DQ_SUPER / 8);
+    const bool in_aligned = aligned(in, 16);
+    for (int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x; c < nchunks;
+         c += (int64_t)gridDim.x * kThreads) {
+        const int64_t g = __ldg(order + sg_base + (c >> 5));
+        const int64_t k0 = g * DQ_SUPER + (c & 31) * 8;
+        if (k0 >= length) continue;
+        const uint16_t* p = in + c * 8;
+        float v[8];
+        if (in_aligned) {
+            const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
+            const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                v[2 * i] = __uint_as_float(w[i] << 16);
+                v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+            }
+        } else {
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = dq_bf16_to_f32(__ldg(p + j));
+        }
+        store_final<8>(v, __ldg(mean_sum + g), divisor, out, dtype, k0, length);
+    }
+}
+
 // ---------------------------------------------------------------- baselines
 // OP 0: bf16 compress, 1: bf16 dar, 2: exact compress, 3: exact dar.
 // Writes stream elements [0, n), n <= nsg * 256 (the last super-group may be partial).
@@ -1323,6 +1358,18 @@ int dq_gpu_decompress_out(const DqParams* P, const uint8_t* in, int64_t nsg, int
         case 4: { auto k = k_decompress_out<4>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, sg_base, order, mean_sum, divisor, out, dtype, length); break; }
         default: { auto k = k_decompress_out<8>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, sg_base, order, mean_sum, divisor, out, dtype, length); break; }
     }
+    return launch_result();
+}
+
+int dq_gpu_bf16_decompress_out(const uint16_t* in, int64_t nsg, int64_t sg_base,
+                               const int64_t* order, const float* mean_sum, float divisor,
+                               void* out, int dtype, int64_t length, uintptr_t stream) {
+    if (nsg <= 0 || length <= 0) return 0;
+    if (!in || !order || !mean_sum || !out || sg_base < 0 || (dtype != 0 && dtype != 1))
+        return (int)cudaErrorInvalidValue;
+    cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    k_bf16_decompress_out<<<grid_for(nsg * (DQ_SUPER / 8), kThreads), kThreads, 0, st>>>(
+        in, nsg, sg_base, order, mean_sum, divisor, out, dtype, length);
     return launch_result();
 }
 

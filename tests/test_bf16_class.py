@@ -48,7 +48,7 @@ def test_sixteen_bit_rows_are_the_bf16_of_their_only_contribution(n, topology):
 def test_without_the_option_nothing_is_sixteen_bits():
     rng = np.random.default_rng(fresh_seed())
     xs = _heavy_inputs(rng, 2, 32, [5], 0)
-    _, reps = dq.simulate_allreduce(xs, codec=dq.DynamiQ(bits=8.5, small_input=0),
+    _, reps = dq.simulate_allreduce(xs, codec=dq.DynamiQ(bits=8.5, small_input=0, bf16_class=False),
                                     return_reports=True)
     assert 16 not in reps[0].codec_info["widths"]
     assert 16 not in set(reps[0].codec_info["supergroup_widths"])
@@ -72,6 +72,20 @@ def test_sixteen_bit_class_lowers_the_error_of_heavy_tails():
 
 def test_bf16_class_spelling_and_signature():
     from dynamiq_mpi.codecs import codec_from_string
-    codec = codec_from_string("dynamiq:8.5:bf16_class=true")
-    assert codec.bf16_class is True
+    codec = codec_from_string("dynamiq:8.5:bf16_class=false")
+    assert codec.bf16_class is False
     assert codec.signature() != dq.DynamiQ(bits=8.5).signature()
+    assert codec_from_string("dynamiq:8.5:bf16_class=true") == dq.DynamiQ(bits=8.5)
+
+
+def test_defaults_are_the_hybrid_code_and_the_sixteen_bit_class():
+    """Spec 2.3 and 2.7 (2026-11-23): widths {0, 2, 4, 8, 16} and the hybrid
+    group scale code by default; the earlier defaults stay reachable."""
+    from dynamiq_mpi.codecs import codec_from_string
+    codec = dq.DynamiQ()
+    assert codec.scale_code == "hybrid" and codec.bf16_class is True
+    old = codec_from_string("dynamiq:5:scale_code=ceil:bf16_class=false")
+    assert old == dq.DynamiQ(bits=5, scale_code="ceil", bf16_class=False)
+    assert old.signature() != dq.DynamiQ(bits=5).signature()
+    # the budget floor does not depend on the class (2-bit codes + metadata)
+    assert dq.DynamiQ(bits=3).min_bits() == dq.DynamiQ(bits=3, bf16_class=False).min_bits()

@@ -72,6 +72,33 @@ def test_codec_list_and_parsing():
     assert errorstudy.parse_codec("dynamiq:5:small_input=7").small_input == 7
 
 
+def test_scale_code_and_bf16_class_options():
+    """--scale-code / --bf16-class set the DynamiQ fields a spelling leaves
+    out; the earlier defaults stay reachable both ways."""
+    from dynamiq_mpi import DynamiQ
+    old = DynamiQ(bits=5, small_input=0, scale_code="ceil", bf16_class=False)
+    over = errorstudy.dynamiq_overrides(_args(scale_code="ceil", bf16_class="off"))
+    assert over == {"scale_code": "ceil", "bf16_class": False}
+    assert errorstudy.parse_codec("dynamiq:5", over) == old
+    assert errorstudy.parse_codec("dynamiq:5:scale_code=ceil:bf16_class=false") == old
+    # a spelling's own field wins over the command line
+    assert errorstudy.parse_codec("dynamiq:5:bf16_class=true", over).bf16_class is True
+    assert errorstudy.dynamiq_overrides(_args()) == {}
+    assert errorstudy.parse_codec("dynamiq:5", {}) == DynamiQ(bits=5, small_input=0)
+    assert errorstudy.parse_codec("mxfp:e4m3", over) == errorstudy.parse_codec("mxfp:e4m3")
+    res = errorstudy.run(_args(data="lognormal", ranks="2", length=4096, codecs="dynamiq:5",
+                               topologies="ring", bf16_class="off", scale_code="ceil"))
+    assert res["codec_signatures"]["dynamiq:5"] == list(map(str, old.signature()))
+    assert res["dynamiq_overrides"] == over
+
+
+def test_ablation_ladder_ends_at_the_defaults():
+    from dynamiq_mpi import DynamiQ
+    ladder = errorstudy.ablation_ladder(5.5)
+    assert ladder[4][1].scale_code == "ceil" and not ladder[4][1].bf16_class   # paper's Table 6
+    assert ladder[-1][1] == DynamiQ(bits=5.5, small_input=0)
+
+
 def test_simulate_engine_matches_scale_engine():
     data = errorstudy._Data("lognormal", _args(length=3000, seed=4), 4)
     codec = errorstudy.parse_codec("dynamiq:5")

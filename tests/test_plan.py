@@ -212,10 +212,11 @@ def test_cached_kernel_params_equal_fresh_ones():
     generator keys: the bytes must equal make_params' for any keys."""
     from dynamiq_mpi import _cpu
     from dynamiq_mpi.codecs.dynamiq import _params_for
-    from dynamiq_mpi.codecs.dynamiq import DynamiQ
+    from dynamiq_mpi.codecs.dynamiq import SCALE_CODES, DynamiQ
     from dynamiq_mpi.rng import call_keys
     rng = np.random.default_rng()
-    for codec in (DynamiQ(bits=5), DynamiQ(bits=4, hierarchical=False, uniform=True)):
+    for codec in (DynamiQ(bits=5), DynamiQ(bits=5, scale_code="ceil", bf16_class=False),
+                  DynamiQ(bits=4, hierarchical=False, uniform=True)):
         tables = codec.tables()
         for n_events, correlated in ((1, False), (3, True), (8, True)):
             for _ in range(3):
@@ -225,5 +226,5 @@ def test_cached_kernel_params_equal_fresh_ones():
                     want = _cpu.make_params(w, codec.hierarchical, correlated, n_events,
                                             (n_events - 1).bit_length(), keys.value, keys.perm,
                                             tables[w].mag, tables[w].inv_gap, tables[w].level,
-                                            tables[w].lut)
+                                            tables[w].lut, SCALE_CODES[codec.scale_code])
                     assert got[w].tobytes() == want

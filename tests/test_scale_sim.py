@@ -19,8 +19,9 @@ CODECS = {
     "dynamiq:5.5 ablation": dq.DynamiQ(bits=5.5, small_input=0, uniform=True,
                                        variable_width=False, correlated=False, zero_class=False),
     "dynamiq:5 small-input": dq.DynamiQ(bits=5),          # hands these lengths to BF16
-    "dynamiq:9 bf16 class": dq.DynamiQ(bits=9, small_input=0, bf16_class=True,
-                                       scale_code="hybrid"),
+    "dynamiq:9 bf16 class": dq.DynamiQ(bits=9, small_input=0),
+    "dynamiq:5 ceil, no 16-bit class": dq.DynamiQ(bits=5, small_input=0, scale_code="ceil",
+                                                  bf16_class=False),
     "bf16": dq.BF16(),
     "exact": dq.Exact(),
     "mxfp:e4m3": dq.MXFP("e4m3"),
@@ -157,3 +158,15 @@ def test_progress_lines(capsys, monkeypatch):
     scale_allreduce(LogNormalMixture(2048, seed=1), 16, codec=CODECS["dynamiq:5"], progress=True)
     err = capsys.readouterr().err
     assert "32/32 roles" in err
+
+
+def test_detailed_report_gives_the_widths_of_simulate_allreduce():
+    """scale_allreduce(detailed=True): the codec's detailed report, DynamiQ's
+    per-super-group widths included (tools/ring_class_share.py uses them)."""
+    source = LogNormalMixture(40 * 256, seed=3)
+    xs = [source.rank_vector(np, r) for r in range(4)]
+    codec = dq.DynamiQ(bits=7, small_input=0)
+    _, reps = dq.simulate_allreduce(xs, codec=codec, seed=1, return_reports=True)
+    res = scale_allreduce(source, 4, codec=codec, seed=1, detailed=True)
+    assert list(res.codec_info["supergroup_widths"]) == list(reps[0].codec_info["supergroup_widths"])
+    assert "supergroup_widths" not in scale_allreduce(source, 4, codec=codec, seed=1).codec_info

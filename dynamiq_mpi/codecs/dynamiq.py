@@ -3,7 +3,7 @@
 Per call: local statistics (per super-group mean and squared norm of the
 centred values, plus a non-finite flag and max |x|) are all-reduced exactly;
 from the reduced norms every rank computes the same width per super-group (0,
-2, 4 or 8 bits; 16 = raw BF16 with ``bf16_class``), the same stable
+2, 4, 8 or 16 bits, 16 = raw BF16; without ``bf16_class`` at most 8), the same stable
 reordering into width-homogeneous runs, and
 the same cut into n chunks of nearly equal wire bytes.  For CuPy inputs all of
 that planning runs on the device; the host learns a handful of numbers (the
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..backend import as_float32, bf16_to_float32, float32_to_bf16
+from ..backend import as_float32
 from ..errors import NonFiniteInputError, SumOverflowError
 from .allocation import BF16_WIDTH, CLASSES, WIDTHS, record_bits, summarise, theta_to_u, widths_of
 from .base import DEFAULT_TILE_BYTES, Codec, Plan, StreamLayout, tile_stream
@@ -76,14 +76,17 @@ class DynamiQ(Codec):
     centring: bool = True           # subtract per-super-group means first
     zero_class: bool = True         # super-groups zero on every rank send nothing
     small_input: int = DEFAULT_SMALL_INPUT
-    # group scale codes: "ceil" (spec 2.7, rounded up) or "hybrid" (unbiased
-    # stochastic codes where the rounded-up code is >= 128; for long rings,
-    # docs/error-study.md; a proposed change to spec 2.7)
-    scale_code: str = "ceil"
-    # the optional 16-bit class (spec 2.3): outlier super-groups travel as raw
-    # BF16 (no scales), every hop rounding the float32 partial sum to nearest
-    # even; the paper's large-scale simulation allocates from {2, 4, 8, 16}
-    bf16_class: bool = False
+    # group scale codes (spec 2.7): "hybrid", the default since 2026-11-23
+    # (unbiased stochastic codes where the rounded-up code is >= 128, the
+    # rounded-up code below: no scale ratchet on long rings,
+    # docs/error-study.md), or "ceil" (every code rounded up, the earlier
+    # default)
+    scale_code: str = "hybrid"
+    # the 16-bit class (spec 2.3, on by default since 2026-11-23): outlier
+    # super-groups travel as raw BF16 (no scales), every hop rounding the
+    # float32 partial sum to nearest even; widths {0, 2, 4, 8, 16} as in the
+    # paper's large-scale simulation.  False: widths {0, 2, 4, 8}
+    bf16_class: bool = True
 
     name = "dynamiq"
     rejects_nonfinite = True        # NaN/Inf input: flagged on every rank (raised with nonfinite="raise")
@@ -258,9 +261,9 @@ class _DynamiQPlan(Plan):
         pieces = self.tiling.derived.get(key)
         if pieces is None:
             pieces = self.tiling.derived[key] = self._split(layout)
-        # per tile: the coded pieces (one compiled call launches them all) and
-        # the raw BF16 ones (the optional 16-bit class)
-        self.coded, self.raw = pieces
+        # per tile: its width-homogeneous pieces, coded and raw BF16 (the
+        # 16-bit class) alike: one compiled call launches them all
+        self.pieces = pieces
         self.wire = ws.take(xp, "dq.wire", self.tiling.wire_bytes, np.uint8)
         self._result = None             # float32 stream of decoded values, made on first use
         self._padded = None
@@ -272,19 +275,17 @@ class _DynamiQPlan(Plan):
 
     def _split(self, layout):
         """Per tile, its width-homogeneous pieces (width, first stream sg,
-        count, byte offset in the tile, bytes), as (coded, raw BF16) lists."""
-        coded, raw = [], []
+        count, byte offset in the tile, bytes); width 16: raw BF16 records."""
+        out = []
         for a, b in self.tiling.units:
             base = layout.offset(a)
-            coded.append([])
-            raw.append([])
+            out.append([])
             for k, (w, count) in enumerate(self.runs):
                 s0, s1 = max(a, layout.starts[k]), min(b, layout.starts[k + 1])
                 if s1 > s0:
-                    (raw if w == BF16_WIDTH else coded)[-1].append(
-                        (w, s0, s1 - s0, layout.offset(s0) - base,
-                         layout.offset(s1) - layout.offset(s0)))
-        return coded, raw
+                    out[-1].append((w, s0, s1 - s0, layout.offset(s0) - base,
+                                    layout.offset(s1) - layout.offset(s0)))
+        return out
 
     @property
     def result(self):
@@ -323,69 +324,33 @@ class _DynamiQPlan(Plan):
 
     def compress(self, tile, event):
         out = self.wire_slot(tile)
-        self.k.encode_pieces(self.params, self.source, self.coded[tile], event, out)
-        sub = self.ws.sub
-        for _, s0, cnt, off, nb in self.raw[tile]:
-            self._bf16_encode(None, None, 0, s0, cnt, sub(out, off, off + nb))
+        self.k.encode_pieces(self.params, self.source, self.pieces[tile], event, out)
         return out
 
     def accumulate(self, tile, payload, acc):
-        sub = self.ws.sub
         if acc is None:
             acc = self._local_values(tile)
         a, _ = self.tiling.units[tile]
-        self.k.decompress_pieces(self.params, payload, self.coded[tile], acc, True, a)
-        for _, s0, cnt, off, nb in self.raw[tile]:
-            r0 = (s0 - a) * SUPER
-            self._bf16_decode(sub(payload, off, off + nb), acc[r0:r0 + cnt * SUPER], True)
+        self.k.decompress_pieces(self.params, payload, self.pieces[tile], acc, True, a)
         return acc
 
     def dar(self, tile, payload, acc, event):
-        sub = self.ws.sub
         a, _ = self.tiling.units[tile]
         src = self.source if acc is None else self.k.Source(acc, None, a, None)
         out = self.wire_slot(tile)
-        self.k.encode_pieces(self.params, src, self.coded[tile], event, out, payload)
-        for _, s0, cnt, off, nb in self.raw[tile]:
-            self._bf16_encode(sub(payload, off, off + nb), acc, a, s0, cnt,
-                              sub(out, off, off + nb))
+        self.k.encode_pieces(self.params, src, self.pieces[tile], event, out, payload)
         return out
 
-    # -- the 16-bit class: raw BF16, rounded to nearest even at every hop ------
-    def _bf16_encode(self, payload, acc, a, s0, cnt, out):
-        """out = bf16(decode(payload) + v) for stream super-groups [s0, s0 +
-        cnt), v = acc (the tile's float32 sums from stream super-group a) or
-        the centred local values; payload None: bf16(v)."""
-        if self.backend.name == "gpu":
-            if acc is None:
-                src = self.k.Source(self.x, self.order[s0:s0 + cnt], 0, self.local_mean)
-            else:
-                src = self.k.Source(acc, None, a - s0, None)    # row = (s0 - a) + s
-            if payload is None:
-                self.k.bf16_compress(src, cnt, out.view(np.uint16))
-            else:
-                self.k.bf16_dar(payload.view(np.uint16), src, cnt, out.view(np.uint16))
-            return
-        v = (self._stream_values(s0, s0 + cnt) if acc is None
-             else acc[(s0 - a) * SUPER:(s0 - a + cnt) * SUPER])
-        if payload is not None:
-            v = bf16_to_float32(payload) + v
-        out.view(np.uint16)[:] = float32_to_bf16(v).view(np.uint16)
-
-    def _bf16_decode(self, payload, out, accumulate):
-        if self.backend.name == "gpu":
-            self.k.bf16_decompress(payload.view(np.uint16), out, accumulate)
-        elif accumulate:
-            out += bf16_to_float32(payload)
-        else:
-            out[:] = bf16_to_float32(payload)
+    # The 16-bit class (raw BF16 records, every hop rounding the float32 sum to
+    # nearest even) runs in the same compiled calls as the coded widths: its
+    # pieces have width 16 (pyx: raw_piece; dq_cpu_bf16_* / dq_gpu_bf16_*).
 
     def bind_output(self, out, divisor):
-        """On the GPU, decode straight into the caller's layout (one pass
-        instead of a float32 stream plus the final scatter; the same bits).
-        ``DYNAMIQ_DECODE_INTO_OUTPUT=0`` keeps the two passes (for A/B runs)."""
-        if (self.backend.name != "gpu" or os.environ.get("DYNAMIQ_DECODE_INTO_OUTPUT") == "0"
-                or self.counts[BF16_WIDTH]):     # raw BF16 rows go through finish
+        """Decode straight into the caller's layout (one pass instead of a
+        float32 stream plus the final scatter; the same bits), on CPU and GPU,
+        the 16-bit class included.  ``DYNAMIQ_DECODE_INTO_OUTPUT=0`` keeps the
+        two passes (for A/B runs)."""
+        if os.environ.get("DYNAMIQ_DECODE_INTO_OUTPUT") == "0":
             return False
         self._bound = (out, float(divisor))
         return True
@@ -393,14 +358,10 @@ class _DynamiQPlan(Plan):
     def decode(self, tile, payload):
         if self._bound is not None:
             out, divisor = self._bound
-            self.k.decompress_out_pieces(self.params, payload, self.coded[tile], self._order_full,
+            self.k.decompress_out_pieces(self.params, payload, self.pieces[tile], self._order_full,
                                          self.mean_sum, divisor, out)
             return
-        self.k.decompress_pieces(self.params, payload, self.coded[tile], self.result, False)
-        sub = self.ws.sub
-        for _, s0, cnt, off, nb in self.raw[tile]:
-            self._bf16_decode(sub(payload, off, off + nb),
-                              self.result[s0 * SUPER:(s0 + cnt) * SUPER], False)
+        self.k.decompress_pieces(self.params, payload, self.pieces[tile], self.result, False)
 
     def finish(self, divisor, out):
         if self._bound is not None:

@@ -20,8 +20,8 @@ TOPOLOGIES = ["ring"] + (["butterfly"] if N & (N - 1) == 0 else [])
 # MXFP runs its fused kernels (mx_kernels.cu); THC and OmniReduce are array code on CuPy
 CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(small_input=0, bits=5), dq.DynamiQ(small_input=0, bits=3),
           dq.DynamiQ(small_input=0, bits=6, correlated=False, hierarchical=False, uniform=True),
-          dq.DynamiQ(small_input=0, bits=5, scale_code="hybrid"),
-          dq.DynamiQ(small_input=0, bits=9, bf16_class=True),
+          dq.DynamiQ(small_input=0, bits=5, scale_code="ceil", bf16_class=False),  # earlier defaults
+          dq.DynamiQ(small_input=0, bits=9),      # the 16-bit class (on by default)
           dq.MXFP("e4m3"), dq.MXFP("e5m2"), dq.MXFP("e3m2"), dq.MXFP("e2m1"), dq.THC(),
           dq.OmniReduce(0.5)]
 

@@ -17,7 +17,8 @@ N = comm.size
 TOPOLOGIES = ["ring"] + (["butterfly"] if N & (N - 1) == 0 else [])
 CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(small_input=0, bits=5), dq.DynamiQ(small_input=0, bits=3),
           dq.DynamiQ(small_input=0, bits=5, correlated=False, hierarchical=False, uniform=True),
-          dq.DynamiQ(small_input=0, bits=9, bf16_class=True),
+          dq.DynamiQ(small_input=0, bits=9),      # the 16-bit class (on by default)
+          dq.DynamiQ(small_input=0, bits=5, scale_code="ceil", bf16_class=False),  # earlier defaults
           dq.THC(), dq.THC(agg_bits=12, max_block_log2=12), dq.OmniReduce(0.5), dq.OmniReduce(0.25)]
 
 
@@ -167,7 +168,18 @@ def test_budget_binds_within_005_bit():
         out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0, bits=bits), return_report=True)
         assert rep.codec_info["budget_binds"]
         assert bits - 0.05 <= rep.bits_per_coord <= bits, (bits, rep.bits_per_coord)
-    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0, bits=12), return_report=True)
+    for bits in (9.0, 12.0):      # the 16-bit class (default) binds up to 16.25 bits
+        out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0, bits=bits),
+                                return_report=True)
+        assert rep.codec_info["budget_binds"]
+        assert bits - 0.05 <= rep.bits_per_coord <= bits, (bits, rep.bits_per_coord)
+    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0, bits=17), return_report=True)
+    assert not rep.codec_info["budget_binds"]
+    assert rep.codec_info["widths"][16] == 4096
+    assert rep.bits_per_coord < 17 - 0.5
+    # widths {0, 2, 4, 8}: every super-group at 8 bits from 8.8125 bits on
+    out, rep = dq.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0, bits=12, bf16_class=False),
+                            return_report=True)
     assert not rep.codec_info["budget_binds"]
     assert rep.codec_info["widths"][8] == 4096
     assert rep.bits_per_coord < 12 - 2
