@@ -301,8 +301,8 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
         if wires:
             wire = native.wire_dtype(spec.codec, dtype_name(flat.dtype), wires)
             report.path = "native"
-            buf = native.to_wire(backend, flat, wire, result, workspace)
-            buf = yield NativeAllreduce(buf)
+            send, recv = native.to_wire(backend, flat, wire, result, workspace)
+            buf = yield NativeAllreduce(send, recv)
             native.from_wire(backend, buf, divisor, result)
             if detailed_report:
                 report.nonfinite = _holds_nonfinite(xp, result)

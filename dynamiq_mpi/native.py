@@ -63,21 +63,19 @@ def _bits(a):
 
 
 def to_wire(backend, flat, wire: str, result, workspace):
-    """The buffer the transport sums: ``result`` itself when the wire dtype is
-    the input's (the input copied in), else a workspace buffer of the wire
-    dtype holding the cast input."""
+    """(send, recv) buffers of the transport's all-reduce: the input straight
+    into ``result`` when the wire dtype is the input's (no copy), else a
+    workspace buffer of the wire dtype holding the cast input, in place."""
     xp = backend.xp
     if dtype_name(flat.dtype) == wire:
-        if result is not flat:
-            result[...] = flat
-        return result
+        return flat, result
     wire_np = BFLOAT16 if wire == "bfloat16" else np.dtype(wire)
     buf = workspace.take(xp, f"native.{wire}", flat.shape[0], wire_np)
     if backend.name == "gpu" and wire == "bfloat16":
         _gpu_kernels()["to_bf16"](flat, _bits(buf))
     else:
         xp.copyto(buf, flat, casting="unsafe")
-    return buf
+    return buf, buf
 
 
 def from_wire(backend, buf, divisor: int, result):

@@ -132,6 +132,7 @@ class HookState:
         self.last_report = None
         self._paths = None          # the hook's PathChooser (made on first use)
         self._path_comm = None
+        self._dist_ok = None        # torch.distributed spans the same ranks (asked once)
         self._reset_stats()
 
     def _reset_stats(self):
@@ -178,6 +179,7 @@ class HookState:
                 old.free()              # its NCCL communicators and MPI duplicate
             self._collective = None
             self._comm = comm
+            self._dist_ok = None
 
     @property
     def collective(self) -> Collective:
@@ -246,7 +248,9 @@ class HookState:
         The native path returns the group's future at once, so the
         communication overlaps the rest of the backward pass as in plain DDP.
         """
-        native_ok = buf.device.type in ("cpu", "cuda") and _dist_matches(self.comm)
+        if self._dist_ok is None:       # asked once: the group does not change under DDP
+            self._dist_ok = _dist_matches(self.comm)
+        native_ok = buf.device.type in ("cpu", "cuda") and self._dist_ok
         path, key, timed = self._hook_path(buf, native_ok)
         if path == "native" and native_ok:
             if timed:

@@ -8,11 +8,19 @@ square float32 Linear layers sized to ``--params``; every mode trains a fresh
 copy from the same seed on the same batches with SGD:
 
 * ``plain``: DDP as it comes (float32 all-reduce, overlapped with backward);
+* ``torch-hook``: torch's own ``allreduce_hook`` (what DDP does, as a Python
+  comm hook: the cost of any hook);
 * ``bf16``: torch's ``bf16_compress_hook`` (``fp16_compress_hook`` on CPU: the BF16 one needs NCCL);
 * ``dynamiq``: ``dynamiq_mpi.torch.ddp_comm_hook`` with the library's defaults
   (``path="auto"``: per bucket size, the faster of DynamiQ and DDP's own
   all-reduce, measured on the first steps);
 * ``dynamiq-compressed``: the same hook, always compressed.
+
+``--fsdp``: the same model sharded by FSDP2 (``fully_shard`` per Linear, then
+the model) instead of DDP; ``plain`` reduce-scatters float32, ``bf16`` sets
+``MixedPrecisionPolicy(reduce_dtype=bfloat16)``, the ``dynamiq`` modes install
+``dynamiq_mpi.torch.ReduceScatter`` with ``set_custom_reduce_scatter``
+(``torch-hook`` does not apply).
 
 Time per step: the mean over ``--steps`` steps after ``--warmup`` (each step
 synchronised; the slowest rank).  Prints a table and writes JSON.
@@ -34,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import dynamiq_mpi as dq
 import dynamiq_mpi.torch as dqt
 
-MODES = ("plain", "bf16", "dynamiq", "dynamiq-compressed")
+MODES = ("plain", "torch-hook", "bf16", "dynamiq", "dynamiq-compressed")
 
 
 def parse_count(text: str) -> int:
@@ -59,6 +67,10 @@ def attach(model, mode: str, bits: float, seed: int):
     """The hook of ``mode`` on a DDP model; returns the HookState or None."""
     if mode == "plain":
         return None
+    if mode == "torch-hook":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
+        return None
     if mode == "bf16":
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         hook = default_hooks.bf16_compress_hook
@@ -72,11 +84,32 @@ def attach(model, mode: str, bits: float, seed: int):
     return state
 
 
+def shard(model, mode: str, bits: float, seed: int):
+    """FSDP2 of ``model`` for ``mode``; returns (model, ReduceScatter or None)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if mode == "bf16" else None)
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    if not mode.startswith("dynamiq"):
+        return model, None
+    state = dqt.ReduceScatter(codec=dq.DynamiQ(bits=bits), seed=seed,
+                              path="compressed" if mode == "dynamiq-compressed" else "auto")
+    for m in model.modules():
+        if hasattr(m, "set_custom_reduce_scatter"):
+            m.set_custom_reduce_scatter(state)
+    return model, state
+
+
 def run_mode(mode, args, device, comm):
     model = make_model(args.n_params, args.width, device)
-    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-              bucket_cap_mb=args.bucket_mb)
-    state = attach(ddp, mode, args.bits, args.seed)
+    if args.fsdp:
+        ddp, state = shard(model, mode, args.bits, args.seed)
+    else:
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  bucket_cap_mb=args.bucket_mb)
+        state = attach(ddp, mode, args.bits, args.seed)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     gen = torch.Generator(device="cpu").manual_seed(1234 + comm.rank)
     x = torch.randn(args.batch, args.width, generator=gen).to(device)
@@ -124,6 +157,7 @@ def main(argv=None):
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--bits", type=float, default=5.0)
+    p.add_argument("--fsdp", action="store_true", help="FSDP2 reduce-scatter instead of DDP")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=10,
                    help="untimed steps (path='auto' measures both paths in its first 2-3)")
@@ -132,7 +166,7 @@ def main(argv=None):
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     args.n_params = parse_count(args.params)
-    modes = [m for m in args.modes.split(",") if m]
+    modes = [m for m in args.modes.split(",") if m and not (args.fsdp and m == "torch-hook")]
     bad = [m for m in modes if m not in MODES]
     if bad:
         p.error(f"unknown modes {bad}; choose from {MODES}")
@@ -153,7 +187,7 @@ def main(argv=None):
     if rank == 0:
         n_params = sum(p.numel() for p in make_model(args.n_params, args.width, "cpu").parameters())
         env = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "DYNAMIQ_"))}
-        print(f"# DDP step time: {size} ranks, {device.type}, {n_params / 1e6:.1f}M float32 "
+        print(f"# {'FSDP2' if args.fsdp else 'DDP'} step time: {size} ranks, {device.type}, {n_params / 1e6:.1f}M float32 "
               f"parameters, buckets of {args.bucket_mb} MB, batch {args.batch}, "
               f"mean of {args.steps} steps after {args.warmup}, slowest rank")
         if env:

@@ -2,7 +2,7 @@
 # The fast-path run on a two-GPU machine (device kind nvidia-h200-x2), one call:
 #   bash tools/device_fastpath.sh [STAGES]   STAGES: any of build tests profile ncu timeline
 #                                            nvlink shm sockets probe tune hostid lanes mx agprobe pairab sockset shm1
-#                                            paths ddp
+#                                            paths ddp fsdp defaults
 # build: the extension in place; tests: GPU kernel/planner tests, then the MPI
 # suites with CuPy arrays over NCCL and host-staged MPI (one rank per GPU);
 # nvlink/shm/sockets: `python -m dynamiq_mpi bench` against NCCL's own BF16
@@ -47,7 +47,7 @@ fi
 if has tests; then
   echo "== tests"; t0=$(date +%s)
   { timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tail -15
-    SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_transports_mpi.py tests/mpi/test_paths_gpu_mpi.py tests/mpi/test_paths_mpi.py" \
+    SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_transports_mpi.py tests/mpi/test_paths_gpu_mpi.py tests/mpi/test_paths_mpi.py tests/mpi/test_reduce_scatter_gpu_mpi.py" \
       MPI_TIMEOUT=360 timeout 390 tools/run_tests.sh $PY 2 2>&1 | tail -25
   } 2>&1 | tee "$OUT/tests.txt"
   echo "tests took $(( $(date +%s) - t0 )) s"
@@ -100,6 +100,19 @@ PATH_SIZES=128K,1M,8M,16M,64M,128M,256M,512M
 has paths && run_bench paths_nvlink "" --codec dynamiq:5 --sizes $PATH_SIZES
 has paths && run_bench paths_shm "$SHM" --codec dynamiq:5 --sizes $PATH_SIZES
 has paths && run_bench paths_sockets "$SOCKETS $TUNED" --codec dynamiq:5 --sizes $PATH_SIZES
+if has fsdp; then   # FSDP2 step time: float32 and BF16 reduce-scatter, ours (auto, compressed)
+  for link in "sockets:$SOCKETS $TUNED" "nvlink:"; do
+    echo "== fsdp ${link%%:*}: ${link#*:}"; t0=$(date +%s)
+    env ${link#*:} timeout 240 mpiexec -n 2 $PY mpi_examples/ddp_bench.py --fsdp --params ${DDP_PARAMS:-268M} \
+      --json "$OUT/fsdp_${link%%:*}.json" 2>&1 | grep -v '^\[' | tee -a "$OUT/fsdp.txt"
+    echo "fsdp ${link%%:*} took $(( $(date +%s) - t0 )) s"
+  done
+fi
+# defaults: the 16-bit class and hybrid codes against the earlier defaults, same run
+has defaults && run_bench defaults_nvlink "" --paths compressed --no-reference --rounds 3 \
+  --codec dynamiq:5:scale_code=ceil:bf16_class=false,dynamiq:5:bf16_class=false,dynamiq:5 --sizes 16M,64M,256M,512M
+has defaults && run_bench defaults_shm "$SHM" --paths compressed --no-reference --rounds 3 \
+  --codec dynamiq:5:scale_code=ceil:bf16_class=false,dynamiq:5:bf16_class=false,dynamiq:5 --sizes 16M,64M,256M,512M
 if has ddp; then   # DDP step time: plain, torch's BF16 hook, our hook (auto, compressed)
   for link in "nvlink:" "sockets:$SOCKETS $TUNED" "shm:$SHM"; do
     echo "== ddp ${link%%:*}: ${link#*:}"; t0=$(date +%s)

@@ -68,14 +68,14 @@ class RequestAnswers:
         if isinstance(request, Mark):
             return self._mark(request.name)
         if isinstance(request, NativeAllreduce):
-            return self._native_allreduce(request.buffer)
+            return self._native_allreduce(request.send, request.recv)
         raise RuntimeError(f"unknown request {request!r}")
 
     def stop_profile(self):
         prof, self.profile = self.profile, None
         return prof
 
-    def _native_allreduce(self, buffer):
+    def _native_allreduce(self, send, recv):
         raise RuntimeError(f"transport {self.name!r} has no native all-reduce")
 
 
@@ -125,10 +125,12 @@ class MPITransport(RequestAnswers):
     def _claim(self, handle):
         return handle.buffer          # every exchange completed before its answer
 
-    def _native_allreduce(self, buffer):
+    def _native_allreduce(self, send, recv):
         from mpi4py import MPI
-        self.comm.Allreduce(MPI.IN_PLACE, buffer, op=MPI.SUM)
-        return buffer
+        # out=x arrives as two views of one memory: MPI forbids aliased buffers
+        same = send is recv or send.ctypes.data == recv.ctypes.data
+        self.comm.Allreduce(MPI.IN_PLACE if same else send, recv, op=MPI.SUM)
+        return recv
 
     def _mark(self, name):
         if self.profile is not None:

@@ -297,7 +297,7 @@ class NCCLTransport(RequestAnswers):
     _NCCL_TYPES = {"bfloat16": "NCCL_BFLOAT16", "float16": "NCCL_FLOAT16",
                    "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64"}
 
-    def _native_allreduce(self, buffer):
+    def _native_allreduce(self, send, recv):
         """NCCL's own all-reduce (sum) of ``buffer`` in place, on the caller's
         stream.  A communicator of its own, so that it never shares one with
         the lanes' point-to-point on other streams; every rank reaches its
@@ -310,10 +310,10 @@ class NCCLTransport(RequestAnswers):
             with self.cupy.cuda.Device(self.device_id):
                 self._native = nccl.NcclCommunicator(self.size, uid, self.rank)
         compute = self.cupy.cuda.get_current_stream()
-        wire = getattr(nccl, self._NCCL_TYPES[dtype_name(buffer.dtype)])
-        ptr = _ptr(buffer)
-        self._native.allReduce(ptr, ptr, buffer.size, wire, nccl.NCCL_SUM, compute.ptr)
-        return buffer
+        wire = getattr(nccl, self._NCCL_TYPES[dtype_name(recv.dtype)])
+        self._native.allReduce(_ptr(send), _ptr(recv), recv.size, wire, nccl.NCCL_SUM,
+                               compute.ptr)
+        return recv
 
     def _record(self, stream, timing=True):
         e = self.cupy.cuda.Event(block=False, disable_timing=not timing)

@@ -60,12 +60,14 @@ class Mark:
 
 @dataclass
 class NativeAllreduce:
-    """Sum ``buffer`` (a flat float array) over the ranks in place, with the
-    transport's own all-reduce; the answer is ``buffer``, valid in the
-    caller's stream order.  Every rank gets the same bits (NCCL's ring and
-    tree reduce each element on one rank and forward the result; MPI's
-    reductions add the same operands, commutatively, on every rank)."""
-    buffer: Any
+    """Sum ``send`` (a flat float array) over the ranks into ``recv`` (the
+    same array for in place), with the transport's own all-reduce; the
+    answer is ``recv``, valid in the caller's stream order.  Every rank gets
+    the same bits (NCCL's ring and tree reduce each element on one rank and
+    forward the result; MPI's reductions add the same operands,
+    commutatively, on every rank)."""
+    send: Any
+    recv: Any
 
 
 class Received:
