@@ -232,6 +232,36 @@ def _reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
     return plan.reduced_values(), sent, 2 * (n - 1) * sum(plan.chunk_nbytes)
 
 
+def agreement_record(error, flat, backend, spec: CallSpec, **extra) -> dict:
+    """What a rank contributes to the agreement of a call (``extra``: fields
+    of other collectives)."""
+    return {
+        **extra, "error": error,
+        "length": None if flat is None else int(flat.shape[0]),
+        "dtype": None if flat is None else dtype_name(flat.dtype),
+        "backend": None if backend is None else backend.name,
+        "codec": spec.codec.signature() if isinstance(spec.codec, Codec) else repr(spec.codec),
+        "topology": spec.topology, "op": spec.op, "seed": int(spec.seed) if
+        isinstance(spec.seed, (int, np.integer)) else repr(spec.seed),
+        "counter": spec.counter, "transport": spec.transport,
+        "tile_bytes": spec.tile_bytes, "path": spec.path, "nonfinite": spec.nonfinite,
+        "can": transport_capabilities(backend),
+    }
+
+
+def propagate_nonfinite(exc, spec: CallSpec, result, report, stats_total, sent):
+    """A plan refused non-finite input (decided from the reduced statistics,
+    so alike on every rank): re-raise it, or fill the result with NaN and
+    say so in the report (NCCL's semantics)."""
+    if spec.nonfinite == "raise":
+        raise exc
+    result.fill(np.nan)
+    report.nonfinite = True
+    report.wire_bytes_total = report.stats_bytes_total = stats_total
+    report.bytes_sent = sent
+    report.codec_info = {"nonfinite": f"{type(exc).__name__}: {exc}; output set to NaN"}
+
+
 def _holds_nonfinite(xp, a) -> bool:
     """Any NaN/Inf in ``a`` (BF16 by its exponent bits: no float ufunc needed)."""
     if a.dtype == BFLOAT16:
@@ -267,19 +297,7 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
             early = _local_statistics(flat, spec, backend, workspace)
         except Exception as exc:  # reported to every rank like a bad input
             error = f"{type(exc).__name__}: {exc}"
-    meta = {
-        "error": error,
-        "length": None if flat is None else int(flat.shape[0]),
-        "dtype": None if flat is None else dtype_name(flat.dtype),
-        "backend": None if backend is None else backend.name,
-        "codec": spec.codec.signature() if isinstance(spec.codec, Codec) else repr(spec.codec),
-        "topology": spec.topology, "op": spec.op, "seed": int(spec.seed) if
-        isinstance(spec.seed, (int, np.integer)) else repr(spec.seed),
-        "counter": spec.counter, "transport": spec.transport,
-        "tile_bytes": spec.tile_bytes, "path": spec.path, "nonfinite": spec.nonfinite,
-        "can": transport_capabilities(backend),
-    }
-    metas = yield Agree(meta)
+    metas = yield Agree(agreement_record(error, flat, backend, spec))
     _agree(metas)
     transport = yield Route(choose_transport(spec.transport, metas))
 
@@ -327,14 +345,7 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
         plan = codec.plan(values, reduced, n, keys, backend, local_state, workspace,
                           spec.tile_bytes)
     except (NonFiniteInputError, SumOverflowError) as exc:
-        # decided from the reduced statistics: the same on every rank
-        if spec.nonfinite == "raise":
-            raise
-        result.fill(np.nan)
-        report.nonfinite = True
-        report.wire_bytes_total = report.stats_bytes_total = stats_total
-        report.bytes_sent = sent
-        report.codec_info = {"nonfinite": f"{type(exc).__name__}: {exc}; output set to NaN"}
+        propagate_nonfinite(exc, spec, result, report, stats_total, sent)
         report.seconds = time.perf_counter() - t0
         return shaped, report
     # native output dtype: the plan may decode straight into the result

@@ -46,13 +46,12 @@ import numpy as np
 from . import schedules
 from .codecs.base import align_up, plan_chunks
 from .engine import (NATIVE_DTYPES, CallSpec, _agree, _check_local, _holds_nonfinite,
-                     _reduce_stats, _reduce_tile)
+                     _reduce_stats, _reduce_tile, agreement_record, propagate_nonfinite)
 from .backend import dtype_name
-from .codecs.base import Codec
 from .errors import InvalidInputError, NonFiniteInputError, SumOverflowError
 from .report import Report
 from .rng import CallKeys, call_keys, splitmix64
-from .transports import choose_transport, transport_capabilities
+from .transports import choose_transport
 from .transports.ops import Agree, Exchange, Mark, Route
 from .workspace import FRESH
 
@@ -240,19 +239,8 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
             blocks = _Blocks(flat, spec, backend, workspace, n)
         except Exception as exc:
             error = f"{type(exc).__name__}: {exc}"
-    meta = {
-        "collective": "reduce_scatter", "error": error,
-        "length": None if flat is None else int(flat.shape[0]),
-        "dtype": None if flat is None else dtype_name(flat.dtype),
-        "backend": None if backend is None else backend.name,
-        "codec": spec.codec.signature() if isinstance(spec.codec, Codec) else repr(spec.codec),
-        "topology": spec.topology, "op": spec.op, "seed": int(spec.seed) if
-        isinstance(spec.seed, (int, np.integer)) else repr(spec.seed),
-        "counter": spec.counter, "transport": spec.transport,
-        "tile_bytes": spec.tile_bytes, "path": spec.path, "nonfinite": spec.nonfinite,
-        "budget": budget, "can": transport_capabilities(backend),
-    }
-    metas = yield Agree(meta)
+    metas = yield Agree(agreement_record(error, flat, backend, spec,
+                                         collective="reduce_scatter", budget=budget))
     try:
         _agree(metas)
     except InvalidInputError as exc:
@@ -293,14 +281,7 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
                                             blocks.keys[b], backend, blocks.states[b],
                                             blocks.ws[b], spec.tile_bytes))
     except (NonFiniteInputError, SumOverflowError) as exc:
-        # decided from the reduced statistics: the same on every rank
-        if spec.nonfinite == "raise":
-            raise
-        result.fill(np.nan)
-        report.nonfinite = True
-        report.wire_bytes_total = report.stats_bytes_total = stats_total
-        report.bytes_sent = sent
-        report.codec_info = {"nonfinite": f"{type(exc).__name__}: {exc}; output set to NaN"}
+        propagate_nonfinite(exc, spec, result, report, stats_total, sent)
         return (result if out is None else out), result_report(report, t0)
     # schedule chunk c is the block of its sink, rank c - 1
     by_chunk = [plans[(c - 1) % n] for c in range(n)]
