@@ -327,7 +327,8 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
             # a ring's bytes: what NCCL's and MPI's bandwidth-optimal algorithms send
             report.wire_bytes_total = 2 * (n - 1) * length * buf.dtype.itemsize
             report.bytes_sent = report.wire_bytes_total // n
-            report.codec_info = {"native": f"{transport}'s all-reduce, {wire} on the wire"}
+            report.codec_info = {"native": f"{transport}'s all-reduce, {wire} on the wire",
+                                 "wire": wire}
             report.seconds = time.perf_counter() - t0
             return shaped, report
         report.path_reason = f"no native all-reduce on {transport} for {backend.name} arrays"

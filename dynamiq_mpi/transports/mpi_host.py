@@ -19,18 +19,42 @@ from .ops import Agree, Claim, Exchange, Mark, NativeAllreduce, Received, payloa
 _TAG = 0x5D17
 
 
+_COUNTER_STEP = 0x9E3779B97F4A7C15
+
+
+def record_digest(value) -> int:
+    """64-bit digest of an agreement value: a hash of the value without its
+    ``counter``, plus the counter times an odd constant (mod 2^64), so that a
+    steady caller may keep the first part and add the counter itself."""
+    counter = 0
+    if isinstance(value, dict) and "counter" in value:
+        counter = int(value["counter"])
+        value = {k: v for k, v in value.items() if k != "counter"}
+    static = hashlib.blake2b(pickle.dumps(value, protocol=4), digest_size=8).digest()
+    return digest_with_counter(int.from_bytes(static, "little"), counter)
+
+
+def digest_with_counter(static: int, counter: int) -> int:
+    return (static + counter * _COUNTER_STEP) & 0xFFFFFFFFFFFFFFFF
+
+
+def digests_match(comm, digest: int) -> bool:
+    """One fixed-size Allgather of every rank's digest: all equal?"""
+    mine = np.array([digest], dtype=np.uint64)
+    everyone = np.empty(comm.Get_size(), dtype=np.uint64)
+    comm.Allgather(mine, everyone)
+    return bool(np.all(everyone == everyone[0]))
+
+
 def agree(comm, value):
     """Every rank's ``value`` (a small picklable object), as a list.
 
-    Fast path: ranks compare a 64-bit digest of the pickled value in one
-    fixed-size Allgather and, when all digests match, nobody sends the values.
-    Only a disagreement pays for the pickled allgather that says who differs.
+    Fast path: ranks compare a 64-bit digest of the value (record_digest) in
+    one fixed-size Allgather and, when all digests match, nobody sends the
+    values.  Only a disagreement pays for the pickled allgather that says who
+    differs.
     """
-    digest = hashlib.blake2b(pickle.dumps(value, protocol=4), digest_size=8).digest()
-    mine = np.frombuffer(digest, dtype=np.int64)
-    everyone = np.empty(comm.Get_size(), dtype=np.int64)
-    comm.Allgather(mine, everyone)
-    if np.all(everyone == everyone[0]):
+    if digests_match(comm, record_digest(value)):
         return [value] * comm.Get_size()
     return comm.allgather(value)
 

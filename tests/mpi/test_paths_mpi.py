@@ -193,3 +193,40 @@ def test_bad_nonfinite_and_path_arguments_are_clear_errors():
         dq.allreduce(x, path="fast")
     with pytest.raises(dq.InvalidInputError, match="nonfinite"):
         dq.allreduce(x, nonfinite="ignore")
+
+
+# ------------------------------------------------------------- steady native calls
+@pytest.mark.mpi(min_size=2)
+def test_steady_native_calls_are_correct_and_every_mismatch_raises_everywhere():
+    """After one agreed native call, the same call skips the engine (one
+    digest exchange, native.SteadyNative): the sums stay right with new data,
+    and a rank that changes its length, its dtype or passes bad input makes
+    every rank raise, whether its call is steady or not."""
+    coll = dq.Collective(comm, path="native")
+    seed = shared_seed(comm)
+    out = np.empty(3001, np.float32)
+    for i in range(4):
+        x = my_input(seed + i, 3001)
+        got = coll.allreduce(x, out=out, op="mean")
+        assert got is out
+        want = exact_sum(x) / N
+        assert np.max(np.abs(out - want)) <= 4 * N * 2.0 ** -23 * np.max(np.abs(want)) + 1e-30
+        assert same_on_every_rank(out)
+    assert len(coll._steady) == 1
+    x = my_input(seed, 3001)
+    longer = my_input(seed, 3002)
+    with pytest.raises(dq.InputMismatchError, match="length") as info:
+        coll.allreduce(longer if comm.rank == LAST else x, out=None if comm.rank == LAST else out,
+                       op="mean")
+    assert len(set(comm.allgather(str(info.value)))) == 1
+    with pytest.raises(dq.InputMismatchError, match="dtype"):
+        coll.allreduce(x.astype(np.float64) if comm.rank == LAST else x, op="mean")
+    strided = np.zeros(6002, np.float32)[::2]
+    with pytest.raises(dq.InvalidInputError, match="C-contiguous"):
+        coll.allreduce(strided if comm.rank == LAST else x, op="mean")
+    with pytest.raises(dq.InputMismatchError, match="op"):
+        coll.allreduce(x, op="sum" if comm.rank == LAST else "mean")
+    # still usable, and steady again
+    coll.allreduce(x, out=out, op="mean")
+    assert np.allclose(out, exact_sum(x) / N, rtol=1e-5, atol=1e-6)
+    coll.free()
