@@ -27,6 +27,7 @@ import torch
 
 from . import Collective, DynamiQ, InputMismatchError
 from .paths import PathChooser, default_path, size_class
+from .torch_overlap import BucketWorker, thread_safe_mpi
 
 __all__ = ["HookState", "ddp_comm_hook", "allreduce_gradients", "init_process_group_from_mpi",
            "tensor_as_array", "ReduceScatter"]
@@ -95,14 +96,21 @@ class HookState:
     ``measure_error = True`` for the steps whose vNMSE you want: each bucket is
     then also all-reduced exactly in float64 (uncompressed, outside the timed
     part), and ``pop_stats()["vnmse"]`` gives sum ||X^ - X||^2 / sum ||X||^2.
+
+    ``overlap`` (default: for CUDA buckets): the DDP hook hands compressed
+    bucket calls to a worker thread and returns its future at once, so the
+    backward pass is not held up by the call's host work and wait
+    (torch_overlap.py); False runs them in the hook.  Buckets run in the order
+    DDP hands them over either way, with the same bits.
     """
 
     _PICKLED = ("codec", "seed", "transport", "topology", "iteration", "measure_error",
-                "reports", "timing", "path", "nonfinite")
+                "reports", "timing", "path", "nonfinite", "overlap")
 
     def __init__(self, codec=None, comm=None, seed: int = 0, transport: str = "auto", *,
                  topology: str = "ring", reports: bool = True, timing: bool = False,
-                 path: str | None = None, nonfinite: str = "propagate"):
+                 path: str | None = None, nonfinite: str = "propagate",
+                 overlap: bool | None = None):
         self.codec = DynamiQ(bits=5) if codec is None else codec
         self.seed = int(seed)
         self.transport = transport
@@ -118,6 +126,7 @@ class HookState:
         if nonfinite not in ("propagate", "raise"):
             raise ValueError(f"nonfinite must be 'propagate' or 'raise', got {nonfinite!r}")
         self.nonfinite = nonfinite
+        self.overlap = overlap      # None: for CUDA buckets; True: CPU ones too
         self.iteration = 0          # DDP iterations seen (advanced on the last bucket)
         self.measure_error = False
         self.reports = reports      # keep each call's Report (last_report, bits in pop_stats)
@@ -133,6 +142,9 @@ class HookState:
         self._paths = None          # the hook's PathChooser (made on first use)
         self._path_comm = None
         self._dist_ok = None        # torch.distributed spans the same ranks (asked once)
+        self._workers = {}          # device -> BucketWorker of the overlapped hook
+        self._mpi_threads = None    # MPI_THREAD_MULTIPLE (asked once)
+        self._stats_lock = threading.Lock()
         self._reset_stats()
 
     def _reset_stats(self):
@@ -147,6 +159,7 @@ class HookState:
 
     # -- pickling: configuration and counters, never the communicator
     def __getstate__(self):
+        self.settle()
         state = {k: getattr(self, k) for k in self._PICKLED}
         state["counter"] = self.counter
         return state
@@ -154,6 +167,7 @@ class HookState:
     def __setstate__(self, state):
         state.setdefault("path", "auto")           # checkpoints of earlier versions
         state.setdefault("nonfinite", "propagate")
+        state.setdefault("overlap", None)
         for k in self._PICKLED:
             setattr(self, k, state[k])
         self._counter = int(state["counter"])
@@ -172,6 +186,7 @@ class HookState:
     def comm(self, comm):
         # Re-attach (e.g. after unpickling): a new collective is made on next
         # use and continues from the current call counter.
+        self.settle()
         with self._lock:
             old = self._collective
             if old is not None:
@@ -198,6 +213,7 @@ class HookState:
 
     @counter.setter
     def counter(self, value: int):
+        self.settle()
         with self._lock:
             self._counter = int(value)
             if self._collective is not None:
@@ -206,8 +222,12 @@ class HookState:
     # -- the all-reduce of one tensor
     def allreduce_(self, t: torch.Tensor, path: str | None = None) -> torch.Tensor:
         """Replace contiguous ``t`` by its mean over the ranks (compressed by
-        ``codec``, or as the collective's path choice says); returns ``t``.
-        Measures the error first when asked."""
+        ``codec``, or as the collective's path choice says) on the current
+        stream; returns ``t``.  Measures the error first when asked."""
+        self.settle()       # the hook's worker shares the collective's workspace
+        return self._allreduce_now(t, path)
+
+    def _allreduce_now(self, t, path=None):
         exact = self.exact_mean(t) if self.measure_error else None
         with _torch_stream(t.device):
             coll = self.collective
@@ -215,12 +235,13 @@ class HookState:
             start = self._start_timer(t.device)
             report = self._reduce_array(coll, arr, path)
             self._stop_timer(t.device, start)
-        self._calls += 1
-        self._coords += t.numel()
-        if report is not None:
-            self.last_report = report
-            self._reported += t.numel()
-            self._bits += report.bits_per_coord * t.numel()
+        with self._stats_lock:
+            self._calls += 1
+            self._coords += t.numel()
+            if report is not None:
+                self.last_report = report
+                self._reported += t.numel()
+                self._bits += report.bits_per_coord * t.numel()
         if exact is not None:
             self.record_error(t, exact)
         return t
@@ -246,12 +267,15 @@ class HookState:
         default, asynchronous): two untimed and four timed calls, then the
         slowest rank's medians decide, the same on every rank (paths.py).
         The native path returns the group's future at once, so the
-        communication overlaps the rest of the backward pass as in plain DDP.
+        communication overlaps the rest of the backward pass as in plain DDP;
+        so does the compressed path with ``overlap`` (its worker thread).
         """
         if self._dist_ok is None:       # asked once: the group does not change under DDP
             self._dist_ok = _dist_matches(self.comm)
         native_ok = buf.device.type in ("cpu", "cuda") and self._dist_ok
         path, key, timed = self._hook_path(buf, native_ok)
+        if timed:
+            self.settle()       # a measuring call times itself alone
         if path == "native" and native_ok:
             if timed:
                 t0 = self._synced_time(buf)
@@ -260,12 +284,22 @@ class HookState:
             if timed:
                 work.wait()
                 self._paths.record(key, "native", self._synced_time(buf) - t0, "native")
-            self._calls += 1
-            self._coords += buf.numel()
+            with self._stats_lock:
+                self._calls += 1
+                self._coords += buf.numel()
             return work.get_future().then(lambda fut: fut.value()[0])
+        path = "compressed" if key is not None else None
+        if self._overlaps(buf):
+            if timed:
+                t0 = self._synced_time(buf)
+            fut = self._worker(buf.device).submit(buf, lambda b: self._allreduce_now(b, path))
+            if timed:
+                fut.wait()
+                self._paths.record(key, "compressed", self._synced_time(buf) - t0, "compressed")
+            return fut
         if timed:
             t0 = self._synced_time(buf)
-        self.allreduce_(buf, path="compressed" if key is not None else None)
+        self.allreduce_(buf, path=path)
         if timed:
             self._paths.record(key, "compressed", self._synced_time(buf) - t0, "compressed")
         # For CUDA values the future must name the device, so that DDP's
@@ -274,6 +308,43 @@ class HookState:
                else torch.futures.Future())
         fut.set_result(buf)
         return fut
+
+    def _overlaps(self, buf) -> bool:
+        """Whether this bucket's compressed call goes to the worker thread."""
+        wanted = buf.is_cuda if self.overlap is None else bool(self.overlap)
+        if not wanted or self.measure_error:
+            return False    # the error's exact all-reduce must keep DDP's order
+        if self._mpi_threads is None:
+            self._mpi_threads = thread_safe_mpi()
+        return self._mpi_threads
+
+    def _worker(self, device) -> BucketWorker:
+        worker = self._workers.get(device)
+        if worker is None:
+            worker = self._workers[device] = BucketWorker(device)
+        return worker
+
+    def settle(self) -> None:
+        """Wait until the hook's worker has run every queued call and its
+        device work is done (before a call on another stream or thread)."""
+        for worker in list(self._workers.values()):
+            worker.drain()
+            if worker.stream is not None:
+                worker.stream.synchronize()
+
+    def raise_pending_error(self) -> None:
+        """Wait for the hook's worker; raise the first error of its calls."""
+        for worker in list(self._workers.values()):
+            worker.drain()
+            exc = worker.take_error()
+            if exc is not None:
+                raise exc
+
+    def close(self) -> None:
+        """Stop the hook's worker threads (made again on next use)."""
+        workers, self._workers = self._workers, {}
+        for worker in workers.values():
+            worker.close()
 
     def _hook_path(self, buf, native_ok):
         """(path, class key or None, timed) of a DDP bucket."""
@@ -346,6 +417,7 @@ class HookState:
         report; None if none did), ``comm_s`` (time inside the all-reduce when
         ``timing`` is on; waits for its CUDA events) and ``vnmse`` (None
         unless measured).  With ``timing`` on, call it every step or so."""
+        self.settle()
         seconds = self._seconds
         for start, end in self._events:
             end.synchronize()
@@ -390,6 +462,7 @@ def ddp_comm_hook(state: "HookState", bucket) -> torch.futures.Future[torch.Tens
     fut = state.bucket_future(bucket.buffer())
     if bucket.is_last():
         state.iteration += 1
+        state.raise_pending_error()     # an overlapped call's error, with its own type
     return fut
 
 

@@ -226,10 +226,12 @@ def test_restored_state_drives_a_new_ddp():
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-hook", "overlapped"])
 @pytest.mark.parametrize("small_input", [0, 1 << 16], ids=["compressed", "small-as-bf16"])
-def test_nan_gradient_on_one_rank_raises_on_every_rank_when_asked(small_input):
+def test_nan_gradient_on_one_rank_raises_on_every_rank_when_asked(small_input, overlap):
     model = DDP(make_net(), bucket_cap_mb=0.004)
-    state = dqt.HookState(codec=dq.DynamiQ(bits=5, small_input=small_input), nonfinite="raise")
+    state = dqt.HookState(codec=dq.DynamiQ(bits=5, small_input=small_input), nonfinite="raise",
+                          overlap=overlap)
     model.register_comm_hook(state, dqt.ddp_comm_hook)
     x, y = batch(0)
     if comm.rank == LAST:
@@ -240,6 +242,55 @@ def test_nan_gradient_on_one_rank_raises_on_every_rank_when_asked(small_input):
     assert all(m == messages[0] for m in messages), messages
     assert isinstance(info.value, dq.NonFiniteInputError), messages[0]
     assert "NaN or Inf" in messages[0]
+    state.close()
+
+
+def _train_steps(state, steps=4, bucket_cap_mb=0.004):
+    model = DDP(make_net(), bucket_cap_mb=bucket_cap_mb)
+    model.register_comm_hook(state, dqt.ddp_comm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(steps):
+        opt.zero_grad()
+        loss_of(model, *batch(step)).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overlapped_hook_gives_the_in_hook_bits():
+    """The hook's worker thread (futures returned at once, buckets run in
+    DDP's order) changes no bit: the same parameters as the hook running
+    each call itself, the same counter, identical on every rank."""
+    inline = dqt.HookState(codec=dynamiq5(), seed=5, overlap=False, path="compressed")
+    overlapped = dqt.HookState(codec=dynamiq5(), seed=5, overlap=True, path="compressed")
+    a = _train_steps(inline)
+    b = _train_steps(overlapped)
+    assert overlapped._workers, "the overlapped hook did not use its worker"
+    assert inline.counter == overlapped.counter > 4
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+    assert_same_on_every_rank(b, "parameters of the overlapped hook")
+    assert overlapped.pop_stats()["calls"] == inline.pop_stats()["calls"]
+    overlapped.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overlapped_bucket_disagreement_is_raised_by_every_rank_future():
+    """A rank whose bucket differs makes every rank's future raise the same
+    InputMismatchError (no hang), and the next call works."""
+    state = dqt.HookState(codec=dynamiq5(), overlap=True, path="compressed")
+    buf = torch.ones(300 + (comm.rank == LAST))
+    fut = state.bucket_future(buf)
+    with pytest.raises(Exception) as info:
+        fut.wait()
+    messages = comm.allgather(str(info.value))
+    assert "disagree on length" in messages[0], messages[0]
+    assert all(m == messages[0] for m in messages), messages
+    assert isinstance(state._workers[buf.device].take_error(), dq.InputMismatchError)
+    good = torch.full((300,), float(comm.rank + 1))
+    state.bucket_future(good).wait()
+    torch.testing.assert_close(good, torch.full((300,), (N + 1) / 2), rtol=1e-2, atol=0)
+    state.close()
 
 
 def _train_with_scaler(state, steps=6, bad=(1, 3, 4)):
@@ -271,7 +322,8 @@ def _train_with_scaler(state, steps=6, bad=(1, 3, 4)):
                          ids=["exact", "dynamiq", "dynamiq-small-as-bf16"])
 def test_grad_scaler_skips_overflowing_steps_as_plain_ddp_does(codec):
     plain, scales0, skipped0 = _train_with_scaler(None)
-    hooked, scales1, skipped1 = _train_with_scaler(dqt.HookState(codec=codec, path="compressed"))
+    hooked, scales1, skipped1 = _train_with_scaler(dqt.HookState(codec=codec, path="compressed",
+                                                                 overlap=True))
     assert skipped0 == [False, True, False, True, True, False], skipped0
     assert skipped1 == skipped0 and scales1 == scales0, (skipped1, scales1, scales0)
     assert scales0[-1] == 2.0 ** 12 / 8

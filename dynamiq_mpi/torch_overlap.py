@@ -1,0 +1,105 @@
+"""The DDP hook's overlap: compressed bucket calls run on a worker thread, so
+the hook returns its future at once and the backward pass goes on.
+
+A compressed call waits on the host once (the plan's device-to-host read,
+after the statistics exchange); run from the hook, that wait stops autograd
+from enqueueing the rest of the backward pass until the GPU has caught up with
+every kernel before the bucket, once per bucket.  The worker takes that wait
+instead: the hook records an event on the current stream, queues the bucket
+and returns; the worker runs the buckets in the order they came (the same on
+every rank, as DDP launches them) on its own stream, which waits for that
+event on the device, and completes each future on that stream: DDP's consumer
+waits for the result on the device, not on the host.  An error of a call (a
+disagreement, NaN with ``nonfinite="raise"``) is set on its future and kept:
+the hook of the iteration's last bucket waits for the worker and raises it,
+so every rank raises it from ``backward()`` as before, with its own type
+(DDP's C++ side would only see a future it cannot read).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+
+def thread_safe_mpi() -> bool:
+    """MPI calls from this worker and from the hook's thread need
+    MPI_THREAD_MULTIPLE (mpi4py asks for it by default)."""
+    from mpi4py import MPI
+    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
+class BucketWorker:
+    """One thread running bucket calls in submission order; on CUDA on a
+    stream of its own."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._jobs = queue.SimpleQueue()
+        self._idle = threading.Condition()
+        self._pending = 0
+        self._error = None          # the first exception of a call, until taken
+        self._thread = threading.Thread(target=self._loop, name="dynamiq-bucket-worker",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, buf: torch.Tensor, run) -> torch.futures.Future:
+        """A future of ``buf`` after ``run(buf)`` has reduced it in place."""
+        ready = None
+        if self.stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            buf.record_stream(self.stream)   # the caching allocator must not reuse it early
+            fut = torch.futures.Future(devices=[self.device])
+        else:
+            fut = torch.futures.Future()
+        with self._idle:
+            self._pending += 1
+        self._jobs.put((ready, buf, run, fut))
+        return fut
+
+    def _loop(self):
+        if self.stream is not None:
+            torch.cuda.set_device(self.device)
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            ready, buf, run, fut = job
+            try:
+                if self.stream is None:
+                    run(buf)
+                    fut.set_result(buf)
+                else:
+                    with torch.cuda.stream(self.stream):
+                        self.stream.wait_event(ready)
+                        run(buf)
+                        # records the completion on this (current) stream
+                        fut.set_result(buf)
+            except BaseException as exc:  # handed to whoever waits on the future
+                with self._idle:
+                    if self._error is None:
+                        self._error = exc
+                fut.set_exception(exc)
+            finally:
+                with self._idle:
+                    self._pending -= 1
+                    self._idle.notify_all()
+
+    def drain(self) -> None:
+        """Wait until every submitted call has run (not for its device work)."""
+        with self._idle:
+            self._idle.wait_for(lambda: self._pending == 0)
+
+    def take_error(self):
+        """After :meth:`drain`: the first exception since the last take, or None."""
+        with self._idle:
+            exc, self._error = self._error, None
+        return exc
+
+    def close(self) -> None:
+        self.drain()
+        self._jobs.put(None)
+        self._thread.join()
