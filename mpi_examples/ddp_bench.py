@@ -43,6 +43,11 @@ import dynamiq_mpi as dq
 import dynamiq_mpi.torch as dqt
 
 MODES = ("plain", "torch-hook", "bf16", "dynamiq", "dynamiq-compressed")
+# more: "dynamiq-native" (our hook, path="native": torch.distributed's all-reduce
+# behind it), "dynamiq-inline" (compressed, calls run inside the hook: overlap=False)
+EXTRA_MODES = ("dynamiq-native", "dynamiq-inline")
+HOOK_PATHS = {"dynamiq": "auto", "dynamiq-compressed": "compressed", "dynamiq-native": "native",
+              "dynamiq-inline": "compressed"}
 
 
 def parse_count(text: str) -> int:
@@ -79,7 +84,8 @@ def attach(model, mode: str, bits: float, seed: int):
         model.register_comm_hook(None, hook)
         return None
     state = dqt.HookState(codec=dq.DynamiQ(bits=bits), seed=seed, reports=False,
-                          path="compressed" if mode == "dynamiq-compressed" else "auto")
+                          path=HOOK_PATHS[mode],
+                          overlap=False if mode == "dynamiq-inline" else None)
     model.register_comm_hook(state, dqt.ddp_comm_hook)
     return state
 
@@ -94,8 +100,7 @@ def shard(model, mode: str, bits: float, seed: int):
     fully_shard(model, mp_policy=mp)
     if not mode.startswith("dynamiq"):
         return model, None
-    state = dqt.ReduceScatter(codec=dq.DynamiQ(bits=bits), seed=seed,
-                              path="compressed" if mode == "dynamiq-compressed" else "auto")
+    state = dqt.ReduceScatter(codec=dq.DynamiQ(bits=bits), seed=seed, path=HOOK_PATHS[mode])
     for m in model.modules():
         if hasattr(m, "set_custom_reduce_scatter"):
             m.set_custom_reduce_scatter(state)
@@ -143,6 +148,8 @@ def run_mode(mode, args, device, comm):
         decisions = {f"2^{k[2]} elements": f"{p}: {why}"
                      for k, (p, why) in state.path_decisions().items()}
     row = dict(mode=mode, step_ms=worst * 1e3, loss=loss.item(), paths=decisions)
+    if hasattr(state, "close"):
+        state.close()       # the hook's worker thread
     del ddp, model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -167,9 +174,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     args.n_params = parse_count(args.params)
     modes = [m for m in args.modes.split(",") if m and not (args.fsdp and m == "torch-hook")]
-    bad = [m for m in modes if m not in MODES]
+    bad = [m for m in modes if m not in MODES + EXTRA_MODES]
     if bad:
-        p.error(f"unknown modes {bad}; choose from {MODES}")
+        p.error(f"unknown modes {bad}; choose from {MODES + EXTRA_MODES}")
 
     from mpi4py import MPI
     comm = MPI.COMM_WORLD

@@ -47,7 +47,7 @@ fi
 if has tests; then
   echo "== tests"; t0=$(date +%s)
   { timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tail -15
-    SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_transports_mpi.py tests/mpi/test_paths_gpu_mpi.py tests/mpi/test_paths_mpi.py tests/mpi/test_reduce_scatter_gpu_mpi.py" \
+    SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_transports_mpi.py tests/mpi/test_paths_gpu_mpi.py tests/mpi/test_paths_mpi.py tests/mpi/test_reduce_scatter_gpu_mpi.py tests/mpi/test_torch_gpu_mpi.py" \
       MPI_TIMEOUT=360 timeout 390 tools/run_tests.sh $PY 2 2>&1 | tail -25
   } 2>&1 | tee "$OUT/tests.txt"
   echo "tests took $(( $(date +%s) - t0 )) s"

@@ -481,3 +481,7 @@ def test_ddp_bench_tiny_runs_in_this_job():
     comm.Barrier()
     with open(path) as f:
         assert json.load(f)["meta"]["ranks"] == N
+    extra = mod.main(["--params", "200K", "--width", "128", "--bucket-mb", "0.1", "--steps", "1",
+                      "--warmup", "2", "--modes", ",".join(mod.EXTRA_MODES)])
+    assert [r["mode"] for r in extra] == list(mod.EXTRA_MODES)
+    assert all(r["step_ms"] > 0 and np.isfinite(r["loss"]) for r in extra)

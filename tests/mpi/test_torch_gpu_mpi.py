@@ -1,0 +1,95 @@
+"""The DDP hook on CUDA tensors (one GPU per rank, torch.distributed over
+NCCL, our collective over NCCL): the overlapped hook (worker thread, its own
+stream, futures completed on the device) gives the bits of the hook running
+each call itself, on every rank, with new gradients every step; NaN on one
+rank reaches every rank's gradients (GradScaler's contract).  Skips without
+CUDA.
+
+Run: mpiexec -n 2 python -m pytest --with-mpi --only-mpi tests/mpi/test_torch_gpu_mpi.py
+"""
+import pytest
+from mpi4py import MPI
+
+comm = MPI.COMM_WORLD
+if comm.size > 3:   # importing torch on CI's 2 cores at 4+ ranks costs 15 s and more
+    pytest.skip("torch GPU tests run at world sizes 2..3", allow_module_level=True)
+torch = pytest.importorskip("torch", exc_type=ImportError)
+if not torch.cuda.is_available() or torch.cuda.device_count() < 1:
+    pytest.skip("no CUDA device", allow_module_level=True)
+pytest.importorskip("cupy")
+
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
+
+import dynamiq_mpi as dq  # noqa: E402
+import dynamiq_mpi.torch as dqt  # noqa: E402
+
+N = comm.size
+LAST = N - 1
+
+
+@pytest.fixture(scope="module")
+def device():
+    _, _, dev = dqt.init_process_group_from_mpi()
+    yield dev
+    dist.destroy_process_group()
+
+
+def make_net(device, width=512):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width),
+                         nn.Tanh(), nn.Linear(width, 64)).to(device)
+
+
+def batch(step, device, width=512):
+    gen = torch.Generator().manual_seed(1000 * step + comm.rank)
+    return (torch.randn(64, width, generator=gen).to(device),
+            torch.randn(64, 64, generator=gen).to(device))
+
+
+def train(state, device, steps=4, bad_step=None):
+    model = DDP(make_net(device), device_ids=[device.index], bucket_cap_mb=0.5)
+    model.register_comm_hook(state, dqt.ddp_comm_hook)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    grads_finite = []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = batch(step, device)
+        if step == bad_step and comm.rank == LAST:
+            x[3, 5] = float("inf")
+        (model(x) - y).square().mean().backward()
+        grads_finite.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+        if grads_finite[-1]:
+            opt.step()
+    torch.cuda.synchronize(device)
+    return [p.detach().cpu() for p in model.parameters()], grads_finite
+
+
+def same_on_every_rank(tensors):
+    blob = b"".join(t.contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+    return all(b == blob for b in comm.allgather(blob))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overlapped_hook_on_cuda_gives_the_in_hook_bits(device):
+    codec = dq.DynamiQ(bits=5, small_input=0)
+    inline = dqt.HookState(codec=codec, seed=7, path="compressed", overlap=False)
+    overlapped = dqt.HookState(codec=codec, seed=7, path="compressed")   # CUDA: overlapped
+    a, _ = train(inline, device)
+    b, _ = train(overlapped, device)
+    assert device in overlapped._workers and not inline._workers
+    assert inline.counter == overlapped.counter
+    assert all(torch.equal(x, y) for x, y in zip(a, b)), "the overlapped hook changed bits"
+    assert same_on_every_rank(b)
+    overlapped.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overlapped_hook_on_cuda_spreads_inf_to_every_rank(device):
+    state = dqt.HookState(codec=dq.DynamiQ(bits=5, small_input=0), path="compressed")
+    params, finite = train(state, device, steps=3, bad_step=1)
+    assert finite == [True, False, True], finite
+    assert all(f == finite for f in comm.allgather(finite))
+    assert same_on_every_rank(params)
+    state.close()
