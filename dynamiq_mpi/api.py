@@ -10,6 +10,7 @@ from .codecs.base import DEFAULT_TILE_BYTES
 from .codecs.dynamiq import DynamiQ
 from . import native
 from .backend import backend_for
+from .errors import InvalidInputError
 from .engine import NONFINITE, CallSpec, rank_program
 from .paths import PathChooser, default_path, size_class
 from .transports import TRANSPORTS, explain_transport
@@ -96,6 +97,8 @@ class Collective:
         self._mpi = MPITransport(comm)
         self.rank, self.size = self._mpi.rank, self._mpi.size
         self._nccl = {}
+        self._gpu_sharing = {}      # device -> which ranks share a GPU ('' : none), asked once
+        self._route_why = ""        # why this call's transport differs from the agreed one
         self._mpi_cuda = None
         self._counter = 0
         self._lock = threading.Lock()
@@ -236,6 +239,7 @@ class Collective:
         t0 = time.perf_counter()
         data, prof, metas, failed = self._mpi, None, None, True
         self._last_metas = None
+        self._route_why = ""
         try:
             request = program.send(None)
             while True:
@@ -264,7 +268,8 @@ class Collective:
             report.phases = _phases(prof, t0)
         if want_report and metas is not None and len(metas) == self.size:
             # the why of the choice the engine made from the same records
-            report.transport_reason = explain_transport(metas[0]["transport"], metas)[1]
+            report.transport_reason = (self._route_why or
+                                       explain_transport(metas[0]["transport"], metas)[1])
             if getattr(data, "lanes_why", None):
                 report.transport_reason += f"; {data.lanes_why}"
         return out, report
@@ -279,7 +284,18 @@ class Collective:
             return self._mpi
         device = x.device.id
         if device not in self._nccl:          # every rank gets here in the same call
-            from .transports.nccl import NCCLTransport
+            from .transports.nccl import NCCLTransport, ranks_sharing_a_gpu
+            shared = self._gpu_sharing.get(device)
+            if shared is None:
+                shared = self._gpu_sharing[device] = ranks_sharing_a_gpu(self._mpi.comm, device)
+            if shared:          # the same answer on every rank: all raise or all stage
+                requested = self._last_metas[0]["transport"] if self._last_metas else "auto"
+                if requested == "nccl":
+                    raise InvalidInputError(f"transport='nccl' is not usable: NCCL needs one GPU "
+                                            f"per rank ({shared}); use transport='mpi' or 'auto'")
+                self._route_why = (f"auto: NCCL needs one GPU per rank ({shared}): device "
+                                   "buffers staged through host memory")
+                return self._mpi
             pair = os.environ.get("DYNAMIQ_NCCL_PAIR_ALLGATHER")
             self._nccl[device] = NCCLTransport(self._mpi.comm, device, self.lanes,
                                                self.lane_bytes, pair_allgather=pair == "1")

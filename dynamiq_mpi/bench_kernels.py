@@ -5,8 +5,9 @@
 For each size 2^k elements of a BF16 gradient-like input (centred through a
 super-group map, as the engine reads it), times compress, decompress,
 decompress-accumulate and the fused decompress-accumulate-recompress (4-bit
-codes, hierarchical scales, independent rounding; then correlated rounding
-with 8 events, and 2- and 8-bit codes), next to a device-to-device copy
+codes, hierarchical scales, the hybrid group scale codes of the defaults,
+independent rounding; then correlated rounding with 8 events, the default,
+at every width), and the statistics pass, next to a device-to-device copy
 measured in the same run (the roofline, bytes read + written), a plain
 float32 -> BF16 cast and a BF16 add of the same size.
 
@@ -41,6 +42,8 @@ def _parse(argv=None):
     ap.add_argument("--no-variant", action="store_true",
                     help="skip the occupancy timing-study rows (builds for 5 / 6 blocks per SM)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--scale-code", choices=("hybrid", "ceil"), default="hybrid",
+                    help="group scale codes (spec 2.7; hybrid is DynamiQ()'s default)")
     ap.add_argument("--no-graphs", action="store_true",
                     help="time single launches with events (includes host overhead at small sizes)")
     return ap.parse_args(argv)
@@ -152,12 +155,14 @@ def main(argv=None):
     print(f"# device: {device_name} ({props['multiProcessorCount']} SMs, "
           f"L2 {props['l2CacheSize'] / 2**20:.0f} MiB), CuPy {cp.__version__}", flush=True)
 
+    scale_rule = {"ceil": 0, "hybrid": 1}[args.scale_code]
+
     def params(width, correlated, n_events=8):
         t = build_tables(width, eps[width])
         n = n_events if correlated else 1
         return np.frombuffer(_gpu.make_params(
             width, True, correlated, n, max(0, (n - 1).bit_length()),
-            keys.value, keys.perm, t.mag, t.inv_gap, t.level, t.lut), np.uint8)
+            keys.value, keys.perm, t.mag, t.inv_gap, t.level, t.lut, scale_rule), np.uint8)
 
     rows = []
     copy_gbps = {}
@@ -223,6 +228,14 @@ def main(argv=None):
         except Exception as exc:
             print(f"  (cupy bfloat16 add not available: {type(exc).__name__})", flush=True)
 
+        # the statistics pass (per super-group mean and norm of the centred
+        # values, flags): reads the input once, writes 8 bytes per super-group
+        stats_out = (cp.empty(nsg, cp.float32), cp.empty(nsg, cp.float32),
+                     cp.empty(2, cp.float32), cp.empty(1, cp.int64))
+        add("dq statistics (centred)", k, n, 2 * n + 8 * nsg,
+            timer(lambda: _gpu.stats_into(xbf, nsg, True, *stats_out)))
+        del stats_out
+
         def codec_rows(width, correlated, label_extra="", variant=0, full=True):
             P = params(width, correlated)
             wire = int(_gpu.run_bytes(nsg, width, True))
@@ -255,8 +268,8 @@ def main(argv=None):
 
         for i, w in enumerate(widths):
             codec_rows(w, False)
+            codec_rows(w, True, full=False)
             if i == 0:
-                codec_rows(w, True, full=False)
                 if not args.no_variant and w == 4:
                     codec_rows(w, False, " [built for 5 blocks/SM]", variant=2, full=False)
                     codec_rows(w, False, " [built for 6 blocks/SM]", variant=3, full=False)

@@ -149,3 +149,13 @@ def test_lanes_default_from_environment(monkeypatch):
         monkeypatch.setenv("DYNAMIQ_NCCL_LANE_BYTES", bad)
         with pytest.raises(ValueError, match="DYNAMIQ_NCCL_LANE_BYTES"):
             dq.Collective(MPI.COMM_SELF)
+
+
+def test_ranks_sharing_a_gpu_are_named_and_distinct_gpus_pass():
+    """NCCL refuses two ranks on one GPU: the collective stages through MPI
+    instead (transport='auto') or raises (transport='nccl'), from this list."""
+    from dynamiq_mpi.transports.nccl import describe_sharing
+    assert describe_sharing([("a", "0000:01"), ("a", "0000:02"), ("b", "0000:01")]) == ""
+    assert describe_sharing([("a", "0000:01"), ("a", "0000:01"), ("b", "0000:01"),
+                             ("a", "0000:02"), ("b", "0000:01")]) == (
+        "ranks [0, 1] share GPU 0000:01 on a; ranks [2, 4] share GPU 0000:01 on b")

@@ -3,10 +3,14 @@
 # Results go under $OUT (./gpu_check_out when OUT is unset), 8 files at most.
 #   bash tools/gpu_check.sh            everything
 #   SKIP="san ncu" bash tools/gpu_check.sh
+#   SKIP="mpi" ...      skip the MPI GPU suites (2 ranks; sharing one GPU they run over MPI)
+#   GPU_TAG=h200 SIZES=26,28 BENCH_ARGS=--no-variant    names, sizes, bench options
 OUT=${OUT:-gpu_check_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 SIZES=${SIZES:-20,22,24,26,28}
+GPU_TAG=${GPU_TAG:-$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -oiE 'h100|h200|a100|l4|l40s' | tr A-Z a-z)}
+GPU_TAG=${GPU_TAG:-gpu}
 skip() { [[ " $SKIP " == *" $1 "* ]]; }
 {
   date -u; nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.sm,power.limit --format=csv
@@ -22,15 +26,22 @@ if ! skip tests; then
   timeout 300 $PY -m pytest -q -rs --maxfail=10 tests/gpu 2>&1 | tee "$OUT/pytest.txt" | tail -30
   echo "tests took $(( $(date +%s) - t0 )) s"
 fi
+if ! skip mpi; then
+  echo "== MPI GPU suites, 2 ranks"; t0=$(date +%s)
+  OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
+  SKIP_SERIAL=1 MPI_TESTS="${MPI_TESTS:-tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_reduce_scatter_gpu_mpi.py tests/mpi/test_paths_gpu_mpi.py tests/mpi/test_torch_gpu_mpi.py}" \
+    MPI_TIMEOUT=300 timeout 330 tools/run_tests.sh $PY 2 2>&1 | tail -25 | tee "$OUT/mpi_tests.txt"
+  echo "mpi took $(( $(date +%s) - t0 )) s"
+fi
 if ! skip bench; then
   echo "== bench"; t0=$(date +%s)
-  timeout 240 $PY -m dynamiq_mpi.bench_kernels --sizes $SIZES --json "$OUT/kernel_bench_h100.json" 2>&1 \
-    | tee "$OUT/kernel_bench_h100.txt" | tail -75
+  timeout 240 $PY -m dynamiq_mpi.bench_kernels --sizes $SIZES $BENCH_ARGS --json "$OUT/kernel_bench_$GPU_TAG.json" 2>&1 \
+    | tee "$OUT/kernel_bench_$GPU_TAG.txt" | tail -75
   echo "bench took $(( $(date +%s) - t0 )) s"
 fi
 if ! skip ncu; then
   echo "== ncu"; t0=$(date +%s)
-  timeout 180 ncu --clock-control none --kernel-name regex:'k_encode|k_decompress' --launch-count 30 \
+  timeout 180 ncu --clock-control none --kernel-name regex:'k_encode|k_decompress|k_stats' --launch-count 40 \
     --metrics smsp__inst_executed.sum,smsp__thread_inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_mio_throttle.ratio,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,smsp__average_warp_latency_issue_stalled_wait.ratio,smsp__average_warp_latency_issue_stalled_not_selected.ratio,smsp__average_warp_latency_issue_stalled_selected.ratio,smsp__average_warp_latency_issue_stalled_no_instruction.ratio,smsp__average_warp_latency_issue_stalled_lg_throttle.ratio,smsp__average_warp_latency_issue_stalled_branch_resolving.ratio,smsp__average_warp_latency_issue_stalled_dispatch_stall.ratio,smsp__warps_active.avg.per_cycle_active,sm__cycles_elapsed.avg.per_second,launch__registers_per_thread \
     --csv $PY tools/ncu_workload.py > "$OUT/ncu.csv" 2> /tmp/ncu.err
   { tail -5 /tmp/ncu.err; $PY tools/ncu_summary.py "$OUT/ncu.csv"; } 2>&1 | tee "$OUT/ncu_summary.txt"

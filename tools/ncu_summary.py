@@ -25,7 +25,7 @@ def main(path):
     # the workload launches an extra (unprofiled-label) compress before each non-compress op
     labels = []
     for label, w, corr, op, variant in LAUNCHES:
-        if op != "compress":
+        if op not in ("compress", "stats"):
             labels.append("(setup compress)")
         labels.append(label)
     def f(v):

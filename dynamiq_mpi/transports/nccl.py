@@ -86,6 +86,27 @@ def nccl_status():
         return _status
 
 
+def describe_sharing(keys) -> str:
+    """'' when the per-rank GPU keys (host, PCI bus id) are all distinct, else
+    which ranks share a GPU."""
+    groups = {}
+    for rank, key in enumerate(keys):
+        groups.setdefault(tuple(key), []).append(rank)
+    return "; ".join(f"ranks {ranks} share GPU {key[1]} on {key[0]}"
+                     for key, ranks in groups.items() if len(ranks) > 1)
+
+
+def ranks_sharing_a_gpu(mpi_comm, device_id: int) -> str:
+    """Collective over ``mpi_comm``: which ranks drive the same GPU ('' if
+    none).  NCCL refuses a communicator with two ranks on one GPU (invalid
+    usage), so such ranks must stage through MPI; every rank gets the same
+    answer."""
+    import cupy
+    from mpi4py import MPI
+    key = (MPI.Get_processor_name(), cupy.cuda.Device(device_id).pci_bus_id)
+    return describe_sharing(mpi_comm.allgather(key))
+
+
 class _Profile:
     """CUDA events of one call (compute stream and lanes), for the breakdown."""
 

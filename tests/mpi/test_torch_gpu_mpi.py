@@ -1,5 +1,6 @@
-"""The DDP hook on CUDA tensors (one GPU per rank, torch.distributed over
-NCCL, our collective over NCCL): the overlapped hook (worker thread, its own
+"""The DDP hook on CUDA tensors (with one GPU per rank torch.distributed and
+our collective over NCCL; with fewer GPUs, ranks share them, torch.distributed
+over gloo and our collective over host-staged MPI): the overlapped hook (worker thread, its own
 stream, futures completed on the device) gives the bits of the hook running
 each call itself, on every rank, with new gradients every step; NaN on one
 rank reaches every rank's gradients (GradScaler's contract).  Skips without
@@ -29,9 +30,18 @@ N = comm.size
 LAST = N - 1
 
 
+ONE_GPU_PER_RANK = comm.allreduce(torch.cuda.device_count(), op=MPI.MIN) >= N
+TRANSPORT = "auto" if ONE_GPU_PER_RANK else "mpi"
+
+
 @pytest.fixture(scope="module")
 def device():
-    _, _, dev = dqt.init_process_group_from_mpi()
+    if ONE_GPU_PER_RANK:
+        _, _, dev = dqt.init_process_group_from_mpi()
+    else:
+        dqt.init_process_group_from_mpi("gloo")
+        dev = torch.device("cuda", comm.rank % torch.cuda.device_count())
+        torch.cuda.set_device(dev)
     yield dev
     dist.destroy_process_group()
 
@@ -74,8 +84,10 @@ def same_on_every_rank(tensors):
 @pytest.mark.mpi(min_size=2)
 def test_overlapped_hook_on_cuda_gives_the_in_hook_bits(device):
     codec = dq.DynamiQ(bits=5, small_input=0)
-    inline = dqt.HookState(codec=codec, seed=7, path="compressed", overlap=False)
-    overlapped = dqt.HookState(codec=codec, seed=7, path="compressed")   # CUDA: overlapped
+    inline = dqt.HookState(codec=codec, seed=7, path="compressed", overlap=False,
+                            transport=TRANSPORT)
+    overlapped = dqt.HookState(codec=codec, seed=7, path="compressed",   # CUDA: overlapped
+                               transport=TRANSPORT)
     a, _ = train(inline, device)
     b, _ = train(overlapped, device)
     assert device in overlapped._workers and not inline._workers
@@ -87,7 +99,8 @@ def test_overlapped_hook_on_cuda_gives_the_in_hook_bits(device):
 
 @pytest.mark.mpi(min_size=2)
 def test_overlapped_hook_on_cuda_spreads_inf_to_every_rank(device):
-    state = dqt.HookState(codec=dq.DynamiQ(bits=5, small_input=0), path="compressed")
+    state = dqt.HookState(codec=dq.DynamiQ(bits=5, small_input=0), path="compressed",
+                          transport=TRANSPORT)
     params, finite = train(state, device, steps=3, bad_step=1)
     assert finite == [True, False, True], finite
     assert all(f == finite for f in comm.allgather(finite))
