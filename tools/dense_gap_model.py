@@ -2,7 +2,7 @@
 model of the spec?  (Issue 21, item 4; docs/error-study.md, "Dense gradients
 against a NumPy model of the spec".)
 
-    python tools/dense_gap_model.py --json docs/error_study_dense_gap.json
+    python tools/dense_gap_model.py --json docs/results/error_study_dense_gap.json
 
 A plain NumPy model of spec section 2 on the ring (every coordinate's chain of
 n quantizations, chunk c starting at rank c), written without the library's

@@ -1,7 +1,7 @@
 """Which super-groups carry a long ring's error?  (docs/error-study.md, "Long
 rings with the defaults".)
 
-    python tools/ring_class_share.py --json docs/error_study_defaults_ring_classes.json
+    python tools/ring_class_share.py --json docs/results/error_study_defaults_ring_classes.json
 
 For the paper's LogNormal mixture (Table 7 set-up, 2^16 elements per rank) and
 each n, the library's ring (``scale_allreduce``, the default codec) is run
