@@ -41,7 +41,7 @@ def cmd_demo(args):
     from mpi4py import MPI
 
     from . import Collective
-    from .gradients import gradient_like
+    from .studies.gradients import gradient_like
 
     comm = _world()
     rank, n = comm.rank, comm.size
@@ -103,7 +103,7 @@ def cmd_schedule(args):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["kernels"]:   # the GPU kernel benchmark keeps its own options
-        from .bench_kernels import main as bench_main
+        from .bench.kernels import main as bench_main
         return bench_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m dynamiq_mpi", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -113,7 +113,7 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="also write the table as JSON")
     p.add_argument("--gpu", action="store_true", help="all-reduce CuPy arrays (rank r on GPU r % count)")
     p.set_defaults(func=cmd_demo, mpi=True)
-    from . import errorstudy       # the study lives in errorstudy.py
+    from .studies import errorstudy   # the study lives in studies/errorstudy.py
     p = sub.add_parser("vnmse", help="error study of every codec, simulated ranks (no MPI)",
                        description=errorstudy.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)

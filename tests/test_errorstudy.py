@@ -1,4 +1,4 @@
-"""The error study (``python -m dynamiq_mpi vnmse``, dynamiq_mpi/errorstudy.py)
+"""The error study (``python -m dynamiq_mpi vnmse``, dynamiq_mpi/studies/errorstudy.py)
 and the gradient capture (tools/capture_gradients.py)."""
 import argparse
 import importlib.util
@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from dynamiq_mpi import errorstudy
+from dynamiq_mpi.studies import errorstudy
 from dynamiq_mpi.__main__ import main as cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,7 +180,7 @@ def test_capture_tiny(tmp_path):
 
 
 def test_codecs_without_scale_adapter_run_on_simulate_allreduce():
-    from dynamiq_mpi.scale_sim import supports
+    from dynamiq_mpi.studies.scale_sim import supports
     others = [s for s in errorstudy.available_codecs(("thc", "omnireduce"))
               if not supports(errorstudy.parse_codec(s))]
     if not others:

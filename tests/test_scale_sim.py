@@ -1,4 +1,4 @@
-"""The scale simulator (dynamiq_mpi/scale_sim.py): bit for bit
+"""The scale simulator (dynamiq_mpi/studies/scale_sim.py): bit for bit
 simulate_allreduce at small n, memory independent of n, its sources."""
 import tracemalloc
 
@@ -8,8 +8,8 @@ import pytest
 import dynamiq_mpi as dq
 from dynamiq_mpi.codecs.base import Codec
 from dynamiq_mpi.errors import NonFiniteInputError
-from dynamiq_mpi.gradients import gradient_like
-from dynamiq_mpi.scale_sim import ArraySource, LogNormalMixture, scale_allreduce, supports
+from dynamiq_mpi.studies.gradients import gradient_like
+from dynamiq_mpi.studies.scale_sim import ArraySource, LogNormalMixture, scale_allreduce, supports
 
 from helpers import exact_sum, fresh_seed
 

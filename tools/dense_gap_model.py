@@ -172,7 +172,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     import dynamiq_mpi as dq
     from dynamiq_mpi.codecs.allocation import allocate_xp, record_bits
-    from dynamiq_mpi.errorstudy import real_gradients
+    from dynamiq_mpi.studies.errorstudy import real_gradients
     grads, meta = real_gradients(args.cache)
     xs = np.asarray(grads[:args.ranks, meta["dense_start"]:], dtype=np.float32)
     n, length = xs.shape

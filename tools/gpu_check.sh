@@ -35,7 +35,7 @@ if ! skip mpi; then
 fi
 if ! skip bench; then
   echo "== bench"; t0=$(date +%s)
-  timeout 240 $PY -m dynamiq_mpi.bench_kernels --sizes $SIZES $BENCH_ARGS --json "$OUT/kernel_bench_$GPU_TAG.json" 2>&1 \
+  timeout 240 $PY -m dynamiq_mpi.bench.kernels --sizes $SIZES $BENCH_ARGS --json "$OUT/kernel_bench_$GPU_TAG.json" 2>&1 \
     | tee "$OUT/kernel_bench_$GPU_TAG.txt" | tail -75
   echo "bench took $(( $(date +%s) - t0 )) s"
 fi

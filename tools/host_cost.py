@@ -50,7 +50,7 @@ def main():
     import dynamiq_mpi as dq
     from dynamiq_mpi import backend as backend_mod
     from dynamiq_mpi.codecs import codec_from_string
-    from dynamiq_mpi.gradients import gradient_like_xp
+    from dynamiq_mpi.studies.gradients import gradient_like_xp
     from dynamiq_mpi.transports import mpi_host
 
     comm = MPI.COMM_WORLD

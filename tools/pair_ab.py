@@ -32,7 +32,7 @@ def main():
 
     import dynamiq_mpi as dq
     from dynamiq_mpi.codecs import codec_from_string
-    from dynamiq_mpi.gradients import gradient_like_xp
+    from dynamiq_mpi.studies.gradients import gradient_like_xp
 
     comm = MPI.COMM_WORLD
     assert comm.size == 2, "two ranks"

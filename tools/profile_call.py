@@ -40,7 +40,7 @@ def main():
     import dynamiq_mpi as dq
     from dynamiq_mpi import _gpu
     from dynamiq_mpi.codecs.allocation import record_bits
-    from dynamiq_mpi.gradients import gradient_like_xp
+    from dynamiq_mpi.studies.gradients import gradient_like_xp
 
     comm = MPI.COMM_WORLD
     local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK", comm.rank))

@@ -38,7 +38,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import dynamiq_mpi as dq
-    from dynamiq_mpi.scale_sim import LogNormalMixture, scale_allreduce
+    from dynamiq_mpi.studies.scale_sim import LogNormalMixture, scale_allreduce
     t0 = time.perf_counter()
     src = LogNormalMixture(args.length, seed=0)
     rows = []

@@ -1,7 +1,7 @@
 """Reduce-scatter: one DynamiQ threshold per chunk or one global threshold?
 
 Runs the simulator (all ranks in one process, the code that runs under
-mpiexec) on gradient-like data (dynamiq_mpi.gradients: layers over five
+mpiexec) on gradient-like data (dynamiq_mpi.studies.gradients: layers over five
 decades of scale, an embedding table with 90 % zero rows) in two layouts:
 
 * ``zero``: the flat gradient cut into n contiguous chunks (ZeRO: chunk r
@@ -26,7 +26,7 @@ import numpy as np
 
 import dynamiq_mpi as dq
 from dynamiq_mpi.engine_rs import simulate_reduce_scatter
-from dynamiq_mpi.gradients import gradient_like, layer_layout
+from dynamiq_mpi.studies.gradients import gradient_like, layer_layout
 
 
 def fsdp_layout(x, n, length):

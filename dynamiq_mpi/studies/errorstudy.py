@@ -10,7 +10,7 @@ For every data set, codec, topology and number of ranks ``n`` it prints the
 vNMSE of the all-reduce, ``||out - sum||^2 / ||sum||^2`` against the float64
 sum of the inputs, beside the bits per coordinate actually put on the wire
 (all bytes of all ranks, statistics included).  Every codec runs on the
-library's own engine: :func:`dynamiq_mpi.scale_sim.scale_allreduce` (bit for
+library's own engine: :func:`dynamiq_mpi.studies.scale_sim.scale_allreduce` (bit for
 bit :func:`~dynamiq_mpi.simulate_allreduce`, in memory independent of ``n``)
 where it has an adapter for the codec, else ``simulate_allreduce``.
 
@@ -29,7 +29,7 @@ Data sets (``--data``):
 * ``lognormal``: the paper's large-scale synthetic gradient (section 6.2):
   super-group magnitudes from its two-component LogNormal mixture,
   coordinates i.i.d. normal, generated on the fly (any ``n``).
-* ``gradient_like``: :func:`dynamiq_mpi.gradients.gradient_like` (layer
+* ``gradient_like``: :func:`dynamiq_mpi.studies.gradients.gradient_like` (layer
   scales over five decades, Student-t entries, an embedding table with 90 %
   of rows zero on every rank).
 
@@ -76,7 +76,7 @@ def parse_codec(spec: str, overrides=None):
     ``small_input=0`` unless the spelling sets it, and each field of
     ``overrides`` (``--scale-code``, ``--bf16-class``) unless the spelling
     sets that field."""
-    from .codecs import DynamiQ, codec_from_string
+    from ..codecs import DynamiQ, codec_from_string
     codec = codec_from_string(spec)
     if isinstance(codec, DynamiQ):
         fields = {"small_input": 0, **(overrides or {})}
@@ -114,7 +114,7 @@ def ablation_ladder(bits):
     the paper's rows use widths {0, 2, 4, 8} and the rounded-up group codes,
     then two rows add what the library's defaults add (spec 2.3, 2.7): the
     hybrid group codes, then the 16-bit class (the last row is ``DynamiQ(bits)``)."""
-    from .codecs import DynamiQ
+    from ..codecs import DynamiQ
     base = dict(bits=bits, uniform=True, variable_width=False, hierarchical=False,
                 correlated=False, zero_class=False, small_input=0, scale_code="ceil",
                 bf16_class=False)
@@ -210,7 +210,7 @@ def _zero_fractions(source, max_ranks):
 # ----------------------------------------------------------------------------- one run
 def run_one(data, n, codec, topology, seed, counter, engine="auto", progress=False):
     """(vNMSE, bits per coordinate, codec info, seconds) of one all-reduce."""
-    from . import simulate_allreduce
+    from .. import simulate_allreduce
     from .scale_sim import scale_allreduce, supports
     t0 = time.perf_counter()
     if engine != "simulate" and supports(codec):

@@ -1,6 +1,6 @@
 """Kernel benchmark: DynamiQ codec kernels against the GPU's copy roofline.
 
-    python -m dynamiq_mpi.bench_kernels --sizes 20,22,24,26,28 --json out.json
+    python -m dynamiq_mpi.bench.kernels --sizes 20,22,24,26,28 --json out.json
 
 For each size 2^k elements of a BF16 gradient-like input (centred through a
 super-group map, as the engine reads it), times compress, decompress,
@@ -132,15 +132,15 @@ def main(argv=None):
     try:
         import cupy as cp
     except Exception as exc:
-        sys.exit(f"bench_kernels needs CuPy: {exc}")
-    from . import cuda
+        sys.exit(f"python -m dynamiq_mpi kernels needs CuPy: {exc}")
+    from .. import cuda
     if not cuda.has_cuda():
-        sys.exit(f"bench_kernels needs the CUDA kernels and a GPU: {cuda.why_not()}")
+        sys.exit(f"python -m dynamiq_mpi kernels needs the CUDA kernels and a GPU: {cuda.why_not()}")
     import ml_dtypes
 
-    from . import _gpu
-    from .codecs.levels import build_tables
-    from .rng import call_keys
+    from .. import _gpu
+    from ..codecs.levels import build_tables
+    from ..rng import call_keys
 
     BF16 = np.dtype(ml_dtypes.bfloat16)
     dev = cp.cuda.Device()
@@ -289,7 +289,7 @@ def main(argv=None):
     if args.json:
         meta = dict(device=device_name, sms=props["multiProcessorCount"],
                     date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                    command=" ".join([sys.executable, "-m", "dynamiq_mpi.bench_kernels"] + sys.argv[1:]),
+                    command=" ".join([sys.executable, "-m", "dynamiq_mpi.bench.kernels"] + sys.argv[1:]),
                     cupy=cp.__version__, python=platform.python_version(),
                     repeats=args.repeats, warmup=args.warmup,
                     note=("bytes = each input read once + each output written once; "

@@ -50,16 +50,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import schedules
-from .backend import backend_for
-from .codecs.base import DEFAULT_TILE_BYTES, Tiling
-from .codecs.dynamiq import DynamiQ
-from .codecs.mxfp import BLOCK as MX_BLOCK
-from .codecs.mxfp import MXFP, _padded_blocks
-from .codecs.plain import BF16, ElementwisePlan, Exact
-from .rng import call_keys, splitmix64
-from .schedules import _trailing_ones
-from .workspace import FRESH
+from .. import schedules
+from ..backend import backend_for
+from ..codecs.base import DEFAULT_TILE_BYTES, Tiling
+from ..codecs.dynamiq import DynamiQ
+from ..codecs.mxfp import BLOCK as MX_BLOCK
+from ..codecs.mxfp import MXFP, _padded_blocks
+from ..codecs.plain import BF16, ElementwisePlan, Exact
+from ..rng import call_keys, splitmix64
+from ..schedules import _trailing_ones
+from ..workspace import FRESH
 
 SUPER = 256
 _M32 = np.uint64(0xFFFFFFFF)
@@ -376,7 +376,7 @@ def _adapter_for(codec):
         return _ElementwiseAdapter()
     raise NotImplementedError(
         f"scale_allreduce has no adapter for codec {type(codec).__name__!r} "
-        "(see _adapter_for in dynamiq_mpi/scale_sim.py); use simulate_allreduce")
+        "(see _adapter_for in dynamiq_mpi/studies/scale_sim.py); use simulate_allreduce")
 
 
 def supports(codec) -> bool:

@@ -29,10 +29,10 @@ import time
 
 import numpy as np
 
-from .backend import BFLOAT16
-from .paths import SAMPLES, WARMUP
-from .codecs.base import DEFAULT_TILE_BYTES
-from .transports import TRANSPORTS
+from ..backend import BFLOAT16
+from ..paths import SAMPLES, WARMUP
+from ..codecs.base import DEFAULT_TILE_BYTES
+from ..transports import TRANSPORTS
 
 DTYPES = {"bf16": BFLOAT16, "bfloat16": BFLOAT16, "f32": np.dtype(np.float32),
           "float32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
@@ -170,9 +170,9 @@ def _progress(rank, text):
 def run(args) -> list:
     from mpi4py import MPI
 
-    from . import codecs as codec_mod
-    from .api import Collective
-    from .gradients import gradient_like_xp
+    from .. import codecs as codec_mod
+    from ..api import Collective
+    from ..studies.gradients import gradient_like_xp
 
     comm = MPI.COMM_WORLD
     n, rank = comm.size, comm.rank
@@ -286,7 +286,7 @@ def _jsonable(o):
 
 
 def _has_cuda():
-    from .cuda import has_cuda
+    from ..cuda import has_cuda
     return has_cuda()
 
 

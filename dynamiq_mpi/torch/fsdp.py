@@ -35,8 +35,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .paths import PathChooser, size_class
-from .torch import HookState, _dist_matches, _torch_stream, tensor_as_array
+from ..paths import PathChooser, size_class
+from .ddp import HookState, _dist_matches, _torch_stream, tensor_as_array
 
 try:     # the abstract class is not re-exported by torch; FSDP only calls it
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _FSDPReduceScatter

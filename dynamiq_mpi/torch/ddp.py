@@ -25,9 +25,9 @@ import time
 
 import torch
 
-from . import Collective, DynamiQ, InputMismatchError
-from .paths import PathChooser, default_path, size_class
-from .torch_overlap import BucketWorker, thread_safe_mpi
+from .. import Collective, DynamiQ, InputMismatchError
+from ..paths import PathChooser, default_path, size_class
+from .overlap import BucketWorker, thread_safe_mpi
 
 __all__ = ["HookState", "ddp_comm_hook", "allreduce_gradients", "init_process_group_from_mpi",
            "tensor_as_array", "ReduceScatter"]
@@ -100,7 +100,7 @@ class HookState:
     ``overlap`` (default: for CUDA buckets): the DDP hook hands compressed
     bucket calls to a worker thread and returns its future at once, so the
     backward pass is not held up by the call's host work and wait
-    (torch_overlap.py); False runs them in the hook.  Buckets run in the order
+    (overlap.py); False runs them in the hook.  Buckets run in the order
     DDP hands them over either way, with the same bits.
     """
 
@@ -584,5 +584,3 @@ def init_process_group_from_mpi(backend: str | None = None, comm=None, timeout=N
     dist.init_process_group(backend, **kwargs)
     return rank, size, device
 
-
-from .torch_fsdp import ReduceScatter  # noqa: E402,F401  (FSDP2's reduce-scatter)
