@@ -132,20 +132,25 @@ class Collective:
         transport = self.transport if transport is None else transport
         nonfinite = self.nonfinite if nonfinite is None else nonfinite
         requested = self.path if path is None else default_path(path)
+        tile_bytes = self.tile_bytes if tile_bytes is None else tile_bytes
         with self._lock:
             counter = self._counter
             self._counter += 1
-            key, chosen, why, timed = self._choose_path(x, codec, topology, op, transport,
-                                                        requested)
-            spec = CallSpec(codec, topology, op, seed, counter, transport,
-                            self.tile_bytes if tile_bytes is None else tile_bytes,
-                            path=chosen, nonfinite=nonfinite)
             steady_key = None
-            if chosen == "native" and not (return_report or profile or timed):
-                steady_key = native.steady_key(x, out, spec)
+            if requested != "compressed" and not (return_report or profile):
+                # a call like one agreed before on the native path (for "auto":
+                # its class decided native): no engine, no path choice
+                steady_key = native.steady_key(x, out, codec, topology, op, seed, transport,
+                                               tile_bytes, nonfinite, requested)
                 steady = self._steady.get(steady_key)
                 if steady is not None:
-                    return self._run_steady(steady, x, out, spec)
+                    return self._run_steady(steady, x, out, counter, op)
+            key, chosen, why, timed = self._choose_path(x, codec, topology, op, transport,
+                                                        requested)
+            spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
+                            path=chosen, nonfinite=nonfinite)
+            if chosen != "native" or timed:
+                steady_key = None
             program = rank_program(self.rank, self.size, x, spec, out, self._workspace,
                                    detailed_report=return_report)
             if timed:
@@ -167,12 +172,12 @@ class Collective:
                     report.codec_info["wire"], backend_for(x))
         return (out, report) if return_report else out
 
-    def _run_steady(self, steady, x, out, spec):
+    def _run_steady(self, steady, x, out, counter, op):
         on_device = steady.backend.name == "gpu"
         if on_device:
             self._fence_stream()
         try:
-            return steady.run(self._mpi.comm, self._route, x, out, spec, self.size,
+            return steady.run(self._mpi.comm, self._route, x, out, counter, op, self.size,
                               self._workspace)
         finally:
             if on_device:
@@ -214,7 +219,7 @@ class Collective:
             can_native = transport in ("auto", "nccl") and nccl_status()[0]
         else:
             can_native = transport in ("auto", "mpi") and module.startswith("numpy")
-        sig = codec.signature() if hasattr(codec, "signature") else repr(codec)
+        sig = codec.cached_signature() if hasattr(codec, "cached_signature") else repr(codec)
         key = ("gpu" if on_device else "cpu", str(dtype), size_class(length), sig, topology,
                transport, op)
         path, why, timed = self._paths.choose(key, requested, getattr(codec, "auto_path", False),
@@ -230,6 +235,7 @@ class Collective:
         """Measure every class of calls again (all ranks must call it alike)."""
         with self._lock:
             self._paths.forget()
+            self._steady.clear()        # their path came from the choices just forgotten
 
     # -- driving one call ------------------------------------------------------
     def _drive(self, program, x, profile, want_report=True):

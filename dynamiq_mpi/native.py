@@ -21,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import BFLOAT16, dtype_name
+from .errors import InputMismatchError
+from .transports.mpi_host import Digests, digest_with_counter, record_digest
 
 _F32_LIKE = ("float32", "float16", "bfloat16")
 
@@ -117,34 +119,36 @@ def from_wire(backend, buf, divisor: int, result):
         xp.copyto(result, wide / wide.dtype.type(divisor), casting="unsafe")
 
 
-def steady_key(x, out, spec):
+def steady_key(x, out, codec, topology, op, seed, transport, tile_bytes, nonfinite, path):
     """What must equal a steady call's for its agreement to carry over
-    (everything of the record but the counter, from local facts)."""
+    (everything of the record but the counter, from local facts; ``path``:
+    the path asked for, "auto" or "native")."""
     dev = getattr(getattr(x, "device", None), "id", None)
     out_key = None if out is None else (
         type(out), out.shape, out.dtype, out.flags.c_contiguous,
         getattr(getattr(out, "device", None), "id", None), out is x)
-    return (type(x), x.shape, x.dtype, x.flags.c_contiguous, dev, out_key, spec.codec.signature(),
-            spec.topology, spec.op, spec.seed, spec.transport, spec.tile_bytes, spec.nonfinite)
+    sig = codec.cached_signature() if hasattr(codec, "cached_signature") else repr(codec)
+    return (type(x), x.shape, x.dtype, x.flags.c_contiguous, dev, out_key, sig,
+            topology, op, seed, transport, tile_bytes, nonfinite, path)
 
 
 class SteadyNative:
     """The native path of a call agreed before (see the module's doc)."""
 
     def __init__(self, record: dict, codec, transport: str, wire: str, backend):
-        from .transports.mpi_host import record_digest
         self.record = {k: v for k, v in record.items() if k != "counter"}
         self.static = record_digest(self.record)
         self.codec, self.transport, self.wire, self.backend = codec, transport, wire, backend
+        self._digests = None        # the digest exchange's buffers (made on first use)
 
-    def run(self, comm, route, x, out, spec, n, workspace):
+    def run(self, comm, route, x, out, counter, op, n, workspace):
         """The result (``out`` or a new array of ``x``'s shape); raises the
         agreement's error on every rank when some rank's call differs."""
-        from .engine import _agree
-        from .errors import InputMismatchError
-        from .transports.mpi_host import digest_with_counter, digests_match
-        if not digests_match(comm, digest_with_counter(self.static, spec.counter)):
-            _agree(comm.allgather(dict(self.record, counter=spec.counter)))
+        if self._digests is None:
+            self._digests = Digests(comm)
+        if not self._digests.match(digest_with_counter(self.static, counter)):
+            from .engine import _agree      # (engine imports this module)
+            _agree(comm.allgather(dict(self.record, counter=counter)))
             raise InputMismatchError("ranks disagree on the call")   # _agree raised already
         transport = route(self.transport, x)
         flat = x.reshape(-1)
@@ -152,5 +156,5 @@ class SteadyNative:
                                                                             flat.dtype)
         send, recv = to_wire(self.backend, flat, self.wire, result, workspace)
         transport._native_allreduce(send, recv)
-        from_wire(self.backend, recv, n if spec.op == "mean" else 1, result)
+        from_wire(self.backend, recv, n if op == "mean" else 1, result)
         return out if out is not None else result.reshape(x.shape)

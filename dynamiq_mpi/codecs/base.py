@@ -46,6 +46,14 @@ class Codec:
         """Hashable description every rank must agree on before any byte moves."""
         raise NotImplementedError
 
+    def cached_signature(self) -> tuple:
+        """:meth:`signature`, computed once per codec object (codecs are
+        immutable; a steady call reads it on every call)."""
+        sig = self.__dict__.get("_cached_signature")
+        if sig is None:
+            sig = self.__dict__["_cached_signature"] = self.signature()
+        return sig
+
     def for_length(self, length: int) -> "Codec":
         """The codec that actually runs for an input of ``length`` elements
         (a codec may hand tiny inputs to an uncompressed one)."""

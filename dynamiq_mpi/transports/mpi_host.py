@@ -46,6 +46,21 @@ def digests_match(comm, digest: int) -> bool:
     return bool(np.all(everyone == everyone[0]))
 
 
+class Digests:
+    """:func:`digests_match` with its buffers kept, for calls that exchange
+    one digest each (a steady native call): no allocation per call."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.mine = np.empty(1, dtype=np.uint64)
+        self.everyone = np.empty(comm.Get_size(), dtype=np.uint64)
+
+    def match(self, digest: int) -> bool:
+        self.mine[0] = digest
+        self.comm.Allgather(self.mine, self.everyone)
+        return self.everyone.tolist().count(digest) == self.everyone.shape[0]
+
+
 def agree(comm, value):
     """Every rank's ``value`` (a small picklable object), as a list.
 
@@ -150,9 +165,10 @@ class MPITransport(RequestAnswers):
         return handle.buffer          # every exchange completed before its answer
 
     def _native_allreduce(self, send, recv):
-        from mpi4py import MPI
+        MPI = sys.modules["mpi4py.MPI"]     # imported: this transport holds a communicator
         # out=x arrives as two views of one memory: MPI forbids aliased buffers
-        same = send is recv or send.ctypes.data == recv.ctypes.data
+        same = send is recv or (send.__array_interface__["data"][0]
+                                == recv.__array_interface__["data"][0])
         self.comm.Allreduce(MPI.IN_PLACE if same else send, recv, op=MPI.SUM)
         return recv
 

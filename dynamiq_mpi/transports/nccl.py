@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 import time
 
+from ..backend import dtype_name
 from .mpi_host import RequestAnswers
 from .ops import Received, payload_array
 
@@ -216,6 +217,7 @@ class NCCLTransport(RequestAnswers):
         self._retired = []
         self._cuts = {}
         self._native = None      # the communicator of the native all-reduce (made on first use)
+        self._native_types = {}  # array dtype -> NCCL data type
 
     # -- requests --------------------------------------------------------------
     def _slices(self, nbytes):
@@ -324,14 +326,16 @@ class NCCLTransport(RequestAnswers):
         the lanes' point-to-point on other streams; every rank reaches its
         first native call in the same call (the path is agreed), so it is
         made there."""
-        from ..backend import dtype_name
         nccl = self.nccl
         if self._native is None:
             uid = self.mpi.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
             with self.cupy.cuda.Device(self.device_id):
                 self._native = nccl.NcclCommunicator(self.size, uid, self.rank)
         compute = self.cupy.cuda.get_current_stream()
-        wire = getattr(nccl, self._NCCL_TYPES[dtype_name(recv.dtype)])
+        wire = self._native_types.get(recv.dtype)
+        if wire is None:
+            wire = self._native_types[recv.dtype] = getattr(
+                nccl, self._NCCL_TYPES[dtype_name(recv.dtype)])
         self._native.allReduce(_ptr(send), _ptr(recv), recv.size, wire, nccl.NCCL_SUM,
                                compute.ptr)
         return recv

@@ -230,3 +230,37 @@ def test_steady_native_calls_are_correct_and_every_mismatch_raises_everywhere():
     coll.allreduce(x, out=out, op="mean")
     assert np.allclose(out, exact_sum(x) / N, rtol=1e-5, atol=1e-6)
     coll.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_steady_calls_follow_the_decision_and_forget_paths():
+    """path="auto": once a class is decided native, its calls go steady (no
+    engine, no path choice) and stay right; forget_paths() drops them, so the
+    class is measured again."""
+    coll = dq.Collective(comm, path="auto")     # (the suite's default is "compressed")
+    codec = dq.DynamiQ(bits=5)
+    seed = shared_seed(comm)
+    out = np.empty(5000, np.float32)
+    whys = []
+    for i in range(12):
+        x = my_input(seed + i, 5000)
+        _, rep = coll.allreduce(x, codec=codec, out=out, op="sum", return_report=True)
+        whys.append(rep.path_reason)
+        assert same_on_every_rank(out)
+    decided = coll.path_decisions()
+    assert len(decided) == 1
+    path = next(iter(decided.values()))[0]
+    for i in range(3):                      # no report asked: steady when native
+        x = my_input(seed + 100 + i, 5000)
+        coll.allreduce(x, codec=codec, out=out, op="sum")
+        want = exact_sum(x)
+        if path == "native":
+            assert np.max(np.abs(out - want)) <= 4 * N * 2.0 ** -23 * np.max(np.abs(want)) + 1e-30
+        assert same_on_every_rank(out)
+    assert len(coll._steady) == (1 if path == "native" else 0)
+    coll.forget_paths()
+    assert not coll._steady and not coll.path_decisions()
+    _, rep = coll.allreduce(my_input(seed, 5000), codec=codec, out=out, op="sum",
+                            return_report=True)
+    assert "measuring" in rep.path_reason, rep.path_reason
+    coll.free()
