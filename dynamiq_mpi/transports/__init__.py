@@ -39,10 +39,31 @@ def native_wires(transport: str, backend_name: str) -> tuple:
     return _NATIVE_WIRES.get((transport, backend_name), ())
 
 
+_CAPABILITIES: dict = {}
+
+
 def transport_capabilities(backend) -> dict:
     """What this rank could use for its input (part of the agreement record).
     CUDA-awareness is recorded for host arrays too, so that asking for
-    ``mpi-cuda`` on an MPI without it says so whatever the arrays."""
+    ``mpi-cuda`` on an MPI without it says so whatever the arrays.  Kept per
+    backend and environment override: the answers do not change while the
+    process lives (a copy is handed out)."""
+    import os
+
+    from .cuda_aware import ENV, _mpi_running
+    name = None if backend is None else backend.name
+    nccl = None
+    if name == "gpu":
+        from .nccl import nccl_status
+        nccl = nccl_status()
+    key = (name, os.environ.get(ENV, ""), _mpi_running(), nccl)
+    can = _CAPABILITIES.get(key)
+    if can is None:
+        can = _CAPABILITIES[key] = _capabilities(backend)
+    return dict(can)
+
+
+def _capabilities(backend) -> dict:
     from .cuda_aware import cuda_aware_mpi
     aware = cuda_aware_mpi()
     can = {"mpi_cuda": aware.aware, "mpi_cuda_why": aware.why}

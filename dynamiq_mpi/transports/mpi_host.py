@@ -22,16 +22,39 @@ _TAG = 0x5D17
 _COUNTER_STEP = 0x9E3779B97F4A7C15
 
 
+_STATIC_DIGESTS: dict = {}     # frozen record (no counter) -> its hash: steady calls repeat one
+
+
+def _frozen(value):
+    if isinstance(value, dict):
+        return tuple((k, _frozen(v)) for k, v in sorted(value.items()))
+    if isinstance(value, list):
+        return ("list",) + tuple(_frozen(v) for v in value)
+    return (type(value).__name__, value) if isinstance(value, (bool, int, float)) else value
+
+
 def record_digest(value) -> int:
     """64-bit digest of an agreement value: a hash of the value without its
     ``counter``, plus the counter times an odd constant (mod 2^64), so that a
-    steady caller may keep the first part and add the counter itself."""
+    steady caller may keep the first part and add the counter itself.  The
+    hash of a value seen before is looked up, not pickled and hashed again."""
     counter = 0
     if isinstance(value, dict) and "counter" in value:
         counter = int(value["counter"])
         value = {k: v for k, v in value.items() if k != "counter"}
-    static = hashlib.blake2b(pickle.dumps(value, protocol=4), digest_size=8).digest()
-    return digest_with_counter(int.from_bytes(static, "little"), counter)
+    try:
+        key = _frozen(value)
+        static = _STATIC_DIGESTS.get(key)
+    except TypeError:           # an unhashable part: hash it every time
+        key = static = None
+    if static is None:
+        raw = hashlib.blake2b(pickle.dumps(value, protocol=4), digest_size=8).digest()
+        static = int.from_bytes(raw, "little")
+        if key is not None:
+            if len(_STATIC_DIGESTS) >= 1024:
+                _STATIC_DIGESTS.clear()
+            _STATIC_DIGESTS[key] = static
+    return digest_with_counter(static, counter)
 
 
 def digest_with_counter(static: int, counter: int) -> int:
@@ -43,7 +66,7 @@ def digests_match(comm, digest: int) -> bool:
     mine = np.array([digest], dtype=np.uint64)
     everyone = np.empty(comm.Get_size(), dtype=np.uint64)
     comm.Allgather(mine, everyone)
-    return bool(np.all(everyone == everyone[0]))
+    return everyone.tolist().count(digest) == everyone.shape[0]
 
 
 class Digests:
