@@ -240,7 +240,7 @@ def agreement_record(error, flat, backend, spec: CallSpec, **extra) -> dict:
         "length": None if flat is None else int(flat.shape[0]),
         "dtype": None if flat is None else dtype_name(flat.dtype),
         "backend": None if backend is None else backend.name,
-        "codec": spec.codec.signature() if isinstance(spec.codec, Codec) else repr(spec.codec),
+        "codec": spec.codec.cached_signature() if isinstance(spec.codec, Codec) else repr(spec.codec),
         "topology": spec.topology, "op": spec.op, "seed": int(spec.seed) if
         isinstance(spec.seed, (int, np.integer)) else repr(spec.seed),
         "counter": spec.counter, "transport": spec.transport,

@@ -162,7 +162,7 @@ _KEYS_AT = 24
 def _params_for(codec, n_events, correlated, keys, kernels):
     """{width: DqParams bytes (uint8 array)} for this call's keys."""
     perm_bits = (n_events - 1).bit_length()
-    cache_key = (codec.signature(), n_events, correlated)
+    cache_key = (codec.cached_signature(), n_events, correlated)
     base = _PARAMS_CACHE.get(cache_key)
     if base is None:
         tables = codec.tables()

@@ -353,7 +353,7 @@ class HookState:
         if self._paths is None:
             self._path_comm = self.comm.Dup()
             self._paths = PathChooser(self._path_comm)
-        sig = self.codec.signature()
+        sig = self.codec.cached_signature()
         key = (buf.device.type, str(buf.dtype), size_class(buf.numel()), sig, self.topology,
                "ddp", "mean")
         path, _, timed = self._paths.choose(key, "auto", getattr(self.codec, "auto_path", False),

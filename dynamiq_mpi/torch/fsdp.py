@@ -178,7 +178,7 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
         if self._paths is None:
             self._path_comm = self.comm.Dup()
             self._paths = PathChooser(self._path_comm)
-        key = (t.device.type, str(t.dtype), size_class(t.numel()), self.codec.signature(),
+        key = (t.device.type, str(t.dtype), size_class(t.numel()), self.codec.cached_signature(),
                self.topology, "fsdp", "reduce_scatter")
         path, _, timed = self._paths.choose(key, "auto", getattr(self.codec, "auto_path", False),
                                             True, self.codec.name)
