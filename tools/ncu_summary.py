@@ -1,4 +1,4 @@
-"""Summarise tools/gpu_check.sh's ncu CSV: instructions per element and what
+"""Summarise the ncu-kernels stage's CSV (tools/device/kernels.sh): instructions per element and what
 limits each profiled kernel."""
 import csv
 import os

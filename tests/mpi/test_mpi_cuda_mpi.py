@@ -10,7 +10,7 @@ API's clear error on an MPI without CUDA support is checked on every rank.
 
 The GPU part (CuPy arrays through ``transport="mpi-cuda"``) runs only where
 the kernels are built and every rank's MPI is CUDA-aware
-(tools/device_mpi_cuda.sh builds such an MPI on the GPU machine).
+(the mpi-cuda-* stages of tools/device.sh build such an MPI on the GPU machine).
 """
 import numpy as np
 import pytest

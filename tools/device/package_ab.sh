@@ -1,7 +1,7 @@
 #!/bin/bash
 # A/B of two versions of the Python package on a two-GPU machine (nvidia-h200-x2),
 # alternating in one job so that link and host drift hit both alike:
-#   bash tools/device_ab.sh OLD_DIR [ROUNDS]
+#   OLD_DIR=... bash tools/device.sh package-ab  (or bash tools/device/package_ab.sh OLD_DIR [ROUNDS])
 # OLD_DIR contains the old `dynamiq_mpi` package (e.g. from `git archive <rev> dynamiq_mpi`),
 # with the compiled extensions copied in; the working tree is the new one.
 # Each round runs `python -m dynamiq_mpi bench` (DynamiQ 5 bits and NCCL's BF16

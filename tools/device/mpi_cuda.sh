@@ -2,7 +2,7 @@
 # The CUDA-aware MPI run on the GPU machine (device kind nvidia-h200-x2; one GPU
 # works too, both ranks then share it):
 #
-#   bash tools/device_mpi_cuda.sh [STAGES]    STAGES: any of build ext probe tests bench
+#   bash tools/device/mpi_cuda.sh [STAGES]    STAGES: any of build ext probe tests bench
 #                                             (default: all, in that order)
 #
 # build: Open MPI --with-cuda and mpi4py against it (tools/build_cuda_openmpi.sh,
@@ -26,7 +26,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 STAGES=${*:-build ext probe tests bench}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 ROOT=$PWD
 PY=${PYTHON:-python3}
 export PREFIX=${PREFIX:-/tmp/ompi-cuda} MPI4PY_TARGET=${MPI4PY_TARGET:-/tmp/mpi4py-cuda}

@@ -1,6 +1,6 @@
 #!/bin/bash
-# The fast-path run on a two-GPU machine (device kind nvidia-h200-x2), one call:
-#   bash tools/device_fastpath.sh [STAGES]   STAGES: any of build tests profile ncu timeline
+# The two-GPU stages of tools/device.sh (device kind nvidia-h200-x2), one call:
+#   bash tools/device/links.sh [STAGES]   STAGES: any of build tests profile ncu timeline
 #                                            nvlink shm sockets probe tune hostid lanes mx agprobe pairab sockset shm1
 #                                            paths ddp fsdp defaults
 # build: the extension in place; tests: GPU kernel/planner tests, then the MPI

@@ -4,7 +4,7 @@
 #   transport (so communication matters), BF16 DDP over 3 seeds against
 #   DynamiQ at 5 and 4 bits, the same steps, data and initial models.
 #
-#   bash tools/device_train.sh                   (from the repository root)
+#   bash tools/device.sh train                   (from the repository root)
 #
 # Knobs (environment): STEPS=500  SEEDS_BF16="0 1 2"  SEEDS_DQ="0"
 #   CODECS_DQ="dynamiq:5 dynamiq:4"  NP=2  TRAIN_ARGS="" (more train_lm.py options)

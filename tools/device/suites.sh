@@ -1,7 +1,7 @@
 #!/bin/bash
-# One device call: build, GPU kernel tests, then the MPI suites (CPU and CuPy
+# Stage "suites" of tools/device.sh: the GPU kernel tests, then the MPI suites (CPU and CuPy
 # all-reduce) at the given world sizes with the machine's Open MPI, then the
-# demo on CuPy arrays.  Usage: bash tools/device_gpu_allreduce.sh [NP...]
+# demo on CuPy arrays.  Usage: bash tools/device/suites.sh [NP...]
 set -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 \
