@@ -1,8 +1,18 @@
 // dq_device.cuh -- device helpers shared by the kernel files (dq_kernels.cu,
-// mx_kernels.cu): alignment tests and the loader of local values from a
+// mx_kernels.cu): BF16 unpacking, alignment tests and the loader of local values from a
 // DqSource.  Included inside each file's anonymous namespace (internal
 // linkage), after dq_codec.h.
 #pragma once
+
+// 8 BF16 values packed in a uint4 (little-endian pairs) -> 8 floats, exactly.
+__device__ __forceinline__ void bf16x8_to_f32(const uint4 q, float* v) {
+    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        v[2 * i] = __uint_as_float(w[i] << 16);
+        v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+}
 
 __device__ __forceinline__ bool aligned(const void* p, int a) {
     return (reinterpret_cast<uintptr_t>(p) & (uintptr_t)(a - 1)) == 0;
@@ -23,13 +33,7 @@ __device__ __forceinline__ void load_source(const DqSource& S, int64_t row, int 
         if (k0 + N <= S.length && aligned(p, 16)) {
 #pragma unroll
             for (int v = 0; v < N / 8; v++) {
-                uint4 q = __ldg(reinterpret_cast<const uint4*>(p) + v);
-                uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    x[8 * v + 2 * i] = __uint_as_float(w[i] << 16);
-                    x[8 * v + 2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-                }
+                bf16x8_to_f32(__ldg(reinterpret_cast<const uint4*>(p) + v), x + 8 * v);
             }
         } else {
 #pragma unroll

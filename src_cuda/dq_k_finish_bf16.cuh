@@ -56,13 +56,7 @@ k_bf16_decompress_out(const uint16_t* in, int64_t nsg, int64_t sg_base, const in
         const uint16_t* p = in + c * 8;
         float v[8];
         if (in_aligned) {
-            const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
-            const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                v[2 * i] = __uint_as_float(w[i] << 16);
-                v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-            }
+            bf16x8_to_f32(__ldg(reinterpret_cast<const uint4*>(p)), v);
         } else {
 #pragma unroll
             for (int j = 0; j < 8; j++) v[j] = dq_bf16_to_f32(__ldg(p + j));
@@ -155,13 +149,7 @@ k_plain_decode(const void* in, int64_t n, float* out, int accumulate) {
         if (IS_BF16) {
             const uint16_t* p = static_cast<const uint16_t*>(in) + e0;
             if (full && aligned(p, 16)) {
-                uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
-                uint32_t w[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-                for (int i = 0; i < 4; i++) {
-                    v[2 * i] = __uint_as_float(w[i] << 16);
-                    v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
-                }
+                bf16x8_to_f32(__ldg(reinterpret_cast<const uint4*>(p)), v);
             } else {
 #pragma unroll
                 for (int j = 0; j < 8; j++) v[j] = (e0 + j < n) ? dq_bf16_to_f32(p[j]) : 0.0f;

@@ -235,16 +235,20 @@ class HookState:
             start = self._start_timer(t.device)
             report = self._reduce_array(coll, arr, path)
             self._stop_timer(t.device, start)
-        with self._stats_lock:
-            self._calls += 1
-            self._coords += t.numel()
-            if report is not None:
-                self.last_report = report
-                self._reported += t.numel()
-                self._bits += report.bits_per_coord * t.numel()
+        self._count_call(t.numel(), report)
         if exact is not None:
             self.record_error(t, exact)
         return t
+
+    def _count_call(self, numel: int, report=None):
+        """Add one call of ``numel`` coordinates (and its report) to the totals."""
+        with self._stats_lock:
+            self._calls += 1
+            self._coords += numel
+            if report is not None:
+                self.last_report = report
+                self._reported += numel
+                self._bits += report.bits_per_coord * numel
 
     def _reduce_array(self, coll, arr, path=None):
         """Mean over the ranks written into ``arr`` itself; the Report or None."""
@@ -284,9 +288,7 @@ class HookState:
             if timed:
                 work.wait()
                 self._paths.record(key, "native", self._synced_time(buf) - t0, "native")
-            with self._stats_lock:
-                self._calls += 1
-                self._coords += buf.numel()
+            self._count_call(buf.numel())
             return work.get_future().then(lambda fut: fut.value()[0])
         path = "compressed" if key is not None else None
         if self._overlaps(buf):

@@ -106,8 +106,7 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
         if timed:
             self._paths.record(key, path, self._synced_time(input_tensor) - t0, path)
         if path == "native":
-            self._calls += 1
-            self._coords += input_tensor.numel()
+            self._count_call(input_tensor.numel())
         if async_op:
             fut = torch.futures.Future()
             fut.set_result([output_tensor])
@@ -141,13 +140,7 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
                                       seed=self.seed, out=out, return_report=self.reports,
                                       nonfinite=self.nonfinite)
             self._stop_timer(input.device, start)
-        report = res[1] if self.reports else None
-        self._calls += 1
-        self._coords += input.numel()
-        if report is not None:
-            self.last_report = report
-            self._reported += input.numel()
-            self._bits += report.bits_per_coord * input.numel()
+        self._count_call(input.numel(), res[1] if self.reports else None)
         if exact is not None:
             self.record_error(output, exact)
         return output
