@@ -68,7 +68,7 @@ def make_model(params: int, width: int, device, seed: int = 0) -> nn.Module:
     return nn.Sequential(*mods).to(device)
 
 
-def attach(model, mode: str, bits: float, seed: int):
+def attach(model, mode: str, bits: float, seed: int, transport: str = "auto"):
     """The hook of ``mode`` on a DDP model; returns the HookState or None."""
     if mode == "plain":
         return None
@@ -84,7 +84,7 @@ def attach(model, mode: str, bits: float, seed: int):
         model.register_comm_hook(None, hook)
         return None
     state = dqt.HookState(codec=dq.DynamiQ(bits=bits), seed=seed, reports=False,
-                          path=HOOK_PATHS[mode],
+                          path=HOOK_PATHS[mode], transport=transport,
                           overlap=False if mode == "dynamiq-inline" else None)
     model.register_comm_hook(state, dqt.ddp_comm_hook)
     return state
@@ -114,7 +114,7 @@ def run_mode(mode, args, device, comm):
     else:
         ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                   bucket_cap_mb=args.bucket_mb)
-        state = attach(ddp, mode, args.bits, args.seed)
+        state = attach(ddp, mode, args.bits, args.seed, "mpi" if args.shared_gpu else "auto")
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr)
     gen = torch.Generator(device="cpu").manual_seed(1234 + comm.rank)
     x = torch.randn(args.batch, args.width, generator=gen).to(device)
@@ -171,6 +171,9 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None)
+    p.add_argument("--shared-gpu", action="store_true",
+                   help="ranks share the GPUs there are (torch.distributed over gloo, our "
+                        "collective over host-staged MPI): the hook's overlap on one GPU")
     args = p.parse_args(argv)
     args.n_params = parse_count(args.params)
     modes = [m for m in args.modes.split(",") if m and not (args.fsdp and m == "torch-hook")]
@@ -181,7 +184,12 @@ def main(argv=None):
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     created = not torch.distributed.is_initialized()
-    rank, size, device = dqt.init_process_group_from_mpi()
+    if args.shared_gpu:
+        rank, size, _ = dqt.init_process_group_from_mpi("gloo")
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        rank, size, device = dqt.init_process_group_from_mpi()
     if device.type == "cpu":
         torch.set_num_threads(1)
     rows = []
