@@ -115,7 +115,9 @@ __device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables
             const uint32_t s0 = sigma + sft;
             const uint32_t pi = umin32(s0, s0 - kp.n_events);
             const float np = kp.n_f * S;                 // n p 2^32
-            S = np - (float)pi * 4294967296.0f;          // (n p - pi) 2^32
+            // (n p - pi) 2^32: pi 2^32 is exact (pi < 2^24), so one fma rounds
+            // once like the header's subtraction (one instruction less)
+            S = fmaf(-(float)pi, 4294967296.0f, np);
         }
         const uint32_t g32 = lane_uniform(vbase, (uint32_t)j);
         const uint32_t lim = __float2uint_rz(S);
