@@ -1,5 +1,5 @@
 // dq_device.cuh -- device helpers shared by the kernel files (dq_kernels.cu,
-// mx_kernels.cu): BF16 unpacking, alignment tests and the loader of local values from a
+// mx_kernels.cu): BF16 unpacking, 8-float loads, alignment tests and the loader of local values from a
 // DqSource.  Included inside each file's anonymous namespace (internal
 // linkage), after dq_codec.h.
 #pragma once
@@ -12,6 +12,14 @@ __device__ __forceinline__ void bf16x8_to_f32(const uint4 q, float* v) {
         v[2 * i] = __uint_as_float(w[i] << 16);
         v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
     }
+}
+
+// 8 consecutive floats from a 16-byte aligned address, as two 16-byte loads.
+__device__ __forceinline__ void ldg_f32x8(const float* p, float* v) {
+    const float4 a = __ldg(reinterpret_cast<const float4*>(p));
+    const float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+    v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
+    v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
 }
 
 __device__ __forceinline__ bool aligned(const void* p, int a) {

@@ -20,10 +20,7 @@ k_finish(const float* stream, const int64_t* stream_of_sg, const float* mean_sum
         if (s >= 0) {
             const float* p = stream + s * DQ_SUPER + i0;
             if (aligned(p, 16)) {
-                float4 a = __ldg(reinterpret_cast<const float4*>(p));
-                float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-                v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-                v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+                ldg_f32x8(p, v);
             } else {
 #pragma unroll
                 for (int j = 0; j < 8; j++) v[j] = __ldg(p + j);
@@ -157,10 +154,7 @@ k_plain_decode(const void* in, int64_t n, float* out, int accumulate) {
         } else {
             const float* p = static_cast<const float*>(in) + e0;
             if (full && aligned(p, 16)) {
-                float4 a = __ldg(reinterpret_cast<const float4*>(p));
-                float4 b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-                v[0] = a.x; v[1] = a.y; v[2] = a.z; v[3] = a.w;
-                v[4] = b.x; v[5] = b.y; v[6] = b.z; v[7] = b.w;
+                ldg_f32x8(p, v);
             } else {
 #pragma unroll
                 for (int j = 0; j < 8; j++) v[j] = (e0 + j < n) ? p[j] : 0.0f;
