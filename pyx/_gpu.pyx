@@ -531,19 +531,63 @@ cdef int64_t _plain_count(int64_t nsg, out, what) except -1:
     return n
 
 
+# One body per kind of call (compress, decompress, dar), the BF16 or float32
+# kernel chosen by the wire element; the public functions check their dtypes.
+
+cdef _plain_compress(Source local, int64_t nsg, out, stream, bint bf16, what):
+    if nsg == 0:
+        return
+    cdef int64_t n = _plain_count(nsg, out, what)
+    cdef void* op = <void*>_dptr(out, what + " out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        if bf16:
+            rc = dq_gpu_bf16_compress(&local.src, nsg, n, <uint16_t*>op, st)
+        else:
+            rc = dq_gpu_exact_compress(&local.src, nsg, n, <float*>op, st)
+    _check(rc, what)
+
+
+cdef _plain_decompress(inp, out, bint accumulate, stream, bint bf16, what):
+    cdef int64_t n = inp.size
+    if n == 0:
+        return
+    cdef const void* ip = <const void*>_dptr(inp, what + " input")
+    cdef float* op = <float*>_dptr(out, what + " out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        if bf16:
+            rc = dq_gpu_bf16_decompress(<const uint16_t*>ip, n, op, 1 if accumulate else 0, st)
+        else:
+            rc = dq_gpu_exact_decompress(<const float*>ip, n, op, 1 if accumulate else 0, st)
+    _check(rc, what)
+
+
+cdef _plain_dar(inp, Source local, int64_t nsg, out, stream, bint bf16, what):
+    if nsg == 0:
+        return
+    cdef int64_t n = _plain_count(nsg, out, what)
+    if inp.size != n:
+        raise ValueError("%s: input has %d elements, out %d" % (what, inp.size, n))
+    cdef const void* ip = <const void*>_dptr(inp, what + " input")
+    cdef void* op = <void*>_dptr(out, what + " out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        if bf16:
+            rc = dq_gpu_bf16_dar(<const uint16_t*>ip, &local.src, nsg, n, <uint16_t*>op, st)
+        else:
+            rc = dq_gpu_exact_dar(<const float*>ip, &local.src, nsg, n, <float*>op, st)
+    _check(rc, what)
+
+
 def bf16_compress(Source local, int64_t nsg, out, stream=None):
     """out[e] = bfloat16(local(e)) (round to nearest even); out is uint16 or bfloat16."""
     if out.dtype.itemsize != 2:
         raise TypeError("bf16_compress out must be uint16 or bfloat16")
-    if nsg == 0:
-        return
-    cdef int64_t n = _plain_count(nsg, out, "bf16_compress")
-    cdef uint16_t* op = <uint16_t*>_dptr(out, "bf16_compress out")
-    cdef uintptr_t st = _stream(stream)
-    cdef int rc
-    with nogil:
-        rc = dq_gpu_bf16_compress(&local.src, nsg, n, op, st)
-    _check(rc, "bf16_compress")
+    _plain_compress(local, nsg, out, stream, True, "bf16_compress")
 
 
 def bf16_decompress(inp, out, bint accumulate, stream=None):
@@ -551,82 +595,34 @@ def bf16_decompress(inp, out, bint accumulate, stream=None):
     if inp.dtype.itemsize != 2:
         raise TypeError("bf16_decompress input must be uint16 or bfloat16")
     _expect(out, np.float32, inp.size, "bf16_decompress out")
-    cdef int64_t n = inp.size
-    if n == 0:
-        return
-    cdef const uint16_t* ip = <const uint16_t*>_dptr(inp, "bf16_decompress input")
-    cdef float* op = <float*>_dptr(out, "bf16_decompress out")
-    cdef uintptr_t st = _stream(stream)
-    cdef int rc
-    with nogil:
-        rc = dq_gpu_bf16_decompress(ip, n, op, 1 if accumulate else 0, st)
-    _check(rc, "bf16_decompress")
+    _plain_decompress(inp, out, accumulate, stream, True, "bf16_decompress")
 
 
 def bf16_dar(inp, Source local, int64_t nsg, out, stream=None):
     """out[e] = bfloat16(float32(inp[e]) + local(e))."""
     if inp.dtype.itemsize != 2 or out.dtype.itemsize != 2:
         raise TypeError("bf16_dar buffers must be uint16 or bfloat16")
-    if nsg == 0:
-        return
-    cdef int64_t n = _plain_count(nsg, out, "bf16_dar")
-    if inp.size != n:
-        raise ValueError("bf16_dar: input has %d elements, out %d" % (inp.size, n))
-    cdef const uint16_t* ip = <const uint16_t*>_dptr(inp, "bf16_dar input")
-    cdef uint16_t* op = <uint16_t*>_dptr(out, "bf16_dar out")
-    cdef uintptr_t st = _stream(stream)
-    cdef int rc
-    with nogil:
-        rc = dq_gpu_bf16_dar(ip, &local.src, nsg, n, op, st)
-    _check(rc, "bf16_dar")
+    _plain_dar(inp, local, nsg, out, stream, True, "bf16_dar")
 
 
 def exact_compress(Source local, int64_t nsg, out, stream=None):
     """out[e] = local(e) (float32)."""
     _expect(out, np.float32, -1, "exact_compress out")
-    if nsg == 0:
-        return
-    cdef int64_t n = _plain_count(nsg, out, "exact_compress")
-    cdef float* op = <float*>_dptr(out, "exact_compress out")
-    cdef uintptr_t st = _stream(stream)
-    cdef int rc
-    with nogil:
-        rc = dq_gpu_exact_compress(&local.src, nsg, n, op, st)
-    _check(rc, "exact_compress")
+    _plain_compress(local, nsg, out, stream, False, "exact_compress")
 
 
 def exact_decompress(inp, out, bint accumulate, stream=None):
     """out (+)= inp (float32), elementwise."""
     _expect(inp, np.float32, -1, "exact_decompress input")
     _expect(out, np.float32, inp.size, "exact_decompress out")
-    cdef int64_t n = inp.size
-    if n == 0:
-        return
-    cdef const float* ip = <const float*>_dptr(inp, "exact_decompress input")
-    cdef float* op = <float*>_dptr(out, "exact_decompress out")
-    cdef uintptr_t st = _stream(stream)
-    cdef int rc
-    with nogil:
-        rc = dq_gpu_exact_decompress(ip, n, op, 1 if accumulate else 0, st)
-    _check(rc, "exact_decompress")
+    _plain_decompress(inp, out, accumulate, stream, False, "exact_decompress")
 
 
 def exact_dar(inp, Source local, int64_t nsg, out, stream=None):
     """out[e] = inp[e] + local(e) (float32)."""
     _expect(inp, np.float32, -1, "exact_dar input")
     _expect(out, np.float32, -1, "exact_dar out")
-    if nsg == 0:
-        return
-    cdef int64_t n = _plain_count(nsg, out, "exact_dar")
-    if inp.size != n:
-        raise ValueError("exact_dar: input has %d elements, out %d" % (inp.size, n))
-    cdef const float* ip = <const float*>_dptr(inp, "exact_dar input")
-    cdef float* op = <float*>_dptr(out, "exact_dar out")
-    cdef uintptr_t st = _stream(stream)
-    cdef int rc
-    with nogil:
-        rc = dq_gpu_exact_dar(ip, &local.src, nsg, n, op, st)
-    _check(rc, "exact_dar")
+    _plain_dar(inp, local, nsg, out, stream, False, "exact_dar")
 
 
 # ------------------------------------------------------------------ MX baselines
