@@ -140,9 +140,12 @@ class Collective:
             if requested != "compressed" and not (return_report or profile):
                 # a call like one agreed before on the native path (for "auto":
                 # its class decided native): no engine, no path choice
-                steady_key = native.steady_key(x, out, codec, topology, op, seed, transport,
-                                               tile_bytes, nonfinite, requested)
-                steady = self._steady.get(steady_key)
+                try:
+                    steady_key = native.steady_key(x, out, codec, topology, op, seed,
+                                                   transport, tile_bytes, nonfinite, requested)
+                    steady = self._steady.get(steady_key)
+                except Exception:   # not an array, unhashable arguments: the engine
+                    steady_key = steady = None      # reports them to every rank
                 if steady is not None:
                     return self._run_steady(steady, x, out, counter, op)
             key, chosen, why, timed = self._choose_path(x, codec, topology, op, transport,

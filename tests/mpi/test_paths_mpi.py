@@ -264,3 +264,21 @@ def test_auto_steady_calls_follow_the_decision_and_forget_paths():
                             return_report=True)
     assert "measuring" in rep.path_reason, rep.path_reason
     coll.free()
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("path", ["auto", "native"])
+def test_a_non_array_on_one_rank_raises_on_every_rank_on_every_path(path):
+    """A rank passing something that is no array (here a list) makes every
+    rank raise the same clear error, also on the paths that look a steady
+    call up first (no rank is left waiting)."""
+    coll = dq.Collective(comm, path=path)
+    x = my_input(shared_seed(comm), 4096)
+    for _ in range(8):                          # let "auto" decide, then go steady
+        coll.allreduce(x, codec=dq.DynamiQ(bits=5), op="sum")
+    bad = x.tolist() if comm.rank == LAST else x
+    with pytest.raises(dq.InvalidInputError) as info:
+        coll.allreduce(bad, codec=dq.DynamiQ(bits=5), op="sum")
+    assert len(set(comm.allgather(str(info.value)))) == 1, str(info.value)
+    coll.allreduce(x, codec=dq.DynamiQ(bits=5), op="sum")     # still usable
+    coll.free()

@@ -351,8 +351,13 @@ def test_hook_native_path_is_plain_ddp():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_hook_auto_path_measures_then_agrees_on_every_rank():
-    state = dqt.HookState(codec=dynamiq5(), path="auto")
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-hook", "overlapped"])
+def test_hook_auto_path_measures_then_agrees_on_every_rank(overlap):
+    """path="auto" with the compressed calls in the hook or on its worker
+    (then torch.distributed's native all-reduces and the worker's compressed
+    calls interleave): every bucket class decides, alike on every rank, and
+    the ranks' parameters stay identical."""
+    state = dqt.HookState(codec=dynamiq5(), path="auto", overlap=overlap)
     model = DDP(make_net(), bucket_cap_mb=0.004)
     model.register_comm_hook(state, dqt.ddp_comm_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
@@ -367,6 +372,7 @@ def test_hook_auto_path_measures_then_agrees_on_every_rank():
     summary = sorted((k[2], p) for k, (p, _) in decisions.items())
     assert all(other == summary for other in comm.allgather(summary))
     assert_same_on_every_rank(list(model.parameters()), "parameters under path='auto'")
+    state.close()
 
 
 def _grads(rank, shapes_dtypes, seed=0):
