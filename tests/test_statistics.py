@@ -59,7 +59,9 @@ def test_unbiased_without_correlated_rounding(topology, config):
     give coordinates whose error is a rare large jump, far from normal at T = 400.
     Those jumps also push R above 1.35 now and then (1.46 for seed 3418237187,
     butterfly; 0.95 for the same inputs at T = 1600): an R over the bound is
-    re-judged on 1200 more calls, where a 1 % bias would give R ~ 20.
+    re-judged on 1200 more calls, where a 1 % bias would give R ~ 20, and if
+    still over, on 4800 more (seed 373010030, butterfly, rounded-up codes:
+    R = 1.67, 1.50, 1.01 at T = 400, 1600, 6400).
     The 16-bit class (raw BF16, every hop rounding the float32 partial sum to
     nearest even, spec 2.3) is deterministic, not unbiased: its rows must come
     back the same in every call, within the rounding bound of n hops
@@ -85,8 +87,10 @@ def test_unbiased_without_correlated_rounding(topology, config):
         e = errs[:, coded]
         return np.sum(e.mean(axis=0) ** 2) / np.sum(e.var(axis=0, ddof=1) / e.shape[0])
     ratio = r_of(errs)
-    if ratio >= 1.35:
-        more = errors_over_calls(xs, codec, topology, 1200, first_counter=400)
+    for more_calls in (1200, 4800):     # re-judged on more calls (see above)
+        if ratio < 1.35:
+            break
+        more = errors_over_calls(xs, codec, topology, more_calls, first_counter=errs.shape[0])
         errs = np.concatenate([errs, more])
         ratio = r_of(errs)
     calls = errs.shape[0]
