@@ -1,5 +1,5 @@
 """Deprecated module paths of modules that moved into subpackages
-(2026-11-24): ``import dynamiq_mpi.studies.errorstudy`` and the like still work, with
+(2026-11-24): ``import dynamiq_mpi.errorstudy`` and the like still work, with
 a DeprecationWarning, and hand out the module at its new path."""
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ import os
 import threading
 import time
 
-from .codecs.base import DEFAULT_TILE_BYTES
+from .codecs.base import DEFAULT_TILE_BYTES, signature_of
 from .codecs.dynamiq import DynamiQ
 from . import native
 from .backend import backend_for
@@ -222,9 +222,8 @@ class Collective:
             can_native = transport in ("auto", "nccl") and nccl_status()[0]
         else:
             can_native = transport in ("auto", "mpi") and module.startswith("numpy")
-        sig = codec.cached_signature() if hasattr(codec, "cached_signature") else repr(codec)
-        key = ("gpu" if on_device else "cpu", str(dtype), size_class(length), sig, topology,
-               transport, op)
+        key = ("gpu" if on_device else "cpu", str(dtype), size_class(length), signature_of(codec),
+               topology, transport, op)
         path, why, timed = self._paths.choose(key, requested, getattr(codec, "auto_path", False),
                                               can_native, getattr(codec, "name", ""))
         return key, path, why, timed

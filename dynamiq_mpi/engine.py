@@ -44,7 +44,7 @@ import numpy as np
 
 from . import schedules
 from .backend import BFLOAT16, SUPPORTED_DTYPES, backend_for, dtype_name
-from .codecs.base import DEFAULT_TILE_BYTES, Codec, align_up
+from .codecs.base import DEFAULT_TILE_BYTES, Codec, align_up, signature_of
 from .codecs.plain import ByteMaxPlan, ElementwisePlan, exact_sum_into
 from .errors import InputMismatchError, InvalidInputError, NonFiniteInputError, SumOverflowError
 from .report import Report
@@ -240,7 +240,7 @@ def agreement_record(error, flat, backend, spec: CallSpec, **extra) -> dict:
         "length": None if flat is None else int(flat.shape[0]),
         "dtype": None if flat is None else dtype_name(flat.dtype),
         "backend": None if backend is None else backend.name,
-        "codec": spec.codec.cached_signature() if isinstance(spec.codec, Codec) else repr(spec.codec),
+        "codec": signature_of(spec.codec),
         "topology": spec.topology, "op": spec.op, "seed": int(spec.seed) if
         isinstance(spec.seed, (int, np.integer)) else repr(spec.seed),
         "counter": spec.counter, "transport": spec.transport,

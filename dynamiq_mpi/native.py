@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from .backend import BFLOAT16, dtype_name
+from .codecs.base import signature_of
 from .errors import InputMismatchError
 from .transports.mpi_host import Digests, digest_with_counter, record_digest
 
@@ -127,8 +128,7 @@ def steady_key(x, out, codec, topology, op, seed, transport, tile_bytes, nonfini
     out_key = None if out is None else (
         type(out), out.shape, out.dtype, out.flags.c_contiguous,
         getattr(getattr(out, "device", None), "id", None), out is x)
-    sig = codec.cached_signature() if hasattr(codec, "cached_signature") else repr(codec)
-    return (type(x), x.shape, x.dtype, x.flags.c_contiguous, dev, out_key, sig,
+    return (type(x), x.shape, x.dtype, x.flags.c_contiguous, dev, out_key, signature_of(codec),
             topology, op, seed, transport, tile_bytes, nonfinite, path)
 
 

@@ -30,6 +30,12 @@ import numpy as np
 DEFAULT_TILE_BYTES = 32 << 20
 
 
+def signature_of(codec):
+    """A codec's signature (computed once per codec object); the repr of
+    anything else, which the engine then refuses on every rank alike."""
+    return codec.cached_signature() if isinstance(codec, Codec) else repr(codec)
+
+
 class Codec:
     name = "codec"
     # False: on device arrays the codec runs as CuPy array code, not fused
