@@ -11,7 +11,7 @@ from .codecs.dynamiq import DynamiQ
 from . import native
 from .backend import backend_for
 from .errors import InvalidInputError
-from .engine import NONFINITE, CallSpec, rank_program
+from .engine import LAYOUT_CHOICES, NONFINITE, CallSpec, rank_program
 from .paths import PathChooser, default_path, size_class
 from .transports import TRANSPORTS, explain_transport
 from .transports.ops import Agree, Route
@@ -75,6 +75,7 @@ class Collective:
         _check_nonfinite(nonfinite)
         self.path = default_path(path)
         self.nonfinite = nonfinite
+        self.layout = default_layout()
         from .transports.mpi_host import MPITransport
         self.parent = comm
         self.transport = transport
@@ -151,7 +152,7 @@ class Collective:
             key, chosen, why, timed = self._choose_path(x, codec, topology, op, transport,
                                                         requested)
             spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
-                            path=chosen, nonfinite=nonfinite)
+                            path=chosen, nonfinite=nonfinite, layout=self.layout)
             if chosen != "native" or timed:
                 steady_key = None
             program = rank_program(self.rank, self.size, x, spec, out, self._workspace,
@@ -340,6 +341,18 @@ class Collective:
             self._mpi.free()
 
 
+def default_layout(value=None) -> str:
+    """``value``, else ``$DYNAMIQ_LAYOUT``, else "auto" (the compressed
+    stream's layout, engine.CallSpec: "fixed" for device arrays, so no call
+    reads its plan back; "exact" / "fixed" force one, for A/B runs)."""
+    if value is None:
+        value = os.environ.get("DYNAMIQ_LAYOUT", "auto").strip() or "auto"
+    if value not in LAYOUT_CHOICES:
+        raise ValueError(f"layout must be one of {LAYOUT_CHOICES} (argument or $DYNAMIQ_LAYOUT), "
+                         f"got {value!r}")
+    return value
+
+
 def _check_nonfinite(nonfinite):
     if nonfinite not in NONFINITE:
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
@@ -426,14 +439,14 @@ def reduce_scatter(x, *, codec=None, topology="ring", op="sum", comm=None, seed=
 
 def simulate_allreduce(xs, *, codec=None, topology="ring", op="sum", seed=0, counter=0,
                        tile_bytes=DEFAULT_TILE_BYTES, return_reports=False,
-                       nonfinite="propagate"):
+                       nonfinite="propagate", layout=None):
     """Run the all-reduce of ``len(xs)`` ranks in this process (rank r passes
     ``xs[r]``; always the compressed path).  Returns the list of every rank's
-    output (and reports)."""
+    output (and reports).  ``layout``: see :func:`default_layout`."""
     codec = _DEFAULT_CODEC if codec is None else codec
     n = len(xs)
     spec = CallSpec(codec, topology, op, seed, counter, "auto", tile_bytes,
-                    nonfinite=nonfinite)
+                    nonfinite=nonfinite, layout=default_layout(layout))
     results = SimulatedTransport(n).run(
         [rank_program(r, n, xs[r], spec, None, FRESH, return_reports) for r in range(n)])
     outs = [r[0] for r in results]

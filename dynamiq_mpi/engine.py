@@ -44,7 +44,7 @@ import numpy as np
 
 from . import schedules
 from .backend import BFLOAT16, SUPPORTED_DTYPES, backend_for, dtype_name
-from .codecs.base import DEFAULT_TILE_BYTES, Codec, align_up, signature_of
+from .codecs.base import DEFAULT_TILE_BYTES, LAYOUTS, Codec, align_up, plan_layout, signature_of
 from .codecs.plain import ByteMaxPlan, ElementwisePlan, exact_sum_into
 from .errors import InputMismatchError, InvalidInputError, NonFiniteInputError, SumOverflowError
 from .report import Report
@@ -57,6 +57,7 @@ from .workspace import FRESH
 OPS = ("sum", "mean")
 PATHS = ("compressed", "native")
 NONFINITE = ("propagate", "raise")
+LAYOUT_CHOICES = ("auto",) + LAYOUTS
 # Input dtypes the codecs read directly; others are converted to float32 first.
 NATIVE_DTYPES = SUPPORTED_DTYPES[:2]
 
@@ -72,6 +73,17 @@ class CallSpec:
     tile_bytes: int = DEFAULT_TILE_BYTES
     path: str = "compressed"        # or "native": the transport's own all-reduce
     nonfinite: str = "propagate"    # or "raise"
+    # the compressed stream's layout (codecs/base.py): "auto" is "fixed" (no
+    # host read of the plan) for device arrays with nonfinite="propagate",
+    # else "exact"
+    layout: str = "auto"
+
+
+def resolve_layout(spec: CallSpec, backend_name) -> str:
+    """The layout a call's plan uses, from agreed facts only."""
+    if spec.layout != "auto":
+        return spec.layout
+    return "fixed" if backend_name == "gpu" and spec.nonfinite == "propagate" else "exact"
 
 
 def _check_local(x, out, spec: CallSpec, n: int):
@@ -90,6 +102,8 @@ def _check_local(x, out, spec: CallSpec, n: int):
         raise ValueError(f"path must be one of {PATHS}, got {spec.path!r}")
     if spec.nonfinite not in NONFINITE:
         raise ValueError(f"nonfinite must be one of {NONFINITE}, got {spec.nonfinite!r}")
+    if spec.layout not in LAYOUT_CHOICES:
+        raise ValueError(f"layout must be one of {LAYOUT_CHOICES}, got {spec.layout!r}")
     schedules.check_topology(spec.topology, n)
     backend = backend_for(x)
     if x.dtype not in SUPPORTED_DTYPES:
@@ -121,7 +135,7 @@ def _agree(metas: list) -> None:
         detail = "; ".join(f"rank {r}: {e}" for r, e in bad)
         raise InvalidInputError(f"invalid all-reduce input ({detail})")
     for key in ("length", "dtype", "backend", "codec", "topology", "op", "seed", "counter",
-                "transport", "tile_bytes", "path", "nonfinite"):
+                "transport", "tile_bytes", "path", "nonfinite", "layout"):
         values = [m[key] for m in metas]
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
@@ -245,7 +259,7 @@ def agreement_record(error, flat, backend, spec: CallSpec, **extra) -> dict:
         isinstance(spec.seed, (int, np.integer)) else repr(spec.seed),
         "counter": spec.counter, "transport": spec.transport,
         "tile_bytes": spec.tile_bytes, "path": spec.path, "nonfinite": spec.nonfinite,
-        "can": transport_capabilities(backend),
+        "layout": spec.layout, "can": transport_capabilities(backend),
     }
 
 
@@ -260,6 +274,15 @@ def propagate_nonfinite(exc, spec: CallSpec, result, report, stats_total, sent):
     report.wire_bytes_total = report.stats_bytes_total = stats_total
     report.bytes_sent = sent
     report.codec_info = {"nonfinite": f"{type(exc).__name__}: {exc}; output set to NaN"}
+
+
+def raise_refusal(refusal: str) -> None:
+    """Raise a plan's refusal ("Type: message", or '' for none) as its type."""
+    if not refusal:
+        return
+    kind, _, message = refusal.partition(": ")
+    raise {"NonFiniteInputError": NonFiniteInputError,
+           "SumOverflowError": SumOverflowError}.get(kind, RuntimeError)(message)
 
 
 def _holds_nonfinite(xp, a) -> bool:
@@ -343,8 +366,12 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
             stats, n, rank, schedule, backend, workspace, spec.tile_bytes)
     yield Mark("plan")
     try:
-        plan = codec.plan(values, reduced, n, keys, backend, local_state, workspace,
-                          spec.tile_bytes)
+        with plan_layout(resolve_layout(spec, backend.name)):
+            plan = codec.plan(values, reduced, n, keys, backend, local_state, workspace,
+                              spec.tile_bytes)
+        fixed = getattr(plan, "fixed", False)
+        if fixed and spec.nonfinite == "raise":
+            raise_refusal(plan.refusal())       # the one host read such a call makes
     except (NonFiniteInputError, SumOverflowError) as exc:
         propagate_nonfinite(exc, spec, result, report, stats_total, sent)
         report.seconds = time.perf_counter() - t0
@@ -373,11 +400,20 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
     report.stats_bytes_total = stats_total
     report.bytes_sent = sent
     report.tiles_per_chunk = len(plan.chunk_tiles[0])
-    if stats is not None:
+    refusal = ""
+    if fixed:
+        # the plan refused on the device (finish wrote NaN); learning it costs
+        # a host read, made only for a detailed report
+        if detailed_report:
+            refusal = plan.refusal()
+            report.nonfinite = bool(refusal)
+    elif stats is not None:
         report.nonfinite = False       # the statistics would have flagged it
     elif detailed_report:
         report.nonfinite = _holds_nonfinite(xp, result)
     info = plan.report(detailed_report)
+    if refusal:
+        info["nonfinite"] = f"{refusal}; output set to NaN"
     if codec is not spec.codec:
         info["fallback"] = (f"{codec.name}: {length} elements < small_input="
                             f"{getattr(spec.codec, 'small_input', '?')}")

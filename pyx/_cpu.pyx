@@ -12,8 +12,9 @@ cimport numpy as cnp
 cnp.import_array()
 
 from libc.stdint cimport int8_t
-from dq_codec cimport (DQ_PLAN_HEADER, DQ_SUPER, DqParams, DqPlanArgs, DqSource, check_bytes,
-                      check_event, fill_plan_args, piece_in, piece_params, raw_piece, wire_bytes)
+from dq_codec cimport (DQ_PLAN_HEADER, DQ_SUPER, DQ_TILE_INTS, DqParams, DqPlanArgs, DqSource,
+                      check_bytes, check_event, check_layout, fill_plan_args, piece_in,
+                      piece_params, raw_piece, wire_bytes)
 
 cdef extern from "dq_api.h":
     int64_t dq_cpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
@@ -40,10 +41,13 @@ cdef extern from "dq_plan_api.h":
     void dq_cpu_plan(const DqPlanArgs* A, const float* norm2, const float* mean_sum,
                      const float* tail, int8_t* widths, int64_t* order, int64_t* stream_of_sg,
                      double* header) nogil
+    void dq_cpu_plan_pieces(double* header, int64_t n, int64_t T, const int64_t* rb, int64_t cap,
+                            int64_t* table, uint8_t* wire) nogil
 
 SUPER = 256
 PARAMS_SIZE = sizeof(DqParams)
 PLAN_HEADER = DQ_PLAN_HEADER
+TILE_INTS = DQ_TILE_INTS
 
 
 def make_params(int width, bint hierarchical, bint correlated, unsigned n_events,
@@ -301,10 +305,14 @@ def decompress_out_pieces(params, const uint8_t[::1] inp, pieces, const int64_t[
 
 
 def finish(stream, const int64_t[::1] stream_of_sg, const float[::1] mean_sum,
-           float divisor, cnp.ndarray out):
+           float divisor, cnp.ndarray out, refuse=None, float limit=0.0):
     """Scatter the decoded stream back to the caller's layout (see dq_api.h);
     stream None: only the rows absent from the stream (the others were
-    written by decompress_out_pieces)."""
+    written by decompress_out_pieces).  ``refuse``: a plan header whose
+    refusal flags make every value NaN instead (see _gpu.finish)."""
+    if refuse is not None and refused(refuse, limit):
+        out.fill(np.nan)
+        return
     cdef int dtype = _dtype_code(out)
     cdef int64_t nsg = stream_of_sg.shape[0]
     cdef int64_t length = out.shape[0]
@@ -354,3 +362,59 @@ def plan(int64_t nsg, bint centring, bint zero_class, bint variable, int fixed_w
     cdef int64_t* sp = &stream_of_sg[0] if nsg else NULL
     with nogil:
         dq_cpu_plan(&a, np_, mp, &tail[0], wp, op, sp, &header[0])
+
+
+# ------------------------------------------------------------------ the fixed layout
+# The CPU twins of _gpu's table functions: the same piece table (dq_plan.h),
+# whose rows become the pieces of the *_pieces functions.
+
+def refused(const double[::1] header, float limit):
+    """The plan header's refusal (k_finish's test): non-finite input, a sum of
+    max |x| above ``limit``, means that overflowed, or a layout overflow."""
+    return (not header[0] <= 0.0 or not header[1] <= <double>limit or header[2] == 0.0
+            or header[11] != 0.0)
+
+
+def plan_pieces(double[::1] header, int64_t n, int64_t tiles_per_chunk, rec_bytes, int64_t cap,
+                int64_t[::1] table, wire=None):
+    """The piece table of n chunks of ``tiles_per_chunk`` tiles of ``cap``
+    bytes (see _gpu.plan_pieces)."""
+    cdef int64_t rb[4]
+    check_layout(n, tiles_per_chunk, rec_bytes, cap, rb)
+    if header.shape[0] != PLAN_HEADER:
+        raise ValueError("plan_pieces: header needs %d values" % PLAN_HEADER)
+    if table.shape[0] != n * tiles_per_chunk * DQ_TILE_INTS:
+        raise ValueError("plan_pieces: table needs %d entries" % (n * tiles_per_chunk * DQ_TILE_INTS))
+    cdef uint8_t[::1] wv
+    cdef uint8_t* wp = NULL
+    if wire is not None:
+        wv = wire
+        if wv.shape[0] != n * tiles_per_chunk * cap:
+            raise ValueError("plan_pieces: wire needs %d bytes" % (n * tiles_per_chunk * cap))
+        if cap:
+            wp = &wv[0]
+    with nogil:
+        dq_cpu_plan_pieces(&header[0], n, tiles_per_chunk, rb, cap, &table[0], wp)
+
+
+def table_pieces(table, int64_t tile, widths):
+    """The pieces (w, s0, cnt, off, nb) of tile ``tile`` of a piece table."""
+    row = table[tile * DQ_TILE_INTS:(tile + 1) * DQ_TILE_INTS]
+    return [(widths[k], int(row[4 * k]), int(row[4 * k + 1]), int(row[4 * k + 2]),
+             int(row[4 * k + 3])) for k in range(4) if row[4 * k + 1] > 0]
+
+
+def encode_table(params, Source local, table, int64_t tile, caps, widths, bint hierarchical,
+                 unsigned event, out, inp=None):
+    encode_pieces(params, local, table_pieces(table, tile, widths), event, out, inp)
+
+
+def decompress_table(params, inp, table, int64_t tile, caps, widths, bint hierarchical, out,
+                     bint accumulate):
+    decompress_pieces(params, inp, table_pieces(table, tile, widths), out, accumulate, 0)
+
+
+def decompress_out_table(params, inp, table, int64_t tile, caps, widths, bint hierarchical, order,
+                         mean_sum, float divisor, out):
+    decompress_out_pieces(params, inp, table_pieces(table, tile, widths), order, mean_sum,
+                          divisor, out)

@@ -23,9 +23,9 @@ cnp.import_array()
 
 from libc.stdint cimport int8_t
 from libc.stddef cimport size_t
-from dq_codec cimport (DQ_PLAN_HEADER, DQ_SUPER, DqParams, DqPlanArgs, DqSource, check_bytes,
-                      check_event, fill_plan_args, piece_in, piece_params, raw_piece,
-                      shifted_source, wire_bytes)
+from dq_codec cimport (DQ_PLAN_HEADER, DQ_SUPER, DQ_TILE_INTS, DqParams, DqPlanArgs, DqSource,
+                      check_bytes, check_event, check_layout, fill_plan_args, piece_in,
+                      piece_params, raw_piece, shifted_source, wire_bytes)
 
 cdef extern from "dq_gpu_api.h":
     int dq_gpu_device_count(int* count) nogil
@@ -39,28 +39,32 @@ cdef extern from "dq_gpu_api.h":
     int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
                      int64_t* nonfinite, float* tail, uintptr_t stream) nogil
     int dq_gpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,
-                        uint32_t event, uint8_t* out, uintptr_t stream) nogil
+                        uint32_t event, uint8_t* out, uintptr_t stream,
+                        const int64_t* piece) nogil
     int dq_gpu_decompress(const DqParams* P, const uint8_t* inp, int64_t nsg, float* out,
-                          int accumulate, uintptr_t stream) nogil
+                          int accumulate, uintptr_t stream, const int64_t* piece) nogil
     int dq_gpu_dar(const DqParams* P, const uint8_t* inp, const DqSource* local, int64_t nsg,
-                   int64_t sg_base, uint32_t event, uint8_t* out, uintptr_t stream) nogil
+                   int64_t sg_base, uint32_t event, uint8_t* out, uintptr_t stream,
+                   const int64_t* piece) nogil
     int dq_gpu_finish(const float* stream_values, const int64_t* stream_of_sg,
                       const float* mean_sum, int64_t nsg, float divisor, void* out, int dtype,
-                      int64_t length, uintptr_t stream) nogil
+                      int64_t length, uintptr_t stream, const double* refuse, float limit) nogil
     int dq_gpu_decompress_out(const DqParams* P, const uint8_t* inp, int64_t nsg, int64_t sg_base,
                               const int64_t* order, const float* mean_sum, float divisor,
-                              void* out, int dtype, int64_t length, uintptr_t stream) nogil
+                              void* out, int dtype, int64_t length, uintptr_t stream,
+                              const int64_t* piece) nogil
     int dq_gpu_bf16_decompress_out(const uint16_t* inp, int64_t nsg, int64_t sg_base,
                                    const int64_t* order, const float* mean_sum, float divisor,
-                                   void* out, int dtype, int64_t length, uintptr_t stream) nogil
+                                   void* out, int dtype, int64_t length, uintptr_t stream,
+                                   const int64_t* piece) nogil
     int dq_gpu_bf16_compress(const DqSource* local, int64_t nsg, int64_t n, uint16_t* out,
-                             uintptr_t stream) nogil
+                             uintptr_t stream, const int64_t* piece) nogil
     int dq_gpu_bf16_decompress(const uint16_t* inp, int64_t n, float* out, int accumulate,
-                               uintptr_t stream) nogil
+                               uintptr_t stream, const int64_t* piece) nogil
     int dq_gpu_bf16_dar(const uint16_t* inp, const DqSource* local, int64_t nsg, int64_t n,
-                        uint16_t* out, uintptr_t stream) nogil
+                        uint16_t* out, uintptr_t stream, const int64_t* piece) nogil
     int dq_gpu_exact_compress(const DqSource* local, int64_t nsg, int64_t n, float* out,
-                              uintptr_t stream) nogil
+                              uintptr_t stream, const int64_t* piece) nogil
     int dq_gpu_exact_decompress(const float* inp, int64_t n, float* out, int accumulate,
                                 uintptr_t stream) nogil
     int dq_gpu_exact_dar(const float* inp, const DqSource* local, int64_t nsg, int64_t n,
@@ -80,6 +84,8 @@ cdef extern from "mx_api.h":
 
 cdef extern from "dq_plan_api.h":
     size_t dq_gpu_plan_scratch_bytes(int64_t nsg) nogil
+    int dq_gpu_plan_pieces(double* header, int64_t n, int64_t T, const int64_t* rb, int64_t cap,
+                           int64_t* table, uint8_t* wire, uintptr_t stream) nogil
     int dq_gpu_plan(const DqPlanArgs* A, const float* norm2, const float* mean_sum,
                     const float* tail, int8_t* widths, int64_t* order, int64_t* stream_of_sg,
                     double* header, void* scratch, size_t scratch_bytes, uintptr_t stream) nogil
@@ -87,6 +93,7 @@ cdef extern from "dq_plan_api.h":
 SUPER = 256
 PARAMS_SIZE = sizeof(DqParams)
 PLAN_HEADER = DQ_PLAN_HEADER
+TILE_INTS = DQ_TILE_INTS
 
 # ------------------------------------------------------------------ device state
 
@@ -303,7 +310,7 @@ def compress(const uint8_t[::1] params, Source local, int64_t nsg, int64_t sg_ba
     cdef uintptr_t st = _stream(stream)
     cdef int rc
     with nogil:
-        rc = dq_gpu_compress(P, &local.src, nsg, sg_base, event, op, st)
+        rc = dq_gpu_compress(P, &local.src, nsg, sg_base, event, op, st, NULL)
     _check(rc, "compress")
 
 
@@ -319,7 +326,7 @@ def decompress(const uint8_t[::1] params, inp, int64_t nsg, out, bint accumulate
     cdef uintptr_t st = _stream(stream)
     cdef int rc
     with nogil:
-        rc = dq_gpu_decompress(P, ip, nsg, op, 1 if accumulate else 0, st)
+        rc = dq_gpu_decompress(P, ip, nsg, op, 1 if accumulate else 0, st, NULL)
     _check(rc, "decompress")
 
 
@@ -339,7 +346,7 @@ def dar(const uint8_t[::1] params, inp, Source local, int64_t nsg, int64_t sg_ba
     cdef uintptr_t st = _stream(stream)
     cdef int rc
     with nogil:
-        rc = dq_gpu_dar(P, ip, &local.src, nsg, sg_base, event, op, st)
+        rc = dq_gpu_dar(P, ip, &local.src, nsg, sg_base, event, op, st, NULL)
     _check(rc, "dar")
 
 
@@ -367,7 +374,7 @@ def decompress_out(const uint8_t[::1] params, inp, int64_t nsg, int64_t sg_base,
     cdef uintptr_t st = _stream(stream)
     cdef int rc
     with nogil:
-        rc = dq_gpu_decompress_out(P, ip, nsg, sg_base, gp, mp, divisor, op, dtype, length, st)
+        rc = dq_gpu_decompress_out(P, ip, nsg, sg_base, gp, mp, divisor, op, dtype, length, st, NULL)
     _check(rc, "decompress_out")
 
 
@@ -403,10 +410,10 @@ def encode_pieces(params, Source local, pieces, unsigned event, out, inp=None, s
             with nogil:
                 if ip != NULL:
                     rc = dq_gpu_bf16_dar(<const uint16_t*>(ip + at[2]), &shifted, at[1],
-                                         at[1] * DQ_SUPER, <uint16_t*>(op + at[2]), st)
+                                         at[1] * DQ_SUPER, <uint16_t*>(op + at[2]), st, NULL)
                 else:
                     rc = dq_gpu_bf16_compress(&shifted, at[1], at[1] * DQ_SUPER,
-                                              <uint16_t*>(op + at[2]), st)
+                                              <uint16_t*>(op + at[2]), st, NULL)
             _check(rc, "bf16_dar" if ip != NULL else "bf16_compress")
             continue
         P = piece_params(params, piece, osize, "encode buffers", at)
@@ -415,9 +422,10 @@ def encode_pieces(params, Source local, pieces, unsigned event, out, inp=None, s
             continue
         with nogil:
             if ip != NULL:
-                rc = dq_gpu_dar(P, ip + at[2], &local.src, at[1], at[0], event, op + at[2], st)
+                rc = dq_gpu_dar(P, ip + at[2], &local.src, at[1], at[0], event, op + at[2], st,
+                                NULL)
             else:
-                rc = dq_gpu_compress(P, &local.src, at[1], at[0], event, op + at[2], st)
+                rc = dq_gpu_compress(P, &local.src, at[1], at[0], event, op + at[2], st, NULL)
         _check(rc, "dar" if ip != NULL else "compress")
 
 
@@ -446,9 +454,10 @@ def decompress_pieces(params, inp, pieces, out, bint accumulate, int64_t sg_firs
         with nogil:
             if raw:
                 rc = dq_gpu_bf16_decompress(<const uint16_t*>(ip + at[2]), at[1] * DQ_SUPER,
-                                            op + row, 1 if accumulate else 0, st)
+                                            op + row, 1 if accumulate else 0, st, NULL)
             else:
-                rc = dq_gpu_decompress(P, ip + at[2], at[1], op + row, 1 if accumulate else 0, st)
+                rc = dq_gpu_decompress(P, ip + at[2], at[1], op + row, 1 if accumulate else 0, st,
+                                       NULL)
         _check(rc, "bf16_decompress" if raw else "decompress")
 
 
@@ -484,16 +493,20 @@ def decompress_out_pieces(params, inp, pieces, order, mean_sum, float divisor, o
         with nogil:
             if raw:
                 rc = dq_gpu_bf16_decompress_out(<const uint16_t*>(ip + at[2]), at[1], at[0], gp,
-                                                mp, divisor, op, dtype, length, st)
+                                                mp, divisor, op, dtype, length, st, NULL)
             else:
                 rc = dq_gpu_decompress_out(P, ip + at[2], at[1], at[0], gp, mp, divisor, op,
-                                           dtype, length, st)
+                                           dtype, length, st, NULL)
         _check(rc, "bf16_decompress_out" if raw else "decompress_out")
 
 
-def finish(stream_values, stream_of_sg, mean_sum, float divisor, out, stream=None):
+def finish(stream_values, stream_of_sg, mean_sum, float divisor, out, stream=None, refuse=None,
+           float limit=0.0):
     """Scatter the decoded stream back to the caller's layout (see dq_api.h);
-    stream_values None: only the rows absent from the stream."""
+    stream_values None: only the rows absent from the stream.  ``refuse``: a
+    plan header (float64, device) whose refusal flags make every row NaN
+    instead (decided on the device; ``limit``: the largest accepted sum of
+    max |x|)."""
     cdef int dtype = _dtype_code(out, "finish out")
     cdef int64_t nsg = stream_of_sg.size
     cdef int64_t length = out.size
@@ -511,10 +524,14 @@ def finish(stream_values, stream_of_sg, mean_sum, float divisor, out, stream=Non
     cdef const int64_t* gp = <const int64_t*>_dptr(stream_of_sg, "finish stream_of_sg")
     cdef const float* mp = <const float*>_dptr(mean_sum, "finish mean_sum")
     cdef void* op = <void*>_dptr(out, "finish out")
+    cdef const double* hdr = NULL
+    if refuse is not None:
+        _expect(refuse, np.float64, PLAN_HEADER, "finish refuse")
+        hdr = <const double*>_dptr(refuse, "finish refuse")
     cdef uintptr_t st = _stream(stream)
     cdef int rc
     with nogil:
-        rc = dq_gpu_finish(sp, gp, mp, nsg, divisor, op, dtype, length, st)
+        rc = dq_gpu_finish(sp, gp, mp, nsg, divisor, op, dtype, length, st, hdr, limit)
     _check(rc, "finish")
 
 
@@ -543,9 +560,9 @@ cdef _plain_compress(Source local, int64_t nsg, out, stream, bint bf16, what):
     cdef int rc
     with nogil:
         if bf16:
-            rc = dq_gpu_bf16_compress(&local.src, nsg, n, <uint16_t*>op, st)
+            rc = dq_gpu_bf16_compress(&local.src, nsg, n, <uint16_t*>op, st, NULL)
         else:
-            rc = dq_gpu_exact_compress(&local.src, nsg, n, <float*>op, st)
+            rc = dq_gpu_exact_compress(&local.src, nsg, n, <float*>op, st, NULL)
     _check(rc, what)
 
 
@@ -559,7 +576,7 @@ cdef _plain_decompress(inp, out, bint accumulate, stream, bint bf16, what):
     cdef int rc
     with nogil:
         if bf16:
-            rc = dq_gpu_bf16_decompress(<const uint16_t*>ip, n, op, 1 if accumulate else 0, st)
+            rc = dq_gpu_bf16_decompress(<const uint16_t*>ip, n, op, 1 if accumulate else 0, st, NULL)
         else:
             rc = dq_gpu_exact_decompress(<const float*>ip, n, op, 1 if accumulate else 0, st)
     _check(rc, what)
@@ -577,7 +594,7 @@ cdef _plain_dar(inp, Source local, int64_t nsg, out, stream, bint bf16, what):
     cdef int rc
     with nogil:
         if bf16:
-            rc = dq_gpu_bf16_dar(<const uint16_t*>ip, &local.src, nsg, n, <uint16_t*>op, st)
+            rc = dq_gpu_bf16_dar(<const uint16_t*>ip, &local.src, nsg, n, <uint16_t*>op, st, NULL)
         else:
             rc = dq_gpu_exact_dar(<const float*>ip, &local.src, nsg, n, <float*>op, st)
     _check(rc, what)
@@ -743,3 +760,205 @@ def plan(int64_t nsg, bint centring, bint zero_class, bint variable, int fixed_w
     with nogil:
         rc = dq_gpu_plan(&a, np_, mp, tp, wp, op, sp, hp, scp, have, st)
     _check(rc, "plan")
+
+
+# ------------------------------------------------------------------ the fixed layout
+# A call on device arrays cuts its stream on the device (plan_pieces) into
+# tiles of fixed capacity; the kernels read each tile's pieces from the
+# device table (dq_plan.h: DQ_TILE_INTS int64 per tile, one entry per stream
+# class of 2, 4, 8 and 16 bits, then the tile's range), so no count reaches
+# the host.  One launch per class whose capacity ``caps[k]`` (the most
+# super-groups of that class one tile can hold) is not 0; ``widths`` names
+# the classes (2, 4, 8, 16).
+
+def plan_pieces(header, int64_t n, int64_t tiles_per_chunk, rec_bytes, int64_t cap, table,
+                wire=None, stream=None):
+    """The piece table of n chunks of ``tiles_per_chunk`` tiles of ``cap``
+    bytes each from the plan ``header``'s counts, enqueued (dq_plan_api.h);
+    with ``wire`` (n T slots of cap bytes) the padding past each payload is
+    zeroed."""
+    cdef int64_t rb[4]
+    check_layout(n, tiles_per_chunk, rec_bytes, cap, rb)
+    _expect(header, np.float64, PLAN_HEADER, "plan_pieces header")
+    _expect(table, np.int64, n * tiles_per_chunk * DQ_TILE_INTS, "plan_pieces table")
+    cdef double* hp = <double*>_dptr(header, "plan_pieces header")
+    cdef int64_t* tp = <int64_t*>_dptr(table, "plan_pieces table")
+    cdef uint8_t* wp = NULL
+    if wire is not None:
+        _expect(wire, np.uint8, n * tiles_per_chunk * cap, "plan_pieces wire")
+        if cap:
+            wp = <uint8_t*>_dptr(wire, "plan_pieces wire")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_plan_pieces(hp, n, tiles_per_chunk, rb, cap, tp, wp, st)
+    _check(rc, "plan_pieces")
+
+
+cdef const int64_t* _tile_row(table, int64_t tile) except NULL:
+    _expect(table, np.int64, -1, "piece table")
+    if tile < 0 or (tile + 1) * DQ_TILE_INTS > table.size:
+        raise ValueError("piece table: no tile %d in %d entries" % (tile, table.size))
+    return <const int64_t*>_dptr(table, "piece table") + tile * DQ_TILE_INTS
+
+
+cdef int _caps_fit(caps, widths, int64_t nbytes, params, bint hierarchical, what) except -1:
+    """Every class's capacity fits a slot of nbytes (the device cut cannot then
+    write past it)."""
+    if len(caps) != 4 or len(widths) != 4:
+        raise ValueError("%s: caps and widths name the four stream classes" % what)
+    for k in range(4):
+        if caps[k] < 0:
+            raise ValueError("%s: negative capacity" % what)
+        if caps[k] and widths[k] != 16 and widths[k] not in params:
+            raise ValueError("%s: no params for width %s" % (what, widths[k]))
+        rec = 2 * DQ_SUPER if widths[k] == 16 else wire_bytes(1, widths[k], 1 if hierarchical else 0)
+        if caps[k] * rec > nbytes:
+            raise ValueError("%s: %d super-groups of width %d do not fit %d bytes"
+                             % (what, caps[k], widths[k], nbytes))
+    return 0
+
+
+def encode_table(params, Source local, table, int64_t tile, caps, widths, bint hierarchical,
+                 unsigned event, out, inp=None, stream=None):
+    """compress (``inp`` None) or dar of tile ``tile`` of the fixed layout:
+    ``out`` (and ``inp``) are the tile's slots."""
+    _expect(out, np.uint8, -1, "encode out")
+    cdef int64_t osize = out.size
+    cdef const uint8_t* ip = NULL
+    if inp is not None:
+        _expect(inp, np.uint8, -1, "dar input")
+        if inp.size < osize:
+            osize = inp.size
+        ip = <const uint8_t*>_dptr(inp, "dar input")
+    _caps_fit(caps, widths, osize, params, hierarchical, "encode_table")
+    cdef const int64_t* row = _tile_row(table, tile)
+    cdef uint8_t* op = <uint8_t*>_dptr(out, "encode out")
+    cdef uintptr_t st = _stream(stream)
+    cdef const DqParams* P = NULL
+    cdef const uint8_t[::1] blob
+    cdef const int64_t* pp
+    cdef int64_t cap
+    cdef int rc
+    cdef int k
+    for k in range(4):
+        cap = caps[k]
+        if cap == 0:
+            continue
+        pp = row + 4 * k
+        if widths[k] == 16:         # the 16-bit class: raw BF16 records
+            with nogil:
+                if ip != NULL:
+                    rc = dq_gpu_bf16_dar(<const uint16_t*>ip, &local.src, cap, cap * DQ_SUPER,
+                                         <uint16_t*>op, st, pp)
+                else:
+                    rc = dq_gpu_bf16_compress(&local.src, cap, cap * DQ_SUPER, <uint16_t*>op,
+                                              st, pp)
+            _check(rc, "bf16_dar" if ip != NULL else "bf16_compress")
+            continue
+        blob = params[widths[k]]
+        P = _params(blob)
+        check_event(event, P)
+        with nogil:
+            if ip != NULL:
+                rc = dq_gpu_dar(P, ip, &local.src, cap, 0, event, op, st, pp)
+            else:
+                rc = dq_gpu_compress(P, &local.src, cap, 0, event, op, st, pp)
+        _check(rc, "dar" if ip != NULL else "compress")
+
+
+def decompress_table(params, inp, table, int64_t tile, caps, widths, bint hierarchical, out,
+                     bint accumulate, stream=None):
+    """decompress tile ``tile`` of the fixed layout into the float32 stream
+    buffer ``out`` (row s = stream super-group s; every stream super-group
+    must have its row)."""
+    _expect(inp, np.uint8, -1, "decompress input")
+    _expect(out, np.float32, -1, "decompress out")
+    _caps_fit(caps, widths, inp.size, params, hierarchical, "decompress_table")
+    cdef const int64_t* row = _tile_row(table, tile)
+    cdef const uint8_t* ip = <const uint8_t*>_dptr(inp, "decompress input")
+    cdef float* op = <float*>_dptr(out, "decompress out")
+    cdef uintptr_t st = _stream(stream)
+    cdef const DqParams* P = NULL
+    cdef const uint8_t[::1] blob
+    cdef const int64_t* pp
+    cdef int64_t cap
+    cdef int rc
+    cdef int k
+    cdef int acc = 1 if accumulate else 0
+    for k in range(4):
+        cap = caps[k]
+        if cap == 0:
+            continue
+        pp = row + 4 * k
+        if widths[k] == 16:
+            with nogil:
+                rc = dq_gpu_bf16_decompress(<const uint16_t*>ip, cap * DQ_SUPER, op, acc, st, pp)
+            _check(rc, "bf16_decompress")
+            continue
+        blob = params[widths[k]]
+        P = _params(blob)
+        with nogil:
+            rc = dq_gpu_decompress(P, ip, cap, op, acc, st, pp)
+        _check(rc, "decompress")
+
+
+def decompress_out_table(params, inp, table, int64_t tile, caps, widths, bint hierarchical, order,
+                         mean_sum, float divisor, out, stream=None):
+    """decompress_out of tile ``tile`` of the fixed layout (see
+    decompress_out_pieces); ``order`` covers every stream super-group."""
+    cdef int dtype = _dtype_code(out, "decompress_out out")
+    _expect(inp, np.uint8, -1, "decompress_out input")
+    _expect(order, np.int64, -1, "decompress_out order")
+    _expect(mean_sum, np.float32, -1, "decompress_out mean_sum")
+    if mean_sum.size * SUPER < out.size:
+        raise ValueError("decompress_out: mean_sum does not cover the output")
+    _caps_fit(caps, widths, inp.size, params, hierarchical, "decompress_out_table")
+    cdef int64_t length = out.size
+    if length == 0:
+        return
+    cdef const int64_t* row = _tile_row(table, tile)
+    cdef const uint8_t* ip = <const uint8_t*>_dptr(inp, "decompress_out input")
+    cdef const int64_t* gp = <const int64_t*>_dptr(order, "decompress_out order")
+    cdef const float* mp = <const float*>_dptr(mean_sum, "decompress_out mean_sum")
+    cdef void* op = <void*>_dptr(out, "decompress_out out")
+    cdef uintptr_t st = _stream(stream)
+    cdef const DqParams* P = NULL
+    cdef const uint8_t[::1] blob
+    cdef const int64_t* pp
+    cdef int64_t cap
+    cdef int rc
+    cdef int k
+    for k in range(4):
+        cap = caps[k]
+        if cap == 0:
+            continue
+        pp = row + 4 * k
+        if widths[k] == 16:
+            with nogil:
+                rc = dq_gpu_bf16_decompress_out(<const uint16_t*>ip, cap, 0, gp, mp, divisor, op,
+                                                dtype, length, st, pp)
+            _check(rc, "bf16_decompress_out")
+            continue
+        blob = params[widths[k]]
+        P = _params(blob)
+        with nogil:
+            rc = dq_gpu_decompress_out(P, ip, cap, 0, gp, mp, divisor, op, dtype, length, st, pp)
+        _check(rc, "decompress_out")
+
+
+def local_values_table(Source local, table, int64_t tile, int64_t cap, out, stream=None):
+    """The float32 source values of tile ``tile``'s super-groups (as the
+    encoders read them) into their rows of the stream buffer ``out``."""
+    _expect(out, np.float32, -1, "local values out")
+    if cap <= 0:
+        return
+    if cap * SUPER > out.size:
+        raise ValueError("local_values_table: %d super-groups exceed the stream buffer" % cap)
+    cdef const int64_t* pp = _tile_row(table, tile) + 16
+    cdef float* op = <float*>_dptr(out, "local values out")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_exact_compress(&local.src, cap, cap * DQ_SUPER, op, st, pp)
+    _check(rc, "exact_compress")

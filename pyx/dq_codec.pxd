@@ -122,6 +122,7 @@ cdef extern from "dq_plan_api.h":
         double padded_budget_bits
         int32_t bf16_class
     int DQ_PLAN_HEADER
+    int DQ_TILE_INTS
 
 
 cdef inline int fill_plan_args(DqPlanArgs* a, int64_t nsg, bint centring, bint zero_class,
@@ -144,4 +145,19 @@ cdef inline int fill_plan_args(DqPlanArgs* a, int64_t nsg, bint centring, bint z
     a.bf16_class = 1 if bf16_class else 0
     a.budget_bits = budget_bits
     a.padded_budget_bits = padded_budget_bits
+    return 0
+
+
+cdef inline int check_layout(int64_t n, int64_t tiles_per_chunk, rec_bytes, int64_t cap,
+                             int64_t* rb) except -1:
+    """The fixed layout's arguments (dq_plan.h), checked once for both wrappers;
+    rb gets the record bytes of the runs of 2, 4, 8 and 16 bits."""
+    if n < 1 or tiles_per_chunk < 1 or cap < 0:
+        raise ValueError("plan_pieces: n and tiles per chunk must be positive, cap >= 0")
+    if len(rec_bytes) != 4:
+        raise ValueError("plan_pieces: rec_bytes needs the record bytes of 2-, 4-, 8- and 16-bit runs")
+    for i in range(4):
+        rb[i] = rec_bytes[i]
+        if rb[i] < 1:
+            raise ValueError("plan_pieces: record bytes must be positive")
     return 0

@@ -37,32 +37,44 @@ int dq_gpu_last_error(void);                    // cudaGetLastError (clears it)
 int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
                  int64_t* nonfinite, float* tail, uintptr_t stream);
 
+// `piece` (every encoder and decoder; NULL for none): the fixed layout's
+// device piece {first stream super-group, count, byte offset in the tile}
+// (dq_plan.h), read by the kernel, which then ignores the host's sg_base and
+// uses nsg only as the piece's capacity (grid size); in and out point at the
+// tile.  Decoders into a float32 stream buffer write its row s for stream
+// super-group s; the plain encoders shift their source to the piece's first
+// super-group.
 int dq_gpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,
-                    uint32_t event, uint8_t* out, uintptr_t stream);
+                    uint32_t event, uint8_t* out, uintptr_t stream, const int64_t* piece);
 int dq_gpu_decompress(const DqParams* P, const uint8_t* in, int64_t nsg, float* out,
-                      int accumulate, uintptr_t stream);
+                      int accumulate, uintptr_t stream, const int64_t* piece);
 // out = compress(decode(in) + local), the float32 sum kept in registers.  `in`
 // and `out` may be the same buffer.
 int dq_gpu_dar(const DqParams* P, const uint8_t* in, const DqSource* local, int64_t nsg,
-               int64_t sg_base, uint32_t event, uint8_t* out, uintptr_t stream);
+               int64_t sg_base, uint32_t event, uint8_t* out, uintptr_t stream,
+               const int64_t* piece);
 // dq_cpu_finish; stream_values NULL: only the rows absent from the stream
 // (stream_of_sg < 0) are written, the others are left as they are (filled by
-// dq_gpu_decompress_out).
+// dq_gpu_decompress_out).  `refuse` (a device plan header, or NULL): when it
+// flags non-finite input, means that overflowed, a sum of max |x| above
+// `limit` or a layout overflow, every row is written NaN instead (the fixed
+// layout's nonfinite="propagate", decided on the device).
 int dq_gpu_finish(const float* stream_values, const int64_t* stream_of_sg, const float* mean_sum,
                   int64_t nsg, float divisor, void* out, int dtype, int64_t length,
-                  uintptr_t stream);
+                  uintptr_t stream, const double* refuse, float limit);
 // decompress and finish in one pass for the nsg stream super-groups from
 // sg_base: stream super-group s goes to input row order[s] of out, as
 // dq_gpu_finish would write it from the decompressed values (same bits).
 int dq_gpu_decompress_out(const DqParams* P, const uint8_t* in, int64_t nsg, int64_t sg_base,
                           const int64_t* order, const float* mean_sum, float divisor, void* out,
-                          int dtype, int64_t length, uintptr_t stream);
+                          int dtype, int64_t length, uintptr_t stream, const int64_t* piece);
 // the same for nsg raw BF16 records of the 16-bit class (256 values each,
 // `in` 2-byte aligned): what dq_gpu_bf16_decompress then dq_gpu_finish would
 // write (same bits).
 int dq_gpu_bf16_decompress_out(const uint16_t* in, int64_t nsg, int64_t sg_base,
                                const int64_t* order, const float* mean_sum, float divisor,
-                               void* out, int dtype, int64_t length, uintptr_t stream);
+                               void* out, int dtype, int64_t length, uintptr_t stream,
+                               const int64_t* piece);
 
 // -------------------------------------------------------------- baselines
 // Stream element e (0 <= e < n, n <= nsg * 256: the last super-group may be
@@ -75,13 +87,13 @@ int dq_gpu_bf16_decompress_out(const uint16_t* in, int64_t nsg, int64_t sg_base,
 //        decompress out[e] (+)= in[e]
 //        dar       out[e] = in[e] + local(e)
 int dq_gpu_bf16_compress(const DqSource* local, int64_t nsg, int64_t n, uint16_t* out,
-                         uintptr_t stream);
+                         uintptr_t stream, const int64_t* piece);
 int dq_gpu_bf16_decompress(const uint16_t* in, int64_t n, float* out, int accumulate,
-                           uintptr_t stream);
+                           uintptr_t stream, const int64_t* piece);
 int dq_gpu_bf16_dar(const uint16_t* in, const DqSource* local, int64_t nsg, int64_t n,
-                    uint16_t* out, uintptr_t stream);
+                    uint16_t* out, uintptr_t stream, const int64_t* piece);
 int dq_gpu_exact_compress(const DqSource* local, int64_t nsg, int64_t n, float* out,
-                          uintptr_t stream);
+                          uintptr_t stream, const int64_t* piece);
 int dq_gpu_exact_decompress(const float* in, int64_t n, float* out, int accumulate,
                             uintptr_t stream);
 int dq_gpu_exact_dar(const float* in, const DqSource* local, int64_t nsg, int64_t n, float* out,

@@ -80,7 +80,12 @@ __device__ __forceinline__ void decode_chunk(const SmemTables<W>& sm, const KPar
 template <int W>
 __global__ void __launch_bounds__(kThreads)
 k_decompress(const __grid_constant__ KParams kp, const uint8_t* in, int64_t nsg, float* out,
-             int accumulate) {
+             int accumulate, const int64_t* piece) {
+    if (piece) {     // the fixed layout: out is a stream buffer, its row s is stream super-group s
+        nsg = __ldg(piece + 1);
+        in += __ldg(piece + 2);
+        out += __ldg(piece) * DQ_SUPER;
+    }
     __shared__ SmemTables<W> sm;
     load_tables<W>(sm, kp, false, true);
     const int64_t nchunks = nsg * (DQ_SUPER / 4);
@@ -118,7 +123,12 @@ template <int W>
 __global__ void __launch_bounds__(kThreads)
 k_decompress_out(const __grid_constant__ KParams kp, const uint8_t* in, int64_t nsg,
                  int64_t sg_base, const int64_t* order, const float* mean_sum, float divisor,
-                 void* out, int dtype, int64_t length) {
+                 void* out, int dtype, int64_t length, const int64_t* piece) {
+    if (piece) {     // the fixed layout
+        sg_base = __ldg(piece);
+        nsg = __ldg(piece + 1);
+        in += __ldg(piece + 2);
+    }
     __shared__ SmemTables<W> sm;
     load_tables<W>(sm, kp, false, true);
     const int64_t nchunks = nsg * (DQ_SUPER / 4);

@@ -199,7 +199,15 @@ __device__ __forceinline__ void fetch(Fetched<W, DT, DAR>& F, const KParams& kp,
 template <int W, int DT, bool CORR, bool DAR, bool ONESTEP, int MINB = 0>
 __global__ void __launch_bounds__(kThreads, MINB ? MINB : (DT ? 4 : 1))
 k_encode(const __grid_constant__ KParams kp, const DqSource src, const uint8_t* in, uint8_t* out,
-         int64_t nsg, int64_t sg_base, uint32_t event) {
+         int64_t nsg, int64_t sg_base, uint32_t event, const int64_t* piece) {
+    // a piece read from the device (the fixed layout: {first stream super-group,
+    // count, byte offset in the tile}); nsg was only its capacity, for the grid
+    if (piece) {
+        sg_base = __ldg(piece);
+        nsg = __ldg(piece + 1);
+        in += __ldg(piece + 2);
+        out += __ldg(piece + 2);
+    }
     __shared__ SmemTables<W> sm;
     load_tables<W>(sm, kp, true, DAR);
     const int lane = threadIdx.x & 31;

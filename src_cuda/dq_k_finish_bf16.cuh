@@ -5,8 +5,13 @@
 // Final scatter: 8 entries per thread step (one input super-group each).
 __global__ void __launch_bounds__(kThreads)
 k_finish(const float* stream, const int64_t* stream_of_sg, const float* mean_sum, int64_t nsg,
-         float divisor, void* out, int dtype, int64_t length) {
+         float divisor, void* out, int dtype, int64_t length, const double* refuse, float limit) {
     const int64_t nchunks = nsg * (DQ_SUPER / 8);
+    // the fixed layout's refusal, read from the plan header on the device
+    // (non-finite input, sums that could overflow, a layout overflow): every
+    // rank holds the same header, so every rank writes NaN everywhere
+    const bool nan_all = refuse && (!(refuse[0] <= 0.0) || !(refuse[1] <= (double)limit) ||
+                                    refuse[2] == 0.0 || refuse[11] != 0.0);
     for (int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x; c < nchunks;
          c += (int64_t)gridDim.x * kThreads) {
         const int64_t g = c >> 5;
@@ -14,10 +19,13 @@ k_finish(const float* stream, const int64_t* stream_of_sg, const float* mean_sum
         const int64_t k0 = g * DQ_SUPER + i0;
         if (k0 >= length) continue;
         const int64_t s = __ldg(stream_of_sg + g);
-        if (s >= 0 && !stream) continue;     // written by decompress_out already
+        if (s >= 0 && !stream && !nan_all) continue;     // written by decompress_out already
         const float ms = __ldg(mean_sum + g);
         float v[8];
-        if (s >= 0) {
+        if (nan_all) {
+#pragma unroll
+            for (int j = 0; j < 8; j++) v[j] = __int_as_float(0x7fc00000);
+        } else if (s >= 0) {
             const float* p = stream + s * DQ_SUPER + i0;
             if (aligned(p, 16)) {
                 ldg_f32x8(p, v);
@@ -42,7 +50,12 @@ k_finish(const float* stream, const int64_t* stream_of_sg, const float* mean_sum
 __global__ void __launch_bounds__(kThreads)
 k_bf16_decompress_out(const uint16_t* in, int64_t nsg, int64_t sg_base, const int64_t* order,
                       const float* mean_sum, float divisor, void* out, int dtype,
-                      int64_t length) {
+                      int64_t length, const int64_t* piece) {
+    if (piece) {     // the fixed layout
+        sg_base = __ldg(piece);
+        nsg = __ldg(piece + 1);
+        in = reinterpret_cast<const uint16_t*>(reinterpret_cast<const uint8_t*>(in) + __ldg(piece + 2));
+    }
     const int64_t nchunks = nsg * (DQ_SUPER / 8);
     const bool in_aligned = aligned(in, 16);
     for (int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x; c < nchunks;
@@ -67,7 +80,17 @@ k_bf16_decompress_out(const uint16_t* in, int64_t nsg, int64_t sg_base, const in
 // Writes stream elements [0, n), n <= nsg * 256 (the last super-group may be partial).
 template <int OP>
 __global__ void __launch_bounds__(kThreads)
-k_plain_encode(const DqSource src, int64_t nsg, int64_t n, const void* in, void* out) {
+k_plain_encode(const DqSource src0, int64_t nsg, int64_t n, const void* in, void* out,
+               const int64_t* piece) {
+    DqSource src = src0;
+    if (piece) {     // the fixed layout: stream super-groups from piece[0], bytes at piece[2]
+        const int64_t s0 = __ldg(piece);
+        if (src.sg_map) src.sg_map += s0; else src.sg_offset -= s0;
+        nsg = __ldg(piece + 1);
+        n = nsg * DQ_SUPER;
+        in = static_cast<const uint8_t*>(in) + __ldg(piece + 2);
+        out = static_cast<uint8_t*>(out) + __ldg(piece + 2);
+    }
     const int64_t nchunks = (n + 7) >> 3;
     for (int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x; c < nchunks;
          c += (int64_t)gridDim.x * kThreads) {
@@ -136,7 +159,12 @@ k_plain_encode(const DqSource src, int64_t nsg, int64_t n, const void* in, void*
 // out[e] (+)= float(in[e]) for n elements; BF16 (IS_BF16) or float32 input.
 template <bool IS_BF16>
 __global__ void __launch_bounds__(kThreads)
-k_plain_decode(const void* in, int64_t n, float* out, int accumulate) {
+k_plain_decode(const void* in, int64_t n, float* out, int accumulate, const int64_t* piece) {
+    if (piece) {     // the fixed layout: out is a stream buffer, its row s is stream super-group s
+        n = __ldg(piece + 1) * DQ_SUPER;
+        in = static_cast<const uint8_t*>(in) + __ldg(piece + 2);
+        out += __ldg(piece) * DQ_SUPER;
+    }
     const int64_t nchunks = (n + 7) >> 3;
     for (int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x; c < nchunks;
          c += (int64_t)gridDim.x * kThreads) {

@@ -169,6 +169,7 @@ struct EncodeArgs {
     int64_t nsg, sg_base;
     uint32_t event;
     cudaStream_t st;
+    const int64_t* piece;    // device piece (the fixed layout) or nullptr
 };
 
 template <int W, int DT, bool CORR, bool DAR, bool ONESTEP, int MINB = 0>
@@ -176,7 +177,7 @@ int launch_encode_k(const KParams& kp, const EncodeArgs& A) {
     const int64_t npairs = (A.nsg + 1) / 2;
     auto kern = k_encode<W, DT, CORR, DAR, ONESTEP, MINB>;
     kern<<<grid_resident(kern, npairs, kWarps), kThreads, 0, A.st>>>(
-        kp, *A.src, A.in, A.out, A.nsg, A.sg_base, A.event);
+        kp, *A.src, A.in, A.out, A.nsg, A.sg_base, A.event, A.piece);
     return launch_result();
 }
 template <int W, int DT, bool CORR, bool DAR>
@@ -200,7 +201,8 @@ int launch_encode_w(const KParams& kp, const EncodeArgs& A, bool corr, bool ones
 }
 template <bool DAR>
 int launch_encode(const DqParams* P, const DqSource* local, const uint8_t* in, int64_t nsg,
-                  int64_t sg_base, uint32_t event, uint8_t* out, uintptr_t stream) {
+                  int64_t sg_base, uint32_t event, uint8_t* out, uintptr_t stream,
+                  const int64_t* piece) {
     if (nsg <= 0) return 0;
     if (!P || !local || !out || (DAR && !in)) return (int)cudaErrorInvalidValue;
     if (local->dtype != 0 && local->dtype != 1) return (int)cudaErrorInvalidValue;
@@ -209,7 +211,8 @@ int launch_encode(const DqParams* P, const DqSource* local, const uint8_t* in, i
     if (!pc) return rc;
     const KParams& kp = pc->kp;
     const bool onestep = pc->onestep;
-    const EncodeArgs A{local, in, out, nsg, sg_base, event, reinterpret_cast<cudaStream_t>(stream)};
+    const EncodeArgs A{local, in, out, nsg, sg_base, event, reinterpret_cast<cudaStream_t>(stream),
+                       piece};
     const bool corr = P->correlated != 0;
     switch (P->width) {
         case 2: return launch_encode_w<2, DAR>(kp, A, corr, onestep);
@@ -221,12 +224,12 @@ int launch_encode(const DqParams* P, const DqSource* local, const uint8_t* in, i
 // n: elements to write, (nsg - 1) * 256 < n <= nsg * 256.
 template <int OP>
 int launch_plain_encode(const DqSource* local, int64_t nsg, int64_t n, const void* in,
-                        void* out, uintptr_t stream) {
+                        void* out, uintptr_t stream, const int64_t* piece) {
     if (nsg <= 0 || n <= 0) return 0;
     if (!local || !out || ((OP == 1 || OP == 3) && !in)) return (int)cudaErrorInvalidValue;
     if (n > nsg * DQ_SUPER || n <= (nsg - 1) * DQ_SUPER) return (int)cudaErrorInvalidValue;
     k_plain_encode<OP><<<grid_for((n + 7) / 8, kThreads), kThreads, 0,
-                         reinterpret_cast<cudaStream_t>(stream)>>>(*local, nsg, n, in, out);
+                         reinterpret_cast<cudaStream_t>(stream)>>>(*local, nsg, n, in, out, piece);
     return launch_result();
 }
 #endif  // DQ_EMU

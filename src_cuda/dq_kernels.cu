@@ -145,17 +145,18 @@ int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float*
 }
 
 int dq_gpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,
-                    uint32_t event, uint8_t* out, uintptr_t stream) {
-    return launch_encode<false>(P, local, nullptr, nsg, sg_base, event, out, stream);
+                    uint32_t event, uint8_t* out, uintptr_t stream, const int64_t* piece) {
+    return launch_encode<false>(P, local, nullptr, nsg, sg_base, event, out, stream, piece);
 }
 
 int dq_gpu_dar(const DqParams* P, const uint8_t* in, const DqSource* local, int64_t nsg,
-               int64_t sg_base, uint32_t event, uint8_t* out, uintptr_t stream) {
-    return launch_encode<true>(P, local, in, nsg, sg_base, event, out, stream);
+               int64_t sg_base, uint32_t event, uint8_t* out, uintptr_t stream,
+               const int64_t* piece) {
+    return launch_encode<true>(P, local, in, nsg, sg_base, event, out, stream, piece);
 }
 
 int dq_gpu_decompress(const DqParams* P, const uint8_t* in, int64_t nsg, float* out,
-                      int accumulate, uintptr_t stream) {
+                      int accumulate, uintptr_t stream, const int64_t* piece) {
     if (nsg <= 0) return 0;
     if (!P || !in || !out) return (int)cudaErrorInvalidValue;
     int rc = 0;
@@ -165,16 +166,16 @@ int dq_gpu_decompress(const DqParams* P, const uint8_t* in, int64_t nsg, float* 
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
     const int64_t chunks = nsg * (DQ_SUPER / 4);
     switch (P->width) {
-        case 2: { auto k = k_decompress<2>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, out, accumulate); break; }
-        case 4: { auto k = k_decompress<4>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, out, accumulate); break; }
-        default: { auto k = k_decompress<8>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, out, accumulate); break; }
+        case 2: { auto k = k_decompress<2>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, out, accumulate, piece); break; }
+        case 4: { auto k = k_decompress<4>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, out, accumulate, piece); break; }
+        default: { auto k = k_decompress<8>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, out, accumulate, piece); break; }
     }
     return launch_result();
 }
 
 int dq_gpu_decompress_out(const DqParams* P, const uint8_t* in, int64_t nsg, int64_t sg_base,
                           const int64_t* order, const float* mean_sum, float divisor, void* out,
-                          int dtype, int64_t length, uintptr_t stream) {
+                          int dtype, int64_t length, uintptr_t stream, const int64_t* piece) {
     if (nsg <= 0 || length <= 0) return 0;
     if (!P || !in || !order || !mean_sum || !out || sg_base < 0 || (dtype != 0 && dtype != 1))
         return (int)cudaErrorInvalidValue;
@@ -185,59 +186,60 @@ int dq_gpu_decompress_out(const DqParams* P, const uint8_t* in, int64_t nsg, int
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
     const int64_t chunks = nsg * (DQ_SUPER / 4);
     switch (P->width) {
-        case 2: { auto k = k_decompress_out<2>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, sg_base, order, mean_sum, divisor, out, dtype, length); break; }
-        case 4: { auto k = k_decompress_out<4>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, sg_base, order, mean_sum, divisor, out, dtype, length); break; }
-        default: { auto k = k_decompress_out<8>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, sg_base, order, mean_sum, divisor, out, dtype, length); break; }
+        case 2: { auto k = k_decompress_out<2>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, sg_base, order, mean_sum, divisor, out, dtype, length, piece); break; }
+        case 4: { auto k = k_decompress_out<4>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, sg_base, order, mean_sum, divisor, out, dtype, length, piece); break; }
+        default: { auto k = k_decompress_out<8>; k<<<grid_resident(k, chunks, kThreads), kThreads, 0, st>>>(kp, in, nsg, sg_base, order, mean_sum, divisor, out, dtype, length, piece); break; }
     }
     return launch_result();
 }
 
 int dq_gpu_bf16_decompress_out(const uint16_t* in, int64_t nsg, int64_t sg_base,
                                const int64_t* order, const float* mean_sum, float divisor,
-                               void* out, int dtype, int64_t length, uintptr_t stream) {
+                               void* out, int dtype, int64_t length, uintptr_t stream,
+                               const int64_t* piece) {
     if (nsg <= 0 || length <= 0) return 0;
     if (!in || !order || !mean_sum || !out || sg_base < 0 || (dtype != 0 && dtype != 1))
         return (int)cudaErrorInvalidValue;
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
     k_bf16_decompress_out<<<grid_for(nsg * (DQ_SUPER / 8), kThreads), kThreads, 0, st>>>(
-        in, nsg, sg_base, order, mean_sum, divisor, out, dtype, length);
+        in, nsg, sg_base, order, mean_sum, divisor, out, dtype, length, piece);
     return launch_result();
 }
 
 int dq_gpu_finish(const float* stream_values, const int64_t* stream_of_sg, const float* mean_sum,
                   int64_t nsg, float divisor, void* out, int dtype, int64_t length,
-                  uintptr_t stream) {
+                  uintptr_t stream, const double* refuse, float limit) {
     if (nsg <= 0 || length <= 0) return 0;
     if (!stream_of_sg || !mean_sum || !out || (dtype != 0 && dtype != 1))
         return (int)cudaErrorInvalidValue;
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
     k_finish<<<grid_for(nsg * 32, kThreads), kThreads, 0, st>>>(
-        stream_values, stream_of_sg, mean_sum, nsg, divisor, out, dtype, length);
+        stream_values, stream_of_sg, mean_sum, nsg, divisor, out, dtype, length, refuse, limit);
     return launch_result();
 }
 
 int dq_gpu_bf16_compress(const DqSource* local, int64_t nsg, int64_t n, uint16_t* out,
-                         uintptr_t stream) {
-    return launch_plain_encode<0>(local, nsg, n, nullptr, out, stream);
+                         uintptr_t stream, const int64_t* piece) {
+    return launch_plain_encode<0>(local, nsg, n, nullptr, out, stream, piece);
 }
 int dq_gpu_bf16_dar(const uint16_t* in, const DqSource* local, int64_t nsg, int64_t n,
-                    uint16_t* out, uintptr_t stream) {
-    return launch_plain_encode<1>(local, nsg, n, in, out, stream);
+                    uint16_t* out, uintptr_t stream, const int64_t* piece) {
+    return launch_plain_encode<1>(local, nsg, n, in, out, stream, piece);
 }
 int dq_gpu_exact_compress(const DqSource* local, int64_t nsg, int64_t n, float* out,
-                          uintptr_t stream) {
-    return launch_plain_encode<2>(local, nsg, n, nullptr, out, stream);
+                          uintptr_t stream, const int64_t* piece) {
+    return launch_plain_encode<2>(local, nsg, n, nullptr, out, stream, piece);
 }
 int dq_gpu_exact_dar(const float* in, const DqSource* local, int64_t nsg, int64_t n, float* out,
                      uintptr_t stream) {
-    return launch_plain_encode<3>(local, nsg, n, in, out, stream);
+    return launch_plain_encode<3>(local, nsg, n, in, out, stream, nullptr);
 }
 int dq_gpu_bf16_decompress(const uint16_t* in, int64_t n, float* out, int accumulate,
-                           uintptr_t stream) {
+                           uintptr_t stream, const int64_t* piece) {
     if (n <= 0) return 0;
     if (!in || !out) return (int)cudaErrorInvalidValue;
     k_plain_decode<true><<<grid_for((n + 7) / 8, kThreads), kThreads, 0,
-                           reinterpret_cast<cudaStream_t>(stream)>>>(in, n, out, accumulate);
+                           reinterpret_cast<cudaStream_t>(stream)>>>(in, n, out, accumulate, piece);
     return launch_result();
 }
 int dq_gpu_exact_decompress(const float* in, int64_t n, float* out, int accumulate,
@@ -245,7 +247,8 @@ int dq_gpu_exact_decompress(const float* in, int64_t n, float* out, int accumula
     if (n <= 0) return 0;
     if (!in || !out) return (int)cudaErrorInvalidValue;
     k_plain_decode<false><<<grid_for((n + 7) / 8, kThreads), kThreads, 0,
-                            reinterpret_cast<cudaStream_t>(stream)>>>(in, n, out, accumulate);
+                            reinterpret_cast<cudaStream_t>(stream)>>>(in, n, out, accumulate,
+                                                                       nullptr);
     return launch_result();
 }
 

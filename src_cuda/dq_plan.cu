@@ -209,6 +209,7 @@ k_plan_scan(const DqPlanArgs A, const float* tail, const Counters* C, const long
         header[8] = A.variable ? __longlong_as_double((long long)C->theta_bits) : nan("");
         header[9] = (double)total;
         header[10] = (double)counts[4];
+        header[11] = 0.0;
     }
 }
 
@@ -232,6 +233,38 @@ k_plan_scatter(const DqPlanArgs A, const int8_t* widths, const long long* block_
     for (int w = 0; w < warp; w++) pos += warp_counts[w][c];
     order[pos] = g;
     stream_of_sg[g] = c == 3 ? -1 : pos;
+}
+
+// The fixed layout's piece table (dq_plan.h), one block per tile: thread 0
+// cuts the tile from the header's counts, then the block zeroes the slot's
+// bytes past the payload (16-byte stores where the slot allows).
+struct RecBytes { int64_t rb[4]; };
+
+__global__ void __launch_bounds__(kThreads)
+k_plan_pieces(double* header, int64_t n, int64_t T, const RecBytes R, int64_t cap, int64_t* table,
+              uint8_t* wire) {
+    __shared__ int64_t payload;
+    int64_t counts4[4];
+    dq_plan_run_counts(header, counts4);
+    DqRuns L;
+    dq_runs_init(&L, counts4, R.rb);
+    for (int64_t t = blockIdx.x; t < n * T; t += gridDim.x) {
+        if (threadIdx.x == 0)
+            payload = dq_plan_tile_checked(&L, n, T, t, cap, table + t * DQ_TILE_INTS, header);
+        __syncthreads();
+        if (wire) {
+            uint8_t* slot = wire + t * cap;
+            int64_t a = payload;
+            const int64_t a16 = (a + 15) & ~(int64_t)15;
+            const bool vec = (reinterpret_cast<uintptr_t>(slot) & 15) == 0 && (cap & 15) == 0;
+            const int64_t head_end = vec ? (a16 < cap ? a16 : cap) : cap;
+            for (int64_t i = a + threadIdx.x; i < head_end; i += blockDim.x) slot[i] = 0;
+            if (vec)
+                for (int64_t i = a16 / 16 + threadIdx.x; i < cap / 16; i += blockDim.x)
+                    reinterpret_cast<uint4*>(slot)[i] = make_uint4(0u, 0u, 0u, 0u);
+        }
+        __syncthreads();
+    }
 }
 
 int grid_of(int64_t items) {
@@ -352,7 +385,14 @@ int dq_gpu_plan(const DqPlanArgs* A, const float* norm2, const float* mean_sum, 
     const Layout L = layout_for(m);
     if (scratch_bytes < L.total) return (int)cudaErrorInvalidValue;
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-    if (graphs_enabled()) {
+    // inside a capture of the caller's (a whole call captured as one graph),
+    // the launches themselves become part of that graph
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(st, &capturing) != cudaSuccess) {
+        cudaGetLastError();
+        capturing = cudaStreamCaptureStatusNone;
+    }
+    if (graphs_enabled() && capturing == cudaStreamCaptureStatusNone) {
         GraphKey key;
         memset(&key, 0, sizeof(key));
         key.a = *A;
@@ -369,6 +409,18 @@ int dq_gpu_plan(const DqPlanArgs* A, const float* norm2, const float* mean_sum, 
     }
     return enqueue_plan(A, norm2, mean_sum, tail, widths, order, stream_of_sg, header, scratch,
                         L, st);
+}
+
+int dq_gpu_plan_pieces(double* header, int64_t n, int64_t T, const int64_t* rb, int64_t cap,
+                       int64_t* table, uint8_t* wire, uintptr_t stream) {
+    if (!header || !rb || !table || n < 1 || T < 1 || cap < 0) return (int)cudaErrorInvalidValue;
+    RecBytes R;
+    for (int k = 0; k < 4; k++) R.rb[k] = rb[k] > 0 ? rb[k] : 1;
+    const int64_t tiles = n * T;
+    const unsigned grid = (unsigned)(tiles < 4096 ? tiles : 4096);
+    k_plan_pieces<<<grid, kThreads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(
+        header, n, T, R, cap, table, wire);
+    return (int)cudaGetLastError();
 }
 
 }  // extern "C"

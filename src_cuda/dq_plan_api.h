@@ -28,6 +28,18 @@ int dq_gpu_plan(const DqPlanArgs* A, const float* norm2, const float* mean_sum, 
                 int8_t* widths, int64_t* order, int64_t* stream_of_sg, double* header,
                 void* scratch, size_t scratch_bytes, uintptr_t stream);
 
+// The fixed layout (dq_plan.h): the piece table of n chunks of T tiles
+// (DQ_TILE_INTS int64 per tile) from the counts in `header`; rb: record bytes
+// of the stream runs (2, 4, 8, 16 bits); cap: bytes of one tile's slot.  With
+// `wire` (n T slots of cap bytes; may be NULL) the bytes past each tile's
+// payload are zeroed (padding travels as zeros).  A tile whose payload would
+// exceed cap (impossible for a cap from the budget) gets no pieces and sets
+// header[11].
+void dq_cpu_plan_pieces(double* header, int64_t n, int64_t T, const int64_t* rb, int64_t cap,
+                        int64_t* table, uint8_t* wire);
+int dq_gpu_plan_pieces(double* header, int64_t n, int64_t T, const int64_t* rb, int64_t cap,
+                       int64_t* table, uint8_t* wire, uintptr_t stream);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,5 +1,6 @@
 // dq_plan_cpu.cpp -- the planner on the CPU (the GPU twin is dq_plan.cu).
 #include <math.h>
+#include <string.h>
 
 #include <algorithm>
 #include <vector>
@@ -80,4 +81,17 @@ extern "C" void dq_cpu_plan(const DqPlanArgs* A, const float* norm2, const float
     header[8] = theta;
     header[9] = (double)total;
     header[10] = (double)counts[4];
+    header[11] = 0.0;
+}
+
+extern "C" void dq_cpu_plan_pieces(double* header, int64_t n, int64_t T, const int64_t* rb,
+                                   int64_t cap, int64_t* table, uint8_t* wire) {
+    int64_t counts4[4];
+    dq_plan_run_counts(header, counts4);
+    DqRuns L;
+    dq_runs_init(&L, counts4, rb);
+    for (int64_t t = 0; t < n * T; t++) {
+        const int64_t bytes = dq_plan_tile_checked(&L, n, T, t, cap, table + t * DQ_TILE_INTS, header);
+        if (wire) memset(wire + t * cap + bytes, 0, (size_t)(cap - bytes));
+    }
 }

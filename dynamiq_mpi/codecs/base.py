@@ -159,6 +159,33 @@ def plan_chunks(chunks: int):
         _CHUNKS.reset(token)
 
 
+# The layout of the call's compressed stream (docs/design.md, "Sync-free
+# calls"): "exact" cuts it on the host from the plan's class counts (one
+# device-to-host read of the plan per call, messages of exactly the payload);
+# "fixed" cuts it on the device into tiles of a capacity known from the
+# budget alone, so the host enqueues the whole call without reading the plan
+# (the padding travels and is counted).  Codecs whose plans have no
+# data-dependent sizes ignore it.  Set by the engine around planning.
+LAYOUTS = ("exact", "fixed")
+_LAYOUT: contextvars.ContextVar = contextvars.ContextVar("dynamiq_layout", default="exact")
+
+
+@contextlib.contextmanager
+def plan_layout(layout: str):
+    """Plans built inside use ``layout`` ("exact" or "fixed")."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    token = _LAYOUT.set(layout)
+    try:
+        yield
+    finally:
+        _LAYOUT.reset(token)
+
+
+def current_layout() -> str:
+    return _LAYOUT.get()
+
+
 def tile_stream(layout: StreamLayout, n: int, tile_bytes: int) -> Tiling:
     """Cut the stream into ``n`` chunks of (nearly) equal bytes - a ring step
     lasts as long as its largest message - and every chunk into the same
@@ -195,6 +222,30 @@ def _tile_stream(layout: StreamLayout, n: int, tile_bytes: int) -> Tiling:
         offsets.append(at)
         at += align_up(nb)
     return Tiling(layout, chunks, chunk_tiles, units, offsets, nbytes, at)
+
+
+def planned_chunks(n: int) -> int:
+    """The number of chunks a plan cuts its stream into: n, or the engine's
+    :func:`plan_chunks`."""
+    chunks = _CHUNKS.get()
+    return int(n) if chunks is None else chunks
+
+
+def fixed_tiling(n: int, tiles_per_chunk: int, slot_bytes: int) -> Tiling:
+    """The tiling of the fixed layout: ``n`` chunks of ``tiles_per_chunk``
+    slots of ``slot_bytes`` each (a multiple of SLOT_ALIGN); which records a
+    tile holds is known on the device only (``units`` is empty)."""
+    key = ("fixed", int(n), int(tiles_per_chunk), int(slot_bytes))
+    tiling = _TILINGS.get(key)
+    if tiling is None:
+        if len(_TILINGS) > 256:
+            _TILINGS.clear()
+        count = n * tiles_per_chunk
+        tiling = _TILINGS[key] = Tiling(
+            None, [], [list(range(c * tiles_per_chunk, (c + 1) * tiles_per_chunk))
+                       for c in range(n)], [], [t * slot_bytes for t in range(count)],
+            [slot_bytes] * count, count * slot_bytes)
+    return tiling
 
 
 # Tile slots in the wire buffer (and receive slots) start at multiples of this:

@@ -50,8 +50,10 @@ class ElementwisePlan(Plan):
         return self.tiling.units[tile]
 
     def _elems(self, tile):
+        # (a chunk beyond the last super-group is empty: n ranks of a vector
+        # shorter than n super-groups, e.g. a small input's statistics)
         s0, s1 = self.tiling.units[tile]
-        return s0 * SUPER, min(s1 * SUPER, self.length)
+        return min(s0 * SUPER, self.length), min(s1 * SUPER, self.length)
 
     def _wire_values(self, payload):
         return payload.view(np.uint16 if self.bf16 else np.float32)
