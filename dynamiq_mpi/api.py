@@ -16,6 +16,8 @@ from .paths import PathChooser, default_path, size_class
 from .transports import TRANSPORTS, explain_transport
 from .transports.ops import Agree, Route
 from .transports.simulate import SimulatedTransport
+from .graphs import CallGraph, SteadyCompressed, default_graphs, drive_captured, graph_key
+from .rng import call_keys
 from .workspace import FRESH, Workspace
 
 
@@ -63,11 +65,19 @@ class Collective:
     any rank gives NaN on every rank, ``report.nonfinite`` is True, nothing
     is raised) or "raise" (``NonFiniteInputError`` / ``SumOverflowError``
     on every rank, before any data byte moves).
+
+    ``graphs``: replay steady compressed calls over NCCL as CUDA graphs
+    (graphs.py): a call with ``out=`` whose every argument, buffer and stream
+    repeats one made before is captured on its second occurrence and
+    replayed from then on, for one digest exchange and a graph launch of host
+    time.  Default ``$DYNAMIQ_GRAPHS`` ("1" on), else off: the capture of NCCL
+    point-to-point is not yet measured on two GPUs here (docs/design.md).
+    :meth:`graph_stats` says what was captured.
     """
 
     def __init__(self, comm=None, transport: str = "auto", tile_bytes: int = DEFAULT_TILE_BYTES,
                  lanes: int | str | None = None, path: str | None = None,
-                 nonfinite: str = "propagate"):
+                 nonfinite: str = "propagate", graphs: bool | None = None):
         if comm is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD
@@ -76,6 +86,7 @@ class Collective:
         self.path = default_path(path)
         self.nonfinite = nonfinite
         self.layout = default_layout()
+        self.graphs = default_graphs(graphs)
         from .transports.mpi_host import MPITransport
         self.parent = comm
         self.transport = transport
@@ -108,6 +119,7 @@ class Collective:
         self._done_event = None
         self._paths = PathChooser(self._mpi.comm)
         self._steady = {}            # steady native calls (native.SteadyNative) by their key
+        self._graphs = {}            # steady compressed calls (graphs.SteadyCompressed) by graph_key
         self._last_metas = None
 
     @property
@@ -149,6 +161,16 @@ class Collective:
                     steady_key = steady = None      # reports them to every rank
                 if steady is not None:
                     return self._run_steady(steady, x, out, counter, op)
+            graph_key = None
+            if self.graphs and out is not None and requested != "native" and not (
+                    return_report or profile):
+                graph_key = self._graph_key(x, out, codec, topology, op, seed, transport,
+                                            tile_bytes, nonfinite, requested)
+                entry = self._graphs.get(graph_key) if graph_key is not None else None
+                if entry is not None and not entry.failed and self._run_graph(
+                        entry, x, out, codec, topology, op, seed, counter, transport,
+                        tile_bytes, nonfinite):
+                    return out
             key, chosen, why, timed = self._choose_path(x, codec, topology, op, transport,
                                                         requested)
             spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
@@ -174,7 +196,77 @@ class Collective:
                 self._steady[steady_key] = native.SteadyNative(
                     self._last_metas[self.rank], codec, report.transport,
                     report.codec_info["wire"], backend_for(x))
+            if (graph_key is not None and not timed and report.path == "compressed"
+                    and report.sync_free and report.transport == "nccl" and self._last_metas
+                    and graph_key not in self._graphs):
+                if len(self._graphs) >= 64:
+                    self._free_graphs()
+                self._graphs[graph_key] = SteadyCompressed(self._last_metas[self.rank], "nccl")
         return (out, report) if return_report else out
+
+    # -- steady compressed calls as CUDA graphs (graphs.py) --------------------
+    def _graph_key(self, x, out, codec, topology, op, seed, transport, tile_bytes, nonfinite,
+                   requested):
+        """The graph key of a call on device arrays, or None (anything else,
+        or arguments the engine will refuse: it reports them to every rank)."""
+        if not type(x).__module__.startswith("cupy") or type(out) is not type(x):
+            return None
+        try:
+            import cupy
+            return graph_key(x, out, signature_of(codec), topology, op, seed, transport,
+                             tile_bytes, nonfinite, requested,
+                             cupy.cuda.get_current_stream().ptr)
+        except Exception:
+            return None
+
+    def _run_graph(self, entry, x, out, codec, topology, op, seed, counter, transport,
+                   tile_bytes, nonfinite) -> bool:
+        """Replay (or capture, on its second occurrence) a steady compressed
+        call; False when this rank runs it on the engine instead (a failed
+        capture: the same messages in the same order, so peers replaying
+        their graphs still match)."""
+        if not entry.agree(self._mpi.comm, counter):
+            from .engine import _agree      # every rank raises, as on the engine's path
+            _agree(self._mpi.comm.allgather(dict(entry.record, counter=counter)))
+            raise InvalidInputError("ranks disagree on the call")
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        keys = call_keys(int(seed), counter)
+        self._fence_stream()
+        try:
+            if entry.graph is None:
+                graph = CallGraph()
+                spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
+                                path="compressed", nonfinite=nonfinite, layout=self.layout,
+                                keys_at=graph.keys_at)
+                program = rank_program(self.rank, self.size, x, spec, out, graph.workspace,
+                                       detailed_report=False)
+                data = self._route(entry.transport, x)
+                metas = entry.metas(counter, self.size)
+                try:
+                    graph.capture(lambda: drive_captured(program, metas, data), stream)
+                except Exception as exc:
+                    graph.free()
+                    entry.failed = f"capture failed: {type(exc).__name__}: {exc}"
+                    return False
+                entry.graph = graph
+            entry.graph.launch(keys, stream)
+        finally:
+            self._record_stream()
+        return True
+
+    def graph_stats(self) -> dict:
+        """{"captured": graphs made, "replays": their launches, "failed": [why, ...]}."""
+        with self._lock:
+            graphs = [e for e in self._graphs.values() if e.graph is not None]
+            return {"captured": len(graphs), "replays": sum(e.graph.replays for e in graphs),
+                    "failed": [e.failed for e in self._graphs.values() if e.failed]}
+
+    def _free_graphs(self):
+        for e in self._graphs.values():
+            if e.graph is not None:
+                e.graph.free()
+        self._graphs.clear()
 
     def _run_steady(self, steady, x, out, counter, op):
         on_device = steady.backend.name == "gpu"
@@ -239,6 +331,7 @@ class Collective:
         with self._lock:
             self._paths.forget()
             self._steady.clear()        # their path came from the choices just forgotten
+            self._free_graphs()
 
     # -- driving one call ------------------------------------------------------
     def _drive(self, program, x, profile, want_report=True):
@@ -266,6 +359,8 @@ class Collective:
         except StopIteration as done:
             out, report = done.value
             failed = False
+            if on_device and hasattr(data, "join"):
+                data.join()     # no lane still sends from a buffer the next call rewrites
         finally:
             if data is self._mpi_cuda:
                 data.end_call(failed)
@@ -337,6 +432,7 @@ class Collective:
             if self._mpi_cuda is not None:
                 self._mpi_cuda.free()
                 self._mpi_cuda = None
+            self._free_graphs()
             self._workspace.clear()
             self._mpi.free()
 

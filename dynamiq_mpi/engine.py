@@ -36,6 +36,7 @@ tile with the transfer of another.  The engine itself never waits or syncs.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -77,6 +78,10 @@ class CallSpec:
     # host read of the plan) for device arrays with nonfinite="propagate",
     # else "exact"
     layout: str = "auto"
+    # the device address of the call's generator keys when it is captured as
+    # a CUDA graph (graphs.py: written before each replay), else 0; a local
+    # detail, not part of the agreement
+    keys_at: int = 0
 
 
 def resolve_layout(spec: CallSpec, backend_name) -> str:
@@ -298,6 +303,8 @@ def _local_statistics(flat, spec, backend, workspace):
     values = flat if flat.dtype in NATIVE_DTYPES else flat.astype(np.float32)
     codec = spec.codec.for_length(int(flat.shape[0]))
     keys = call_keys(int(spec.seed), spec.counter)
+    if spec.keys_at:
+        keys = dataclasses.replace(keys, device=int(spec.keys_at))
     return values, codec, keys, codec.local_stats(values, backend, workspace, keys=keys)
 
 
@@ -400,6 +407,7 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
     report.stats_bytes_total = stats_total
     report.bytes_sent = sent
     report.tiles_per_chunk = len(plan.chunk_tiles[0])
+    report.sync_free = bool(getattr(plan, "sync_free", False)) and spec.nonfinite == "propagate"
     refusal = ""
     if fixed:
         # the plan refused on the device (finish wrote NaN); learning it costs

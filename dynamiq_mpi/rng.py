@@ -30,6 +30,14 @@ def splitmix64(x: int) -> int:
 class CallKeys:
     value: int
     perm: int
+    # the device address where a call replayed as a CUDA graph finds them
+    # (uint32 value, perm; written before each replay), or 0
+    device: int = 0
+
+    def as_array(self):
+        """(value, perm) as the two uint32 the device copy holds."""
+        import numpy as np
+        return np.array([self.value, self.perm], dtype=np.uint32)
 
 
 def call_keys(seed: int, counter: int) -> CallKeys:

@@ -46,6 +46,11 @@ cdef extern from "dq_plan_api.h":
 
 SUPER = 256
 PARAMS_SIZE = sizeof(DqParams)
+cdef DqParams _layout_probe
+# byte offsets in a DqParams blob of the per-call fields: key_value (key_perm
+# follows) and key_ptr (the device address of both, for graph replays)
+PARAMS_KEYS_AT = <char*>&_layout_probe.key_value - <char*>&_layout_probe
+PARAMS_KEY_PTR_AT = <char*>&_layout_probe.key_ptr - <char*>&_layout_probe
 PLAN_HEADER = DQ_PLAN_HEADER
 TILE_INTS = DQ_TILE_INTS
 

@@ -36,6 +36,8 @@ cdef extern from "dq_gpu_api.h":
     int dq_gpu_synchronize(uintptr_t stream) nogil
     int dq_gpu_last_error() nogil
     void dq_gpu_set_variant(int variant) nogil
+    int dq_gpu_set_keys(uint32_t* dst, uint32_t key_value, uint32_t key_perm,
+                        uintptr_t stream) nogil
     int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
                      int64_t* nonfinite, float* tail, uintptr_t stream) nogil
     int dq_gpu_compress(const DqParams* P, const DqSource* local, int64_t nsg, int64_t sg_base,
@@ -199,7 +201,7 @@ cdef int _expect(a, dtype, int64_t size, what) except -1:
 # ------------------------------------------------------------------ params
 
 # The DqParams blob is the same struct for both paths: one builder, in _cpu.
-from dynamiq_mpi._cpu import make_params  # noqa: E402
+from dynamiq_mpi._cpu import PARAMS_KEY_PTR_AT, PARAMS_KEYS_AT, make_params  # noqa: E402
 
 
 cdef const DqParams* _params(const uint8_t[::1] blob) except NULL:
@@ -962,3 +964,15 @@ def local_values_table(Source local, table, int64_t tile, int64_t cap, out, stre
     with nogil:
         rc = dq_gpu_exact_compress(&local.src, cap, cap * DQ_SUPER, op, st, pp)
     _check(rc, "exact_compress")
+
+
+def set_keys(dst, unsigned key_value, unsigned key_perm, stream=None):
+    """dst (2 uint32 on the device) = (key_value, key_perm), enqueued: the
+    keys a graph replay's encoders read (DqParams.key_ptr)."""
+    _expect(dst, np.uint32, 2, "keys")
+    cdef uint32_t* dp = <uint32_t*>_dptr(dst, "keys")
+    cdef uintptr_t st = _stream(stream)
+    cdef int rc
+    with nogil:
+        rc = dq_gpu_set_keys(dp, key_value, key_perm, st)
+    _check(rc, "set_keys")

@@ -1,7 +1,7 @@
 # Declarations of the shared codec header's structs (src_cuda/dq_codec.h),
 # cimported by both wrappers so the layout and the argument checks are
 # written down once.
-from libc.stdint cimport int64_t, uint32_t, uint8_t, int32_t
+from libc.stdint cimport int64_t, uint32_t, uint64_t, uint8_t, int32_t
 
 cdef extern from "dq_codec.h":
     enum: DQ_SUPER
@@ -16,6 +16,7 @@ cdef extern from "dq_codec.h":
         uint32_t key_perm
         int32_t scale_rule
         int32_t pad_
+        uint64_t key_ptr
         float mag[128]
         float inv_gap[128]
         float level[256]

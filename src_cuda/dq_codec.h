@@ -38,6 +38,11 @@ typedef struct DqParams {
     uint32_t key_perm;
     int32_t scale_rule;     // group codes: 0 rounded up (spec 2.7), 1 hybrid (dq_scale_code_hybrid)
     int32_t pad_;
+    // GPU only: the device address of {key_value, key_perm}, read by the
+    // encoders at run time instead of the two fields above (0: use those).
+    // A call replayed as a CUDA graph keeps its kernels' arguments, so its
+    // per-call keys travel through device memory.  The CPU ignores it.
+    uint64_t key_ptr;
     float mag[DQ_MAX_R + 1];       // level magnitudes f(eps, r), r = 0..R (mag[R] = 1)
     float inv_gap[DQ_MAX_R + 1];   // 1 / (mag[r+1] - mag[r]), r = 0..R-1
     float level[2 * DQ_MAX_R + 2]; // signed level by code: level[R + q] = sign(q) mag[|q|]

@@ -36,6 +36,8 @@ int dq_gpu_last_error(void);                    // cudaGetLastError (clears it)
 // non-finite flag and max |x| of dq_cpu_stats (both zeroed first, same stream).
 int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
                  int64_t* nonfinite, float* tail, uintptr_t stream);
+// dst[0..1] = {key_value, key_perm}, enqueued on stream (DqParams.key_ptr's target)
+int dq_gpu_set_keys(uint32_t* dst, uint32_t key_value, uint32_t key_perm, uintptr_t stream);
 
 // `piece` (every encoder and decoder; NULL for none): the fixed layout's
 // device piece {first stream super-group, count, byte offset in the tile}

@@ -14,6 +14,7 @@ template <> struct WT<8> { static constexpr int R = 127; static constexpr int LU
 // Kernel parameters derived on the host from DqParams, passed by value.
 struct KParams {
     uint32_t key_value, key_perm;
+    const uint32_t* dkeys;               // DqParams.key_ptr: the keys in device memory, or null
     uint32_t n_events, perm_bits;
     int32_t hierarchical;
     float n_f;                           // (float)n_events

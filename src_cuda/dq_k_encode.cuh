@@ -9,7 +9,8 @@ template <int W, bool CORR, bool ONESTEP>
 __device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables<W>& sm,
                                              float (&x)[16], uint8_t* out, const WireLoc<W>& L,
                                              const WireAlign& A, uint32_t group, int g, bool valid,
-                                             uint32_t event, uint32_t Ex) {
+                                             uint32_t event, uint32_t Ex, uint32_t key_value,
+                                             uint32_t key_perm) {
     // group maximum, then the super-group maximum over the 16 lanes of this half
     float gm = 0.0f;
 #pragma unroll
@@ -28,7 +29,7 @@ __device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables
         uint32_t gcode = scale_code(gm, unit);
         ns = __uint2float_rz(gcode) * unit;
         if (kp.scale_rule == 1 && gcode >= DQ_HYBRID_MIN) {   // dq_scale_code_hybrid
-            const uint32_t u = event_uniform(group + (kp.key_value ^ DQ_HYBRID_KEY), Ex);
+            const uint32_t u = event_uniform(group + (key_value ^ DQ_HYBRID_KEY), Ex);
             const float f = gm / unit;
             const float fl = floorf(f);
             const float frac = f - fl;
@@ -66,11 +67,11 @@ __device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables
     const char* tab_b = reinterpret_cast<const char*>(sm.tb);
     // dq_group_rng(P, group, event): the full hashes once per (group, event),
     // i.e. once per lane; each element then takes one multiply-xorshift.
-    const uint32_t vbase = event_uniform(group + kp.key_value, Ex);
+    const uint32_t vbase = event_uniform(group + key_value, Ex);
     uint32_t sbase = 0u, sigma = 0u;
     if (CORR) {
-        sbase = mix32(group ^ kp.key_perm ^ 0xbb67ae85u);
-        sigma = dq_permute(event, kp.n_events, kp.perm_bits, mix32(group ^ kp.key_perm));
+        sbase = mix32(group ^ key_perm ^ 0xbb67ae85u);
+        sigma = dq_permute(event, kp.n_events, kp.perm_bits, mix32(group ^ key_perm));
     }
     uint32_t cw[W / 2];
 #pragma unroll
@@ -215,6 +216,10 @@ k_encode(const __grid_constant__ KParams kp, const DqSource src, const uint8_t* 
     const int half = lane >> 4;
     const int64_t npairs = (nsg + 1) >> 1;
     const uint32_t Ex = event_mix(event);
+    // the call's keys: kernel arguments, or device memory when the call is a
+    // graph replayed with new keys (DqParams.key_ptr)
+    const uint32_t key_value = kp.dkeys ? __ldg(kp.dkeys) : kp.key_value;
+    const uint32_t key_perm = kp.dkeys ? __ldg(kp.dkeys + 1) : kp.key_perm;
     const int64_t stride = (int64_t)gridDim.x * kWarps;
     int64_t pair = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
     // rows whose 256 values are all inside the source and 16-byte aligned (vector loads)
@@ -268,7 +273,7 @@ k_encode(const __grid_constant__ KParams kp, const DqSource src, const uint8_t* 
         if (pair + stride < npairs && s + ds < nsg)
             fetch<W, DT, DAR>(cur, kp, src, has_map, has_mean, in, Ln, Ain, sidx + ds, g, full_rows);
         encode_group<W, CORR, ONESTEP>(kp, sm, x, out, L, Aout, (uint32_t)(sidx * DQ_GROUPS + g), g,
-                                       valid, event, Ex);
+                                       valid, event, Ex, key_value, key_perm);
         L = Ln;
         s += ds;
     }

@@ -75,6 +75,14 @@ k_bf16_decompress_out(const uint16_t* in, int64_t nsg, int64_t sg_base, const in
     }
 }
 
+// The keys of a call replayed as a CUDA graph (DqParams.key_ptr): written on
+// the replay's stream before it, from the launch's arguments (no host buffer
+// whose reuse would race the copy).
+__global__ void k_set_keys(uint32_t* dst, uint32_t key_value, uint32_t key_perm) {
+    dst[0] = key_value;
+    dst[1] = key_perm;
+}
+
 // ---------------------------------------------------------------- baselines
 // OP 0: bf16 compress, 1: bf16 dar, 2: exact compress, 3: exact dar.
 // Writes stream elements [0, n), n <= nsg * 256 (the last super-group may be partial).

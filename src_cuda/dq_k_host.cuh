@@ -16,6 +16,7 @@ int host_build(const DqParams* P, KParams* kp, bool* onestep) {
     memset(kp, 0, sizeof(*kp));
     kp->key_value = P->key_value;
     kp->key_perm = P->key_perm;
+    kp->dkeys = reinterpret_cast<const uint32_t*>(static_cast<uintptr_t>(P->key_ptr));
     kp->n_events = P->n_events;
     kp->perm_bits = P->perm_bits;
     kp->hierarchical = P->hierarchical;

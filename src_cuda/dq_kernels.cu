@@ -122,6 +122,12 @@ int dq_gpu_synchronize(uintptr_t stream) {
 int dq_gpu_last_error(void) { return (int)cudaGetLastError(); }
 void dq_gpu_set_variant(int variant) { g_variant = variant; }
 
+int dq_gpu_set_keys(uint32_t* dst, uint32_t key_value, uint32_t key_perm, uintptr_t stream) {
+    if (!dst) return (int)cudaErrorInvalidValue;
+    k_set_keys<<<1, 1, 0, reinterpret_cast<cudaStream_t>(stream)>>>(dst, key_value, key_perm);
+    return launch_result();
+}
+
 int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
                  int64_t* nonfinite, float* tail, uintptr_t stream) {
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);

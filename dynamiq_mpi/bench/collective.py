@@ -270,7 +270,9 @@ def run(args) -> list:
             meta = dict(command=" ".join(sys.argv), ranks=n, device=dev.name,
                         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                         env={k: v for k, v in os.environ.items() if k.startswith(NCCL_ENV_PREFIXES)},
-                        python=platform.python_version(), args=vars(args))
+                        python=platform.python_version(), args=vars(args),
+                        # CUDA graphs of steady compressed calls ($DYNAMIQ_GRAPHS)
+                        graphs=coll.graphs, graph_stats=coll.graph_stats())
             with open(args.json, "w") as f:
                 json.dump(dict(meta=meta, rows=rows), f, indent=1, default=_jsonable)
     coll.free()

@@ -156,9 +156,8 @@ class DynamiQ(Codec):
 
 # Kernel parameter blobs without their keys, per (codec, width, events): the
 # level tables and LUT are the same for every call; only the generator keys
-# (bytes 24..31 of DqParams: key_value, key_perm) change.
+# (DqParams key_value, key_perm and, for graph replays, key_ptr) change.
 _PARAMS_CACHE: dict = {}
-_KEYS_AT = 24
 
 
 def _params_for(codec, n_events, correlated, keys, kernels):
@@ -177,9 +176,11 @@ def _params_for(codec, n_events, correlated, keys, kernels):
             _PARAMS_CACHE.clear()
         _PARAMS_CACHE[cache_key] = base
     out = {}
+    at, ptr_at = kernels.PARAMS_KEYS_AT, kernels.PARAMS_KEY_PTR_AT
     for w, blob in base.items():
         b = blob.copy()
-        b[_KEYS_AT:_KEYS_AT + 8].view(np.uint32)[:] = (keys.value, keys.perm)
+        b[at:at + 8].view(np.uint32)[:] = (keys.value, keys.perm)
+        b[ptr_at:ptr_at + 8].view(np.uint64)[0] = keys.device
         out[w] = b
     return out
 
@@ -308,6 +309,7 @@ class _DynamiQPlan(Plan):
         self._padded = None
         self._host_header = None
         self.fixed = current_layout() == "fixed"
+        self.sync_free = self.fixed        # nothing of the plan is read back
         if self.fixed:
             self._layout_fixed(bf16_class, tiles, slot)
         else:

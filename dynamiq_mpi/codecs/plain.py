@@ -23,6 +23,8 @@ SUPER = 256
 class ElementwisePlan(Plan):
     """One wire value per element; ``bf16`` selects BF16 on the wire."""
 
+    sync_free = True        # sizes from the length alone: nothing is read back
+
     def __init__(self, x, n, backend, workspace, tile_bytes=DEFAULT_TILE_BYTES, bf16=False,
                  prefix="plain"):
         self.backend, self.xp, self.k = backend, backend.xp, backend.kernels

@@ -218,6 +218,7 @@ class NCCLTransport(RequestAnswers):
         self._cuts = {}
         self._native = None      # the communicator of the native all-reduce (made on first use)
         self._native_types = {}  # array dtype -> NCCL data type
+        self._join_events = None
 
     # -- requests --------------------------------------------------------------
     def _slices(self, nbytes):
@@ -339,6 +340,23 @@ class NCCLTransport(RequestAnswers):
         self._native.allReduce(_ptr(send), _ptr(recv), recv.size, wire, nccl.NCCL_SUM,
                                compute.ptr)
         return recv
+
+    def join(self, fresh=False):
+        """The caller's stream waits for every lane's last work.  A send that
+        no claim waited for (a lane carrying more slices one way than the
+        other) must end before the next call rewrites its buffer, and a call
+        captured as a CUDA graph must join every stream it forked (``fresh``:
+        new events, for a capture)."""
+        compute = self.cupy.cuda.get_current_stream()
+        if fresh or self._join_events is None:
+            events = [self.cupy.cuda.Event(block=False, disable_timing=True) for _ in self.streams]
+            if not fresh:
+                self._join_events = events
+        else:
+            events = self._join_events
+        for lane, e in zip(self.streams, events):
+            e.record(lane)
+            compute.wait_event(e)
 
     def _record(self, stream, timing=True):
         e = self.cupy.cuda.Event(block=False, disable_timing=not timing)

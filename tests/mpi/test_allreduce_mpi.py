@@ -183,3 +183,25 @@ def test_budget_binds_within_005_bit():
     assert not rep.codec_info["budget_binds"]
     assert rep.codec_info["widths"][8] == 4096
     assert rep.bits_per_coord < 12 - 2
+
+
+@pytest.mark.mpi(min_size=2)
+def test_graphs_on_host_arrays_change_nothing(monkeypatch):
+    """``graphs=True`` (CUDA graphs of steady calls over NCCL) leaves calls on
+    host arrays as they are: same results, nothing captured."""
+    seed = shared_seed(comm)
+    xs = rank_inputs(seed, N, 256 * 50 + 3)
+    plain, graphs = dq.Collective(comm), dq.Collective(comm, graphs=True)
+    out = np.empty_like(xs[comm.rank])
+    for _ in range(3):
+        a = plain.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0), seed=3)
+        b = graphs.allreduce(xs[comm.rank], codec=dq.DynamiQ(small_input=0), seed=3, out=out)
+        assert b is out and np.array_equal(a, b)
+    assert graphs.graph_stats() == {"captured": 0, "replays": 0, "failed": []}
+    monkeypatch.setenv("DYNAMIQ_GRAPHS", "1")
+    on, off = dq.Collective(comm), dq.Collective(comm, graphs=False)
+    monkeypatch.setenv("DYNAMIQ_GRAPHS", "0")
+    default = dq.Collective(comm)
+    assert on.graphs and not off.graphs and not default.graphs
+    for c in (plain, graphs, on, off, default):
+        c.free()

@@ -1,0 +1,164 @@
+"""Steady compressed calls replayed as one CUDA graph (docs/design.md,
+"Sync-free calls").
+
+A compressed call on device arrays in the fixed layout makes no host read
+(``Report.sync_free``): every kernel and every NCCL message of it is
+enqueued from facts the host knows.  Such a call, repeated with the same
+arguments (shape, dtype, codec, topology, op, the caller's buffers and
+stream), is captured once into a CUDA graph and replayed:
+
+* :class:`CallGraph` holds what a graph needs to stay valid: a memory pool of
+  its own (everything the captured call allocates lives as long as the
+  graph, never reused by other work), a workspace of its own (buffers that no
+  other call grows or frees), and the device copy of the generator keys the
+  encoders read (``DqParams.key_ptr``), written before each replay, so a
+  replay draws the randomness of its own call counter.  Two instances of
+  the graph alternate: relaunching an instance whose last replay still runs
+  blocks the host.
+* :class:`SteadyCompressed` is one steady call of a Collective: the agreed
+  record (as :class:`~.native.SteadyNative` keeps it: each replay costs one
+  8-byte digest exchange, and a rank whose call differs makes every rank
+  raise the engine's error) and its graph once captured.
+
+The capture itself runs the ordinary engine on the caller's stream; every
+rank then agrees that its capture succeeded before any graph runs, so a
+rank whose capture failed (a host read in some path) sends every rank back
+to the eager path instead of leaving a peer's captured messages unmatched.
+"""
+from __future__ import annotations
+
+import os
+
+from .transports.mpi_host import Digests, digest_with_counter, record_digest
+from .transports.ops import Agree, Route
+from .workspace import Workspace
+
+_RELAXED = 2        # cudaStreamCaptureModeRelaxed: the pool may grow during a capture
+
+
+class CallGraph:
+    """A call's device work, captured once on a stream and replayed."""
+
+    def __init__(self):
+        import cupy
+        from . import _gpu
+        self._cupy, self._gpu = cupy, _gpu
+        self.pool = cupy.cuda.MemoryPool()
+        self.workspace = Workspace()
+        with cupy.cuda.using_allocator(self.pool.malloc):
+            self.keys = cupy.zeros(2, dtype=cupy.uint32)
+        self._graph = 0
+        self._execs = []
+        self._turn = 0
+        self.replays = 0
+
+    @property
+    def keys_at(self) -> int:
+        """The device address of the keys (CallSpec.keys_at)."""
+        return int(self.keys.data.ptr)
+
+    def capture(self, body, stream, keys=None):
+        """Capture ``body()`` (which enqueues the call on ``stream``, the
+        current stream) without running it; returns body's result.  Raises
+        what the capture raised (the stream is then out of capture).
+        :meth:`launch` runs it."""
+        rt = self._cupy.cuda.runtime
+        rt.streamBeginCapture(stream.ptr, _RELAXED)
+        try:
+            with self._cupy.cuda.using_allocator(self.pool.malloc):
+                result = body()
+        except BaseException:
+            try:
+                rt.graphDestroy(rt.streamEndCapture(stream.ptr))
+            except Exception:       # an invalidated capture: ended with an error
+                pass
+            raise
+        graph = rt.streamEndCapture(stream.ptr)     # raises if a host wait invalidated it
+        try:
+            self._execs = [rt.graphInstantiate(graph) for _ in range(2)]
+        except BaseException:
+            rt.graphDestroy(graph)
+            raise
+        self._graph = graph
+        return result
+
+    def launch(self, keys, stream):
+        """Replay with the generator keys of this call (rng.CallKeys)."""
+        self._gpu.set_keys(self.keys, keys.value, keys.perm, stream)
+        self._cupy.cuda.runtime.graphLaunch(self._execs[self._turn], stream.ptr)
+        self._turn ^= 1
+        self.replays += 1
+
+    def free(self):
+        rt = self._cupy.cuda.runtime
+        for e in self._execs:
+            rt.graphExecDestroy(e)
+        self._execs = []
+        if self._graph:
+            rt.graphDestroy(self._graph)
+            self._graph = 0
+        self.workspace.clear()
+
+
+def graph_key(x, out, codec_signature, topology, op, seed, transport, tile_bytes, nonfinite,
+              path, stream_ptr):
+    """What must equal for a call to replay another's graph: everything the
+    engine's agreement covers but the counter, from local facts, plus the
+    addresses the graph reads and writes and the stream it runs on."""
+    return (x.shape, x.dtype, x.flags.c_contiguous, x.device.id, int(x.data.ptr),
+            out.shape, out.dtype, int(out.data.ptr), codec_signature, topology, op, int(seed),
+            transport, tile_bytes, nonfinite, path, stream_ptr)
+
+
+class SteadyCompressed:
+    """One steady compressed call of a Collective (see the module's doc):
+    seen once (``graph`` None), then captured, then replayed."""
+
+    __slots__ = ("record", "static", "transport", "graph", "failed", "_digests")
+
+    def __init__(self, record: dict, transport: str):
+        self.record = {k: v for k, v in record.items() if k != "counter"}
+        self.static = record_digest(self.record)
+        self.transport = transport
+        self.graph = None           # CallGraph once captured
+        self.failed = ""            # why this call cannot be a graph ('' : it can)
+        self._digests = None
+
+    def agree(self, comm, counter) -> bool:
+        """One 8-byte digest exchange: True when every rank makes this call."""
+        if self._digests is None:
+            self._digests = Digests(comm)
+        return self._digests.match(digest_with_counter(self.static, counter))
+
+    def metas(self, counter, size):
+        """The agreement's answer for this call (every rank's record alike)."""
+        return [dict(self.record, counter=counter)] * size
+
+
+def default_graphs(value=None) -> bool:
+    """``value``, else ``$DYNAMIQ_GRAPHS`` ("1", "true", "on": replay steady
+    compressed calls as CUDA graphs), else off."""
+    if value is None:
+        value = os.environ.get("DYNAMIQ_GRAPHS", "").strip().lower() in ("1", "true", "on", "yes")
+    return bool(value)
+
+
+def drive_captured(program, metas, data):
+    """Run a rank program whose agreement is known (``metas``) on ``data``:
+    the body of a graph capture (no MPI, no host wait).  Returns its report."""
+    request = program.send(None)
+    while True:
+        if isinstance(request, Agree):
+            answer = metas
+        elif isinstance(request, Route):
+            answer = data.name
+        else:
+            answer = data.answer(request)
+        try:
+            request = program.send(answer)
+        except StopIteration as done:
+            data.join(fresh=True)           # every forked lane joins the capture
+            report = done.value[1]
+            if not report.sync_free:
+                raise RuntimeError("the call read device data on the host")
+            return report

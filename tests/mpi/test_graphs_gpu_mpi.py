@@ -1,0 +1,76 @@
+"""Steady compressed calls over NCCL replayed as CUDA graphs
+(``Collective(graphs=True)``, graphs.py): a call with ``out=`` repeated with
+the same buffers is run eagerly, captured on its second occurrence and
+replayed after; every result equals the eager collective's for the same
+counter, bit for bit, on every rank, with new data (and new norms) each call;
+a rank whose call differs makes every rank raise.
+
+Needs one GPU per rank (NCCL): skipped otherwise.  (The graph mechanics on one
+GPU, all ranks simulated on one stream: tests/gpu/test_graphs_gpu.py.)
+"""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import dynamiq_mpi as dq
+from helpers import BF16, digest, rank_inputs, shared_seed
+
+comm = MPI.COMM_WORLD
+N = comm.size
+
+
+def _nccl_ok():
+    if not dq.has_cuda():
+        return False
+    import cupy
+    return comm.allreduce(cupy.cuda.runtime.getDeviceCount(), op=MPI.MIN) >= N
+
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not _nccl_ok(), reason="NCCL needs one GPU per rank")]
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+    cupy.cuda.Device(comm.rank).use()
+    return cupy
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [np.float32, BF16], ids=["f32", "bf16"])
+def test_graph_replays_equal_eager_calls(cp, dtype):
+    seed = shared_seed(comm)
+    codec = dq.DynamiQ(small_input=0)
+    graphs = dq.Collective(comm, graphs=True, path="compressed")
+    eager = dq.Collective(comm, graphs=False, path="compressed")
+    length = 256 * 5000 + 3
+    x = cp.zeros(length, dtype=dtype)
+    out = cp.zeros_like(x)
+    for call in range(6):
+        xs = rank_inputs(seed + call, N, length, dtype=np.float32)
+        host = (xs[comm.rank] * np.float32(10.0 ** (call - 3))).astype(dtype)
+        host[256 * call:256 * (call + 2)] = 0
+        x.set(host)
+        got = graphs.allreduce(x, codec=codec, seed=seed % 1000, out=out)
+        want = eager.allreduce(cp.asarray(host), codec=codec, seed=seed % 1000)
+        assert got is out
+        assert digest(cp.asnumpy(out)) == digest(cp.asnumpy(want)), (seed, call)
+        assert len(set(comm.allgather(digest(cp.asnumpy(out))))) == 1
+    stats = graphs.graph_stats()
+    assert stats == {"captured": 1, "replays": 5, "failed": []}, stats
+    graphs.free()
+    eager.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_rank_that_differs_makes_every_rank_raise(cp):
+    coll = dq.Collective(comm, graphs=True, path="compressed")
+    x = cp.asarray(rank_inputs(shared_seed(comm), N, 256 * 3000)[comm.rank])
+    out = cp.empty_like(x)
+    for _ in range(3):                         # eager, captured, replayed
+        coll.allreduce(x, codec=dq.DynamiQ(small_input=0), out=out)
+    assert coll.graph_stats()["captured"] == 1
+    bits = 4.0 if comm.rank == N - 1 else 5.0
+    with pytest.raises(dq.InputMismatchError):
+        coll.allreduce(x, codec=dq.DynamiQ(small_input=0, bits=bits), out=out)
+    coll.free()
