@@ -44,9 +44,10 @@ from collections import defaultdict
 import numpy as np
 
 from . import schedules
-from .codecs.base import align_up, plan_chunks
+from .codecs.base import align_up, plan_chunks, plan_layout
 from .engine import (NATIVE_DTYPES, CallSpec, _agree, _check_local, _holds_nonfinite,
-                     _reduce_stats, _reduce_tile, agreement_record, propagate_nonfinite)
+                     _reduce_stats, _reduce_tile, agreement_record, propagate_nonfinite,
+                     raise_refusal, resolve_layout)
 from .backend import dtype_name
 from .errors import InvalidInputError, NonFiniteInputError, SumOverflowError
 from .report import Report
@@ -137,6 +138,12 @@ class _Blocks:
         if reduced is None:
             return None
         return reduced[self.bounds[b]:self.bounds[b + 1]]
+
+    def tails(self, reduced):
+        """Every block's reduced (non-finite flag, sum of max |x|): the last two
+        values of each block's statistics (blocks are equal: strided views)."""
+        size = self.bounds[1]
+        return reduced[size - 2::size], reduced[size - 1::size]
 
 
 def _global_block_codecs(codec, blocks, reduced, backend):
@@ -274,12 +281,20 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
             codecs = _global_block_codecs(codec, blocks, reduced, backend)
         else:
             codecs = [codec] * n
+        # the global budget's study plans on the host: the exact layout
+        layout = "exact" if budget == "global" else resolve_layout(spec, backend.name)
         plans = []
         for b in range(n):
-            with plan_chunks(1):
+            with plan_chunks(1), plan_layout(layout):
                 plans.append(codecs[b].plan(blocks.values[b], blocks.reduced_of(reduced, b), n,
                                             blocks.keys[b], backend, blocks.states[b],
                                             blocks.ws[b], spec.tile_bytes))
+        fixed = getattr(plans[rank], "fixed", False)
+        if fixed and spec.nonfinite == "raise":
+            for p in plans:                 # the host reads; the same verdict on every rank
+                raise_refusal(p.refusal())
+        elif fixed:
+            plans[rank].refuse_with(*blocks.tails(reduced))
     except (NonFiniteInputError, SumOverflowError) as exc:
         propagate_nonfinite(exc, spec, result, report, stats_total, sent)
         return (result if out is None else out), result_report(report, t0)
@@ -319,11 +334,19 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
     report.stats_bytes_total = stats_total
     report.bytes_sent = sent
     report.tiles_per_chunk = max(len(p.chunk_tiles[0]) for p in plans)
-    if blocks.combined is not None:
+    report.sync_free = all(getattr(p, "sync_free", False) for p in plans) and not raise_check
+    refusal = ""
+    if fixed:
+        if detailed_report:         # a host read, only for a detailed report
+            refusal = own.refusal()
+            report.nonfinite = bool(refusal)
+    elif blocks.combined is not None:
         report.nonfinite = False       # the statistics would have flagged it
     elif detailed_report:
         report.nonfinite = _holds_nonfinite(xp, result)
     info = own.report(detailed_report)
+    if refusal:
+        info["nonfinite"] = f"{refusal}; output set to NaN"
     info["block_bytes"] = chunk_bytes      # message bytes of each rank's block
     if budget != "per-chunk":
         info["budget"] = budget
@@ -341,9 +364,11 @@ def result_report(report, t0):
 
 def simulate_reduce_scatter(xs, *, codec=None, topology="ring", op="sum", seed=0, counter=0,
                             tile_bytes=None, return_reports=False, nonfinite="propagate",
-                            budget="per-chunk"):
+                            budget="per-chunk", layout=None):
     """Run the reduce-scatter of ``len(xs)`` ranks in this process (rank r
-    passes ``xs[r]``).  Returns every rank's chunk (and reports)."""
+    passes ``xs[r]``).  Returns every rank's chunk (and reports).
+    ``layout``: see :func:`~dynamiq_mpi.api.default_layout`."""
+    from .api import default_layout
     from .api import _DEFAULT_CODEC
     from .codecs.base import DEFAULT_TILE_BYTES
     from .transports.simulate import SimulatedTransport
@@ -351,7 +376,7 @@ def simulate_reduce_scatter(xs, *, codec=None, topology="ring", op="sum", seed=0
     n = len(xs)
     spec = CallSpec(codec, topology, op, seed, counter, "auto",
                     DEFAULT_TILE_BYTES if tile_bytes is None else tile_bytes,
-                    nonfinite=nonfinite)
+                    nonfinite=nonfinite, layout=default_layout(layout))
     results = SimulatedTransport(n).run(
         [rank_program_rs(r, n, xs[r], spec, None, FRESH, return_reports, budget)
          for r in range(n)])

@@ -375,9 +375,10 @@ def plan(int64_t nsg, bint centring, bint zero_class, bint variable, int fixed_w
 
 def refused(const double[::1] header, float limit):
     """The plan header's refusal (k_finish's test): non-finite input, a sum of
-    max |x| above ``limit``, means that overflowed, or a layout overflow."""
+    max |x| above ``limit``, means that overflowed, a layout overflow, or
+    another block's refusal (a reduce-scatter)."""
     return (not header[0] <= 0.0 or not header[1] <= <double>limit or header[2] == 0.0
-            or header[11] != 0.0)
+            or header[11] != 0.0 or header[12] != 0.0)
 
 
 def plan_pieces(double[::1] header, int64_t n, int64_t tiles_per_chunk, rec_bytes, int64_t cap,

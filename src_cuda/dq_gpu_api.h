@@ -59,7 +59,8 @@ int dq_gpu_dar(const DqParams* P, const uint8_t* in, const DqSource* local, int6
 // (stream_of_sg < 0) are written, the others are left as they are (filled by
 // dq_gpu_decompress_out).  `refuse` (a device plan header, or NULL): when it
 // flags non-finite input, means that overflowed, a sum of max |x| above
-// `limit` or a layout overflow, every row is written NaN instead (the fixed
+// `limit`, a layout overflow or another block's refusal, every row is written
+// NaN instead (the fixed
 // layout's nonfinite="propagate", decided on the device).
 int dq_gpu_finish(const float* stream_values, const int64_t* stream_of_sg, const float* mean_sum,
                   int64_t nsg, float divisor, void* out, int dtype, int64_t length,

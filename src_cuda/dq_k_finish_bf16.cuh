@@ -11,7 +11,7 @@ k_finish(const float* stream, const int64_t* stream_of_sg, const float* mean_sum
     // (non-finite input, sums that could overflow, a layout overflow): every
     // rank holds the same header, so every rank writes NaN everywhere
     const bool nan_all = refuse && (!(refuse[0] <= 0.0) || !(refuse[1] <= (double)limit) ||
-                                    refuse[2] == 0.0 || refuse[11] != 0.0);
+                                    refuse[2] == 0.0 || refuse[11] != 0.0 || refuse[12] != 0.0);
     for (int64_t c = (int64_t)blockIdx.x * kThreads + threadIdx.x; c < nchunks;
          c += (int64_t)gridDim.x * kThreads) {
         const int64_t g = c >> 5;

@@ -210,6 +210,7 @@ k_plan_scan(const DqPlanArgs A, const float* tail, const Counters* C, const long
         header[9] = (double)total;
         header[10] = (double)counts[4];
         header[11] = 0.0;
+        header[12] = 0.0;
     }
 }
 

@@ -40,7 +40,9 @@ typedef struct DqPlanArgs {
 //   [10] super-groups at 16 bits (raw BF16)
 //   [11] 1 if a tile's payload exceeded its slot in the fixed layout (never, by
 //        construction of the capacity; the call then refuses like non-finite input)
-#define DQ_PLAN_HEADER 12
+//   [12] 1 if another block of the call refused (a reduce-scatter in the fixed
+//        layout: the engine sets it on the device; the call refuses alike)
+#define DQ_PLAN_HEADER 13
 // Classes: 0, 1, 2 = 2, 4, 8 bits; 3 = the 0-bit class; 4 = 16 bits.  Stream
 // order: classes 0, 1, 2, 4; the 0-bit class is not in the stream.
 #define DQ_PLAN_CLASSES 5

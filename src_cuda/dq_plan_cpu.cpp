@@ -82,6 +82,7 @@ extern "C" void dq_cpu_plan(const DqPlanArgs* A, const float* norm2, const float
     header[9] = (double)total;
     header[10] = (double)counts[4];
     header[11] = 0.0;
+    header[12] = 0.0;
 }
 
 extern "C" void dq_cpu_plan_pieces(double* header, int64_t n, int64_t T, const int64_t* rb,

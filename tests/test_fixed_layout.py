@@ -236,3 +236,35 @@ def test_a_vector_shorter_than_its_chunks_has_empty_tiles():
     xs = rank_inputs(fresh_seed(), 4, 777)
     outs = dq.simulate_allreduce(xs, codec=dq.DynamiQ(small_input=0), topology="butterfly")
     assert vnmse(outs[3], exact_sum(xs)) < 0.2
+
+
+@pytest.mark.parametrize("n,topology", [(2, "ring"), (3, "ring"), (4, "butterfly"), (8, "ring")])
+def test_reduce_scatter_layouts_decode_the_same_bits(n, topology):
+    """The reduce-scatter (FSDP2, ZeRO) plans each rank's block in the fixed
+    layout too (one chunk each): the same chunks as the exact layout, bit for
+    bit; NaN in one block turns every rank's chunk NaN, as the exact layout's
+    refusal does, decided on the device."""
+    from dynamiq_mpi.engine_rs import simulate_reduce_scatter
+    seed = fresh_seed()
+    for codec in (dq.DynamiQ(small_input=0), dq.DynamiQ(small_input=0, bits=3, bf16_class=False),
+                  dq.DynamiQ()):                              # (small inputs: BF16)
+        for m in (1, 300, 256 * 50 + 3):
+            xs = rank_inputs(seed + m, n, m * n)
+            for tile_bytes in (1 << 25, 3000):
+                kw = dict(codec=codec, topology=topology, seed=seed % 1000, counter=m,
+                          tile_bytes=tile_bytes, return_reports=True)
+                a, ra = simulate_reduce_scatter(xs, layout="exact", **kw)
+                b, rb = simulate_reduce_scatter(xs, layout="fixed", **kw)
+                for r in range(n):
+                    assert np.array_equal(a[r].view(np.uint32), b[r].view(np.uint32)), \
+                        (seed, codec, m, tile_bytes, r)
+                    assert rb[r].sync_free and not ra[r].sync_free or codec.small_input > m * n
+    xs = rank_inputs(seed, n, n * 1000)
+    xs[n - 1][7] = np.nan                                     # block 0 only
+    for layout in ("exact", "fixed"):
+        outs, reps = simulate_reduce_scatter(xs, codec=dq.DynamiQ(small_input=0), topology=topology,
+                                             return_reports=True, layout=layout)
+        assert all(np.isnan(o).all() for o in outs) and all(r.nonfinite for r in reps)
+    with pytest.raises(NonFiniteInputError):
+        simulate_reduce_scatter(xs, codec=dq.DynamiQ(small_input=0), topology=topology,
+                                layout="fixed", nonfinite="raise")

@@ -395,7 +395,19 @@ class _DynamiQPlan(Plan):
             return "SumOverflowError: the sum of the inputs' super-group means exceeds the float32 range"
         if h[11]:
             return "RuntimeError: a tile's payload exceeded its slot (a bug: please report it)"
+        if h[12]:
+            return ("NonFiniteInputError: another block of the reduce-scatter holds NaN or Inf "
+                    "(or sums that could overflow)")
         return ""
+
+    def refuse_with(self, flags, absmax):
+        """Refuse (on the device, no host read) when any of the given blocks'
+        reduced tails flags non-finite input or a sum of max |x| beyond the
+        float32 range: a reduce-scatter in the fixed layout, so that every
+        rank's chunk turns NaN, as the exact layout's refusal makes it."""
+        xp = self.xp
+        bad = xp.logical_or(flags > 0, xp.logical_not(absmax <= PARTIAL_SUM_LIMIT)).any()
+        self.header[12:13] = bad.astype(np.float64)
 
     def _zeros(self, name, count):
         z = self.ws.take(self.xp, f"dq.{name}", count, np.float32)
