@@ -18,6 +18,7 @@ from .transports.ops import Agree, Route
 from .transports.simulate import SimulatedTransport
 from .graphs import CallGraph, SteadyCompressed, default_graphs, drive_captured, graph_key
 from .rng import call_keys
+from .settings import env_choice
 from .workspace import FRESH, Workspace
 
 
@@ -441,12 +442,7 @@ def default_layout(value=None) -> str:
     """``value``, else ``$DYNAMIQ_LAYOUT``, else "auto" (the compressed
     stream's layout, engine.CallSpec: "fixed" for device arrays, so no call
     reads its plan back; "exact" / "fixed" force one, for A/B runs)."""
-    if value is None:
-        value = os.environ.get("DYNAMIQ_LAYOUT", "auto").strip() or "auto"
-    if value not in LAYOUT_CHOICES:
-        raise ValueError(f"layout must be one of {LAYOUT_CHOICES} (argument or $DYNAMIQ_LAYOUT), "
-                         f"got {value!r}")
-    return value
+    return env_choice(value, "DYNAMIQ_LAYOUT", LAYOUT_CHOICES, "layout")
 
 
 def _check_nonfinite(nonfinite):

@@ -27,8 +27,7 @@ to the eager path instead of leaving a peer's captured messages unmatched.
 """
 from __future__ import annotations
 
-import os
-
+from .settings import env_flag
 from .transports.mpi_host import Digests, digest_with_counter, record_digest
 from .transports.ops import Agree, Route
 from .workspace import Workspace
@@ -138,9 +137,7 @@ class SteadyCompressed:
 def default_graphs(value=None) -> bool:
     """``value``, else ``$DYNAMIQ_GRAPHS`` ("1", "true", "on": replay steady
     compressed calls as CUDA graphs), else off."""
-    if value is None:
-        value = os.environ.get("DYNAMIQ_GRAPHS", "").strip().lower() in ("1", "true", "on", "yes")
-    return bool(value)
+    return env_flag(value, "DYNAMIQ_GRAPHS")
 
 
 def drive_captured(program, metas, data):

@@ -16,11 +16,12 @@ and why.
 """
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from .settings import env_choice
 
 PATH_CHOICES = ("auto", "compressed", "native")
 WARMUP = 1          # untimed calls of each path per class
@@ -30,12 +31,7 @@ MARGIN = 1.05       # compressed only when at least 5 % faster
 
 def default_path(value=None) -> str:
     """``value``, else ``$DYNAMIQ_PATH``, else "auto"; a clear error otherwise."""
-    if value is None:
-        value = os.environ.get("DYNAMIQ_PATH", "auto").strip() or "auto"
-    if value not in PATH_CHOICES:
-        raise ValueError(f"path must be one of {PATH_CHOICES} (argument or $DYNAMIQ_PATH), "
-                         f"got {value!r}")
-    return value
+    return env_choice(value, "DYNAMIQ_PATH", PATH_CHOICES, "path")
 
 
 def size_class(length: int) -> int:
