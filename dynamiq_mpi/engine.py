@@ -281,6 +281,36 @@ def propagate_nonfinite(exc, spec: CallSpec, result, report, stats_total, sent):
     report.codec_info = {"nonfinite": f"{type(exc).__name__}: {exc}; output set to NaN"}
 
 
+def finish_into(plan, divisor, result, workspace, xp):
+    """The plan's result, divided, into ``result`` (through a float32 stage
+    for the dtypes the codecs do not write)."""
+    if result.dtype in NATIVE_DTYPES:
+        plan.finish(divisor, result)
+        return
+    staged = workspace.take(xp, "finish.f32", result.shape[0], np.float32)
+    plan.finish(divisor, staged)
+    result[...] = staged.astype(result.dtype)
+
+
+def report_plan(report, plan, fixed, had_stats, detailed, xp, result) -> dict:
+    """``report.nonfinite`` and the plan's report (its codec_info).  A plan in
+    the fixed layout refused on the device (finish wrote NaN): learning it
+    costs a host read, made only for a detailed report."""
+    refusal = ""
+    if fixed:
+        if detailed:
+            refusal = plan.refusal()
+            report.nonfinite = bool(refusal)
+    elif had_stats:
+        report.nonfinite = False       # the statistics would have flagged it
+    elif detailed:
+        report.nonfinite = _holds_nonfinite(xp, result)
+    info = plan.report(detailed)
+    if refusal:
+        info["nonfinite"] = f"{refusal}; output set to NaN"
+    return info
+
+
 def raise_refusal(refusal: str) -> None:
     """Raise a plan's refusal ("Type: message", or '' for none) as its type."""
     if not refusal:
@@ -395,12 +425,7 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
         # for: the decoded sum is the same on every rank, so every rank raises
         # alike, and nothing reached the caller's buffer yet.
         plan.check_finite()
-    if result.dtype in NATIVE_DTYPES:
-        plan.finish(divisor, result)
-    else:
-        staged = workspace.take(xp, "finish.f32", length, np.float32)
-        plan.finish(divisor, staged)
-        result[...] = staged.astype(result.dtype)
+    finish_into(plan, divisor, result, workspace, xp)
     yield Mark("done")
 
     report.wire_bytes_total = stats_total + 2 * (n - 1) * sum(plan.chunk_nbytes)
@@ -408,20 +433,7 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
     report.bytes_sent = sent
     report.tiles_per_chunk = len(plan.chunk_tiles[0])
     report.sync_free = bool(getattr(plan, "sync_free", False)) and spec.nonfinite == "propagate"
-    refusal = ""
-    if fixed:
-        # the plan refused on the device (finish wrote NaN); learning it costs
-        # a host read, made only for a detailed report
-        if detailed_report:
-            refusal = plan.refusal()
-            report.nonfinite = bool(refusal)
-    elif stats is not None:
-        report.nonfinite = False       # the statistics would have flagged it
-    elif detailed_report:
-        report.nonfinite = _holds_nonfinite(xp, result)
-    info = plan.report(detailed_report)
-    if refusal:
-        info["nonfinite"] = f"{refusal}; output set to NaN"
+    info = report_plan(report, plan, fixed, stats is not None, detailed_report, xp, result)
     if codec is not spec.codec:
         info["fallback"] = (f"{codec.name}: {length} elements < small_input="
                             f"{getattr(spec.codec, 'small_input', '?')}")

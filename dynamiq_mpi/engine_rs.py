@@ -45,9 +45,9 @@ import numpy as np
 
 from . import schedules
 from .codecs.base import align_up, plan_chunks, plan_layout
-from .engine import (NATIVE_DTYPES, CallSpec, _agree, _check_local, _holds_nonfinite,
-                     _reduce_stats, _reduce_tile, agreement_record, propagate_nonfinite,
-                     raise_refusal, resolve_layout)
+from .engine import (NATIVE_DTYPES, CallSpec, _agree, _check_local, _reduce_stats, _reduce_tile,
+                     agreement_record, finish_into, propagate_nonfinite, raise_refusal,
+                     report_plan, resolve_layout)
 from .backend import dtype_name
 from .errors import InvalidInputError, NonFiniteInputError, SumOverflowError
 from .report import Report
@@ -321,12 +321,7 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
         bad = [v["nonfinite"] for v in verdicts if v["nonfinite"]]
         if bad:
             raise NonFiniteInputError(bad[0])
-    if result.dtype in NATIVE_DTYPES:
-        own.finish(divisor, result)
-    else:
-        staged = workspace.take(xp, "finish.f32", m, np.float32)
-        own.finish(divisor, staged)
-        result[...] = staged.astype(result.dtype)
+    finish_into(own, divisor, result, workspace, xp)
     yield Mark("done")
 
     chunk_bytes = [sum(p.chunk_nbytes) for p in plans]
@@ -335,18 +330,8 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
     report.bytes_sent = sent
     report.tiles_per_chunk = max(len(p.chunk_tiles[0]) for p in plans)
     report.sync_free = all(getattr(p, "sync_free", False) for p in plans) and not raise_check
-    refusal = ""
-    if fixed:
-        if detailed_report:         # a host read, only for a detailed report
-            refusal = own.refusal()
-            report.nonfinite = bool(refusal)
-    elif blocks.combined is not None:
-        report.nonfinite = False       # the statistics would have flagged it
-    elif detailed_report:
-        report.nonfinite = _holds_nonfinite(xp, result)
-    info = own.report(detailed_report)
-    if refusal:
-        info["nonfinite"] = f"{refusal}; output set to NaN"
+    info = report_plan(report, own, fixed, blocks.combined is not None, detailed_report, xp,
+                       result)
     info["block_bytes"] = chunk_bytes      # message bytes of each rank's block
     if budget != "per-chunk":
         info["budget"] = budget

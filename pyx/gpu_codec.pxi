@@ -26,15 +26,19 @@ def stats(x, int64_t nsg, bint centre, stream=None):
     return mean, norm2, bad
 
 
-def stats_into(x, int64_t nsg, bint centre, mean, norm2, tail, scratch, stream=None):
+def stats_into(x, int64_t nsg, bint centre, mean, norm2, tail, scratch=None, stream=None):
     """stats() written into caller CuPy buffers (see _cpu.stats_into); ``scratch``
-    is one int64 device word for the non-finite count."""
+    is one int64 device word for the non-finite count, or None (the tail's
+    flag says whether there is any)."""
     cdef Source s = Source(x)
     if nsg * SUPER < x.size:
         raise ValueError("stats: %d super-groups do not cover %d values" % (nsg, x.size))
     _expect(norm2, np.float32, nsg, "stats norm2")
     _expect(tail, np.float32, 2, "stats tail")
-    _expect(scratch, np.int64, 1, "stats scratch")
+    cdef int64_t* bp = NULL
+    if scratch is not None:
+        _expect(scratch, np.int64, 1, "stats scratch")
+        bp = <int64_t*>_dptr(scratch, "stats scratch")
     cdef float* mp = NULL
     if mean is not None:
         _expect(mean, np.float32, nsg, "stats mean")
@@ -44,7 +48,6 @@ def stats_into(x, int64_t nsg, bint centre, mean, norm2, tail, scratch, stream=N
         raise ValueError("stats_into: centring needs a mean buffer")
     cdef float* np_ = <float*>_dptr(norm2, "stats norm2") if nsg else NULL
     cdef float* tp = <float*>_dptr(tail, "stats tail")
-    cdef int64_t* bp = <int64_t*>_dptr(scratch, "stats scratch")
     cdef uintptr_t st = _stream(stream)
     cdef int rc
     with nogil:

@@ -260,11 +260,24 @@ DQ_HD double dq_tree_sum256(double* v) {
     return v[0];
 }
 
-// Mean of a super-group from its tree sum; 0 (no centring) when a value above
-// FLT_MAX / 2 could make x - mean overflow.
-DQ_HD float dq_mean_from_sum(double sum, float absmax) {
+// The same tree in float32: the mean of a super-group is the tree sum of its
+// values scaled by 2^-8 (exact but for denormals; no partial sum can overflow
+// where the mean is taken, |x| <= FLT_MAX / 2).  float32, not the norm's
+// float64: the mean only has to be the same on every device (centring is
+// undone exactly by the sum of the means), and the statistics pass runs at
+// the speed of its float64 conversions (kernels.md).
+#define DQ_MEAN_SCALE 0.00390625f
+DQ_HD float dq_tree_sum256f(float* v) {
+    for (int h = 128; h >= 1; h >>= 1)
+        for (int i = 0; i < h; i++) v[i] = v[i] + v[i + h];
+    return v[0];
+}
+
+// Mean of a super-group from its scaled tree sum; 0 (no centring) when a value
+// above FLT_MAX / 2 could make x - mean overflow.
+DQ_HD float dq_mean_from_tree(float scaled_sum, float absmax) {
     if (!(absmax <= 1.7014118e38f)) return 0.0f;
-    return (float)(sum / 256.0);
+    return scaled_sum;
 }
 
 // Saturating float32 of a non-negative double, rounded up (F is never 0 for a

@@ -31,9 +31,10 @@ int dq_gpu_synchronize(uintptr_t stream);       // cudaStreamSynchronize
 int dq_gpu_last_error(void);                    // cudaGetLastError (clears it)
 
 // -------------------------------------------------------------- DynamiQ codec
-// Statistics (see dq_cpu_stats).  `nonfinite` is one device int64 that receives
-// the count of non-finite inputs; `tail` (2 device floats, may be NULL) the
-// non-finite flag and max |x| of dq_cpu_stats (both zeroed first, same stream).
+// Statistics (see dq_cpu_stats).  `nonfinite` (one device int64, may be NULL)
+// receives the count of non-finite inputs; `tail` (2 device floats, may be
+// NULL, not both) the non-finite flag and max |x| of dq_cpu_stats (both
+// zeroed first, same stream).
 int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
                  int64_t* nonfinite, float* tail, uintptr_t stream);
 // dst[0..1] = {key_value, key_perm}, enqueued on stream (DqParams.key_ptr's target)

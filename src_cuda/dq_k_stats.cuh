@@ -57,16 +57,16 @@ __device__ __forceinline__ void stats_stage(float* sm, int lane, const uint4 (&r
         }
     }
 }
-// The header's tree over 16 lanes x 16 registers (lane h, register k = entry h + 16 k).
-__device__ __forceinline__ double tree_sum_half(double (&b)[16]) {
-#pragma unroll
-    for (int k = 0; k < 8; k++) b[k] = b[k] + b[k + 8];
+// The header's tree over 16 lanes x 16 registers (lane h, register k = entry
+// h + 16 k), from its first level on (b[k], k < 8: entries k and k + 8 added).
+template <class T>
+__device__ __forceinline__ T tree_sum_half_from8(T (&b)[16]) {
 #pragma unroll
     for (int k = 0; k < 4; k++) b[k] = b[k] + b[k + 4];
     b[0] = b[0] + b[2];
     b[1] = b[1] + b[3];
     b[0] = b[0] + b[1];
-    double v = b[0];
+    T v = b[0];
 #pragma unroll
     for (int h = 8; h >= 1; h >>= 1) v = v + __shfl_down_sync(kFull, v, h, 16);
     return __shfl_sync(kFull, v, 0, 16);
@@ -98,24 +98,28 @@ k_stats_pairs(const DqSource S, int64_t nsg, int centre, float* mean, float* nor
         for (int j = 0; j < StatsVec<DT>::N; j++) r0[j] = r1[j];
         if (p + 2 * stride < npairs) stats_fetch<DT>(S, p + 2 * stride, lane, vec, r1);
 
-        double b[16];
         float amax = 0.0f;
 #pragma unroll
-        for (int k = 0; k < 16; k++) {
-            b[k] = (double)v[k];
-            amax = fmaxf(amax, fabsf(v[k]));          // NaN ignored, like the CPU's a > m
-        }
+        for (int k = 0; k < 16; k++) amax = fmaxf(amax, fabsf(v[k]));   // NaN ignored, like the CPU's a > m
 #pragma unroll
         for (int m = 8; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, m));
         warp_absmax = fmaxf(warp_absmax, amax);
         float mu = 0.0f;
-        if (centre) mu = dq_mean_from_sum(tree_sum_half(b), amax);
+        if (centre) {
+            float a[16];            // the mean's tree, in float32 (dq_tree_sum256f)
 #pragma unroll
-        for (int k = 0; k < 16; k++) {
-            const double c = (double)(v[k] - mu);
-            b[k] = c * c;
+            for (int k = 0; k < 8; k++) a[k] = v[k] * DQ_MEAN_SCALE + v[k + 8] * DQ_MEAN_SCALE;
+            mu = dq_mean_from_tree(tree_sum_half_from8(a), amax);
         }
-        const double total = tree_sum_half(b);
+        double b[16];
+        // the squares are exact in float64 (24-bit mantissas), so the tree's
+        // first level c_k^2 + c_{k+8}^2 is one fma with the same bits
+#pragma unroll
+        for (int k = 0; k < 8; k++) {
+            const double c = (double)(v[k] - mu), d = (double)(v[k + 8] - mu);
+            b[k] = fma(c, c, d * d);
+        }
+        const double total = tree_sum_half_from8(b);
         // Non-finite entries, counted only where they can be: squares of
         // finite floats summed in double cannot overflow (256 * FLT_MAX^2 <
         // DBL_MAX), so a finite total means none here (the same count as a
@@ -133,7 +137,7 @@ k_stats_pairs(const DqSource S, int64_t nsg, int centre, float* mean, float* nor
     }
 #pragma unroll
     for (int m = 16; m >= 1; m >>= 1) bad += __shfl_xor_sync(kFull, bad, m);
-    if (lane == 0 && bad) atomicAdd(nonfinite, bad);
+    if (lane == 0 && bad && nonfinite) atomicAdd(nonfinite, bad);
     warp_absmax = fmaxf(warp_absmax, __shfl_xor_sync(kFull, warp_absmax, 16));
     if (tail && lane == 0) {
         if (bad) tail[0] = 1.0f;

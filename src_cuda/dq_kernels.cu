@@ -131,10 +131,12 @@ int dq_gpu_set_keys(uint32_t* dst, uint32_t key_value, uint32_t key_perm, uintpt
 int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
                  int64_t* nonfinite, float* tail, uintptr_t stream) {
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-    if (!S || !nonfinite || (!mean && centre)) return (int)cudaErrorInvalidValue;
+    if (!S || !(nonfinite || tail) || (!mean && centre)) return (int)cudaErrorInvalidValue;
     if (S->sg_map || S->mean) return (int)cudaErrorInvalidValue;
-    cudaError_t e = cudaMemsetAsync(nonfinite, 0, sizeof(int64_t), st);
-    if (e != cudaSuccess) return (int)e;
+    // (the codec's calls ask for the tail's flag alone: one memset, not two)
+    cudaError_t e = cudaSuccess;
+    if (nonfinite && (e = cudaMemsetAsync(nonfinite, 0, sizeof(int64_t), st)) != cudaSuccess)
+        return (int)e;
     if (tail && (e = cudaMemsetAsync(tail, 0, 2 * sizeof(float), st)) != cudaSuccess) return (int)e;
     if (nsg <= 0) return 0;
     unsigned long long* bad = reinterpret_cast<unsigned long long*>(nonfinite);

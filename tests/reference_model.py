@@ -322,9 +322,10 @@ def source_values(x, nsg: int, sg_base: int = 0, sg_map=None, sg_offset: int = 0
     return v.reshape(-1)
 
 
-def tree_sum256(v) -> np.ndarray:
-    """The halving tree v[i] += v[i+h], h = 128..1, row-wise (float64)."""
-    v = np.array(v, dtype=np.float64).reshape(-1, SUPER)
+def tree_sum256(v, dtype=np.float64) -> np.ndarray:
+    """The halving tree v[i] += v[i+h], h = 128..1, row-wise, in ``dtype``
+    (float64: the norm; float32: the mean, of values scaled by 2^-8)."""
+    v = np.array(v, dtype=dtype).reshape(-1, SUPER)
     h = SUPER // 2
     while h >= 1:
         v[:, :h] = v[:, :h] + v[:, h: 2 * h]
@@ -341,7 +342,7 @@ def stats_model(x, nsg: int, centre: bool):
     with np.errstate(over="ignore", invalid="ignore"):
         if centre:
             # no centring where some |x| > FLT_MAX / 2 = 2^127: x - mean could overflow
-            mu = (tree_sum256(v) / 256.0).astype(np.float32)
+            mu = tree_sum256(v * np.float32(2.0 ** -8), np.float32)
             mu = np.where(abs_max(v, 1) <= MEAN_ABSMAX_LIMIT, mu, np.float32(0)).astype(np.float32)
         else:
             mu = np.zeros(nsg, np.float32)

@@ -60,7 +60,11 @@ def test_stats_match_model():
                 err = np.abs(mu.astype(np.float64) - exact_mu)
                 ulp = np.spacing(np.abs(mu)).astype(np.float64)
                 sum_abs = np.abs(v.astype(np.float64)).sum(axis=1) / 256
-                assert np.all(err <= ulp + 2.0 ** -45 * sum_abs), f"{what}: mean off by > 1 ulp {TAG}"
+                # a float32 tree of 8 levels over values scaled by 2^-8: each
+                # level rounds its partial sums (<= 2^-24 relative), and a
+                # denormal lost below 2^-149 in the scaling
+                bound = ulp + 8 * 2.0 ** -24 * sum_abs + 256 * 2.0 ** -149
+                assert np.all(err <= bound), f"{what}: mean off beyond the tree's bound {TAG}"
 
 
 def test_stats_count_nonfinite():

@@ -234,8 +234,9 @@ def test_a_vector_shorter_than_its_chunks_has_empty_tiles():
     ranges = [plan._elems(t) for t in range(len(plan.tiling.units))]
     assert ranges[0] == (0, 10) and all(a == b == 10 for a, b in ranges[1:])
     xs = rank_inputs(fresh_seed(), 4, 777)
-    outs = dq.simulate_allreduce(xs, codec=dq.DynamiQ(small_input=0), topology="butterfly")
-    assert vnmse(outs[3], exact_sum(xs)) < 0.2
+    outs = dq.simulate_allreduce(xs, codec=dq.DynamiQ(small_input=0, bits=8), topology="butterfly")
+    assert all(np.array_equal(o, outs[0]) for o in outs)
+    assert vnmse(outs[3], exact_sum(xs)) < 0.2       # (measured 0.001-0.03 at 8 bits)
 
 
 @pytest.mark.parametrize("n,topology", [(2, "ring"), (3, "ring"), (4, "butterfly"), (8, "ring")])

@@ -230,8 +230,9 @@ def main(argv=None):
 
         # the statistics pass (per super-group mean and norm of the centred
         # values, flags): reads the input once, writes 8 bytes per super-group
+        # (as the codec calls it: the tail's flag, no count of non-finite entries)
         stats_out = (cp.empty(nsg, cp.float32), cp.empty(nsg, cp.float32),
-                     cp.empty(2, cp.float32), cp.empty(1, cp.int64))
+                     cp.empty(2, cp.float32))
         add("dq statistics (centred)", k, n, 2 * n + 8 * nsg,
             timer(lambda: _gpu.stats_into(xbf, nsg, True, *stats_out)))
         del stats_out

@@ -124,11 +124,7 @@ class DynamiQ(Codec):
         mean = workspace.sub(stats, 0, nsg) if self.centring else None
         norm2 = workspace.sub(stats, head - nsg, head)
         tail = workspace.sub(stats, head, head + 2)
-        if backend.name == "gpu":
-            scratch = workspace.take(xp, "dq.stats_scratch", 1, np.int64)
-            backend.kernels.stats_into(x, nsg, self.centring, mean, norm2, tail, scratch)
-        else:
-            backend.kernels.stats_into(x, nsg, self.centring, mean, norm2, tail)
+        backend.kernels.stats_into(x, nsg, self.centring, mean, norm2, tail)
         return stats, mean
 
     def plan(self, x, reduced_stats, n, keys, backend, local_state, workspace,
