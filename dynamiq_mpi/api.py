@@ -2,6 +2,7 @@
 :func:`simulate_allreduce`."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -16,7 +17,7 @@ from .paths import PathChooser, default_path, size_class
 from .transports import TRANSPORTS, explain_transport
 from .transports.ops import Agree, Route
 from .transports.simulate import SimulatedTransport
-from .graphs import CallGraph, SteadyCompressed, default_graphs, drive_captured, graph_key
+from .graphs import CallGraph, SteadyCompressed, default_graphs, drive_agreed, graph_key
 from .rng import call_keys
 from .settings import env_choice
 from .workspace import FRESH, Workspace
@@ -223,9 +224,9 @@ class Collective:
     def _run_graph(self, entry, x, out, codec, topology, op, seed, counter, transport,
                    tile_bytes, nonfinite) -> bool:
         """Replay (or capture, on its second occurrence) a steady compressed
-        call; False when this rank runs it on the engine instead (a failed
-        capture: the same messages in the same order, so peers replaying
-        their graphs still match)."""
+        call (a failed capture runs it on the engine: the same messages in
+        the same order, so peers replaying their graphs still match).
+        Returns True: the call is done."""
         if not entry.agree(self._mpi.comm, counter):
             from .engine import _agree      # every rank raises, as on the engine's path
             _agree(self._mpi.comm.allgather(dict(entry.record, counter=counter)))
@@ -245,11 +246,18 @@ class Collective:
                 data = self._route(entry.transport, x)
                 metas = entry.metas(counter, self.size)
                 try:
-                    graph.capture(lambda: drive_captured(program, metas, data), stream)
+                    graph.capture(lambda: drive_agreed(program, metas, data), stream)
                 except Exception as exc:
                     graph.free()
                     entry.failed = f"capture failed: {type(exc).__name__}: {exc}"
-                    return False
+                    # The call was agreed (the digests above): run it on the
+                    # engine with no second agreement, so that peers replaying
+                    # their graphs meet the same messages in the same order.
+                    spec = dataclasses.replace(spec, keys_at=0)
+                    drive_agreed(rank_program(self.rank, self.size, x, spec, out,
+                                              self._workspace, detailed_report=False),
+                                 metas, data, capturing=False)
+                    return True
                 entry.graph = graph
             entry.graph.launch(keys, stream)
         finally:

@@ -176,6 +176,7 @@ def _global_block_codecs(codec, blocks, reduced, backend):
         cost = stats_bits[b] + sum(int(np.count_nonzero(w == k)) * rec[k] for k in rec)
         c = copy.copy(codec)
         object.__setattr__(c, "bits", (cost + 0.5) / blocks.m)
+        c.__dict__["_exact_budget"] = True     # these bits exactly: no layout reserve
         out.append(c)
     return out
 

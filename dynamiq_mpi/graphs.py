@@ -140,9 +140,11 @@ def default_graphs(value=None) -> bool:
     return env_flag(value, "DYNAMIQ_GRAPHS")
 
 
-def drive_captured(program, metas, data):
+def drive_agreed(program, metas, data, capturing=True):
     """Run a rank program whose agreement is known (``metas``) on ``data``:
-    the body of a graph capture (no MPI, no host wait).  Returns its report."""
+    the body of a graph capture (no MPI, no host wait), or (``capturing``
+    False) the same call run eagerly after a failed capture, whose digests
+    the ranks have already exchanged.  Returns its report."""
     request = program.send(None)
     while True:
         if isinstance(request, Agree):
@@ -154,8 +156,8 @@ def drive_captured(program, metas, data):
         try:
             request = program.send(answer)
         except StopIteration as done:
-            data.join(fresh=True)           # every forked lane joins the capture
+            data.join(fresh=capturing)      # every forked lane joins (the capture)
             report = done.value[1]
-            if not report.sync_free:
+            if capturing and not report.sync_free:
                 raise RuntimeError("the call read device data on the host")
             return report

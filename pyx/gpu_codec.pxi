@@ -135,6 +135,46 @@ def decompress_out(const uint8_t[::1] params, inp, int64_t nsg, int64_t sg_base,
     _check(rc, "decompress_out")
 
 
+# One launch of one piece, coded or raw BF16 (the 16-bit class), shared by the
+# tile loops here (host pieces: the count and first super-group known, the
+# pointers at the piece, a raw piece's source shifted to it; ``pp`` NULL) and
+# the fixed layout's (gpu_layout.pxi: ``pp`` the device piece, ``cnt`` its
+# capacity; the kernel reads the rest).
+
+cdef inline int _encode_piece(bint raw, const DqParams* P, const DqSource* src, const uint8_t* ip,
+                              uint8_t* op, int64_t cnt, int64_t s0, unsigned event, uintptr_t st,
+                              const int64_t* pp) noexcept nogil:
+    if raw:
+        if ip != NULL:
+            return dq_gpu_bf16_dar(<const uint16_t*>ip, src, cnt, cnt * DQ_SUPER, <uint16_t*>op,
+                                   st, pp)
+        return dq_gpu_bf16_compress(src, cnt, cnt * DQ_SUPER, <uint16_t*>op, st, pp)
+    if ip != NULL:
+        return dq_gpu_dar(P, ip, src, cnt, s0, event, op, st, pp)
+    return dq_gpu_compress(P, src, cnt, s0, event, op, st, pp)
+
+
+cdef inline int _decode_piece(bint raw, const DqParams* P, const uint8_t* ip, float* op,
+                              int64_t cnt, int acc, uintptr_t st, const int64_t* pp) noexcept nogil:
+    if raw:
+        return dq_gpu_bf16_decompress(<const uint16_t*>ip, cnt * DQ_SUPER, op, acc, st, pp)
+    return dq_gpu_decompress(P, ip, cnt, op, acc, st, pp)
+
+
+cdef inline int _decode_out_piece(bint raw, const DqParams* P, const uint8_t* ip, int64_t cnt,
+                                  int64_t s0, const int64_t* gp, const float* mp, float divisor,
+                                  void* op, int dtype, int64_t length, uintptr_t st,
+                                  const int64_t* pp) noexcept nogil:
+    if raw:
+        return dq_gpu_bf16_decompress_out(<const uint16_t*>ip, cnt, s0, gp, mp, divisor, op,
+                                          dtype, length, st, pp)
+    return dq_gpu_decompress_out(P, ip, cnt, s0, gp, mp, divisor, op, dtype, length, st, pp)
+
+
+cdef str _encode_name(bint raw, bint dar):
+    return ("bf16_" if raw else "") + ("dar" if dar else "compress")
+
+
 # One call per tile: a tile of the compressed stream is width-homogeneous
 # pieces (width, first stream super-group, count, byte offset in the tile,
 # bytes), and a call launches one kernel per piece.  Looping here instead of
@@ -158,32 +198,20 @@ def encode_pieces(params, Source local, pieces, unsigned event, out, inp=None, s
     cdef const DqParams* P = NULL
     cdef int64_t at[4]
     cdef int rc
-    cdef DqSource shifted
+    cdef bint raw
+    cdef DqSource src
     for piece in pieces:
-        if raw_piece(piece, osize, "encode buffers", at):     # the 16-bit class
-            if at[1] == 0:
-                continue
-            shifted = shifted_source(&local.src, at[0])
-            with nogil:
-                if ip != NULL:
-                    rc = dq_gpu_bf16_dar(<const uint16_t*>(ip + at[2]), &shifted, at[1],
-                                         at[1] * DQ_SUPER, <uint16_t*>(op + at[2]), st, NULL)
-                else:
-                    rc = dq_gpu_bf16_compress(&shifted, at[1], at[1] * DQ_SUPER,
-                                              <uint16_t*>(op + at[2]), st, NULL)
-            _check(rc, "bf16_dar" if ip != NULL else "bf16_compress")
-            continue
-        P = piece_params(params, piece, osize, "encode buffers", at)
-        check_event(event, P)
+        raw = raw_piece(piece, osize, "encode buffers", at)     # the 16-bit class
+        if not raw:
+            P = piece_params(params, piece, osize, "encode buffers", at)
+            check_event(event, P)
         if at[1] == 0:
             continue
+        src = shifted_source(&local.src, at[0]) if raw else local.src
         with nogil:
-            if ip != NULL:
-                rc = dq_gpu_dar(P, ip + at[2], &local.src, at[1], at[0], event, op + at[2], st,
-                                NULL)
-            else:
-                rc = dq_gpu_compress(P, &local.src, at[1], at[0], event, op + at[2], st, NULL)
-        _check(rc, "dar" if ip != NULL else "compress")
+            rc = _encode_piece(raw, P, &src, ip + at[2] if ip != NULL else NULL, op + at[2],
+                               at[1], at[0], event, st, NULL)
+        _check(rc, _encode_name(raw, ip != NULL))
 
 
 def decompress_pieces(params, inp, pieces, out, bint accumulate, int64_t sg_first=0, stream=None):
@@ -209,12 +237,8 @@ def decompress_pieces(params, inp, pieces, out, bint accumulate, int64_t sg_firs
         if at[1] == 0:
             continue
         with nogil:
-            if raw:
-                rc = dq_gpu_bf16_decompress(<const uint16_t*>(ip + at[2]), at[1] * DQ_SUPER,
-                                            op + row, 1 if accumulate else 0, st, NULL)
-            else:
-                rc = dq_gpu_decompress(P, ip + at[2], at[1], op + row, 1 if accumulate else 0, st,
-                                       NULL)
+            rc = _decode_piece(raw, P, ip + at[2], op + row, at[1], 1 if accumulate else 0, st,
+                               NULL)
         _check(rc, "bf16_decompress" if raw else "decompress")
 
 
@@ -248,12 +272,8 @@ def decompress_out_pieces(params, inp, pieces, order, mean_sum, float divisor, o
         if at[1] == 0:
             continue
         with nogil:
-            if raw:
-                rc = dq_gpu_bf16_decompress_out(<const uint16_t*>(ip + at[2]), at[1], at[0], gp,
-                                                mp, divisor, op, dtype, length, st, NULL)
-            else:
-                rc = dq_gpu_decompress_out(P, ip + at[2], at[1], at[0], gp, mp, divisor, op,
-                                           dtype, length, st, NULL)
+            rc = _decode_out_piece(raw, P, ip + at[2], at[1], at[0], gp, mp, divisor, op, dtype,
+                                   length, st, NULL)
         _check(rc, "bf16_decompress_out" if raw else "decompress_out")
 
 

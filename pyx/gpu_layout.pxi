@@ -105,6 +105,26 @@ cdef int _caps_fit(caps, widths, int64_t nbytes, params, bint hierarchical, what
     return 0
 
 
+cdef const DqParams* _class_params(params, widths, int k, unsigned event, bint check) except? NULL:
+    """The params of stream class k (NULL for the raw BF16 class)."""
+    if widths[k] == 16:
+        return NULL
+    cdef const uint8_t[::1] blob = params[widths[k]]
+    cdef const DqParams* P = _params(blob)      # (the blob lives in ``params``)
+    if check:
+        check_event(event, P)
+    return P
+
+
+cdef int _raw_aligned(caps, widths, uintptr_t a, uintptr_t b, what) except -1:
+    """The raw BF16 class reads and writes 2-byte values: its slots must be
+    2-byte aligned (the layout's record sizes are even, so its offsets are)."""
+    for k in range(4):
+        if caps[k] and widths[k] == 16 and ((a | b) & 1):
+            raise ValueError("%s: the raw BF16 class needs 2-byte aligned slots" % what)
+    return 0
+
+
 def encode_table(params, Source local, table, int64_t tile, caps, widths, bint hierarchical,
                  unsigned event, out, inp=None, stream=None):
     """compress (``inp`` None) or dar of tile ``tile`` of the fixed layout:
@@ -120,37 +140,21 @@ def encode_table(params, Source local, table, int64_t tile, caps, widths, bint h
     _caps_fit(caps, widths, osize, params, hierarchical, "encode_table")
     cdef const int64_t* row = _tile_row(table, tile)
     cdef uint8_t* op = <uint8_t*>_dptr(out, "encode out")
+    _raw_aligned(caps, widths, <uintptr_t>ip, <uintptr_t>op, "encode_table")
     cdef uintptr_t st = _stream(stream)
-    cdef const DqParams* P = NULL
-    cdef const uint8_t[::1] blob
-    cdef const int64_t* pp
+    cdef const DqParams* P
     cdef int64_t cap
-    cdef int rc
-    cdef int k
+    cdef int rc, k
+    cdef bint raw
     for k in range(4):
         cap = caps[k]
         if cap == 0:
             continue
-        pp = row + 4 * k
-        if widths[k] == 16:         # the 16-bit class: raw BF16 records
-            with nogil:
-                if ip != NULL:
-                    rc = dq_gpu_bf16_dar(<const uint16_t*>ip, &local.src, cap, cap * DQ_SUPER,
-                                         <uint16_t*>op, st, pp)
-                else:
-                    rc = dq_gpu_bf16_compress(&local.src, cap, cap * DQ_SUPER, <uint16_t*>op,
-                                              st, pp)
-            _check(rc, "bf16_dar" if ip != NULL else "bf16_compress")
-            continue
-        blob = params[widths[k]]
-        P = _params(blob)
-        check_event(event, P)
+        raw = widths[k] == 16
+        P = _class_params(params, widths, k, event, True)
         with nogil:
-            if ip != NULL:
-                rc = dq_gpu_dar(P, ip, &local.src, cap, 0, event, op, st, pp)
-            else:
-                rc = dq_gpu_compress(P, &local.src, cap, 0, event, op, st, pp)
-        _check(rc, "dar" if ip != NULL else "compress")
+            rc = _encode_piece(raw, P, &local.src, ip, op, cap, 0, event, st, row + 4 * k)
+        _check(rc, _encode_name(raw, ip != NULL))
 
 
 def decompress_table(params, inp, table, int64_t tile, caps, widths, bint hierarchical, out,
@@ -164,29 +168,22 @@ def decompress_table(params, inp, table, int64_t tile, caps, widths, bint hierar
     cdef const int64_t* row = _tile_row(table, tile)
     cdef const uint8_t* ip = <const uint8_t*>_dptr(inp, "decompress input")
     cdef float* op = <float*>_dptr(out, "decompress out")
+    _raw_aligned(caps, widths, <uintptr_t>ip, 0, "decompress_table")
     cdef uintptr_t st = _stream(stream)
-    cdef const DqParams* P = NULL
-    cdef const uint8_t[::1] blob
-    cdef const int64_t* pp
+    cdef const DqParams* P
     cdef int64_t cap
-    cdef int rc
-    cdef int k
+    cdef int rc, k
     cdef int acc = 1 if accumulate else 0
+    cdef bint raw
     for k in range(4):
         cap = caps[k]
         if cap == 0:
             continue
-        pp = row + 4 * k
-        if widths[k] == 16:
-            with nogil:
-                rc = dq_gpu_bf16_decompress(<const uint16_t*>ip, cap * DQ_SUPER, op, acc, st, pp)
-            _check(rc, "bf16_decompress")
-            continue
-        blob = params[widths[k]]
-        P = _params(blob)
+        raw = widths[k] == 16
+        P = _class_params(params, widths, k, 0, False)
         with nogil:
-            rc = dq_gpu_decompress(P, ip, cap, op, acc, st, pp)
-        _check(rc, "decompress")
+            rc = _decode_piece(raw, P, ip, op, cap, acc, st, row + 4 * k)
+        _check(rc, "bf16_decompress" if raw else "decompress")
 
 
 def decompress_out_table(params, inp, table, int64_t tile, caps, widths, bint hierarchical, order,
@@ -208,29 +205,22 @@ def decompress_out_table(params, inp, table, int64_t tile, caps, widths, bint hi
     cdef const int64_t* gp = <const int64_t*>_dptr(order, "decompress_out order")
     cdef const float* mp = <const float*>_dptr(mean_sum, "decompress_out mean_sum")
     cdef void* op = <void*>_dptr(out, "decompress_out out")
+    _raw_aligned(caps, widths, <uintptr_t>ip, 0, "decompress_out_table")
     cdef uintptr_t st = _stream(stream)
-    cdef const DqParams* P = NULL
-    cdef const uint8_t[::1] blob
-    cdef const int64_t* pp
+    cdef const DqParams* P
     cdef int64_t cap
-    cdef int rc
-    cdef int k
+    cdef int rc, k
+    cdef bint raw
     for k in range(4):
         cap = caps[k]
         if cap == 0:
             continue
-        pp = row + 4 * k
-        if widths[k] == 16:
-            with nogil:
-                rc = dq_gpu_bf16_decompress_out(<const uint16_t*>ip, cap, 0, gp, mp, divisor, op,
-                                                dtype, length, st, pp)
-            _check(rc, "bf16_decompress_out")
-            continue
-        blob = params[widths[k]]
-        P = _params(blob)
+        raw = widths[k] == 16
+        P = _class_params(params, widths, k, 0, False)
         with nogil:
-            rc = dq_gpu_decompress_out(P, ip, cap, 0, gp, mp, divisor, op, dtype, length, st, pp)
-        _check(rc, "decompress_out")
+            rc = _decode_out_piece(raw, P, ip, cap, 0, gp, mp, divisor, op, dtype, length, st,
+                                   row + 4 * k)
+        _check(rc, "bf16_decompress_out" if raw else "decompress_out")
 
 
 def local_values_table(Source local, table, int64_t tile, int64_t cap, out, stream=None):

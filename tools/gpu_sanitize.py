@@ -66,5 +66,45 @@ for dtype in (np.float32, BF16):
     _gpu.exact_compress(src, 6, fl)
     _gpu.exact_dar(fl, src, 6, fl)
     _gpu.exact_decompress(fl[:999], exact_size(999, 0, cp.float32), False)
+
+# the fixed layout: the device cut into slots of exactly their capacity (odd
+# offsets), every table launcher, the statistics without a count, the keys of
+# a graph replay; then whole calls (all ranks on this stream), ring and butterfly
+RB = [82, 146, 274, 512]
+for counts, tiles in (([3, 0, 2, 1], 2), ([1, 1, 1, 0], 1), ([0, 0, 0, 0], 1)):
+    header = cp.zeros(_gpu.PLAN_HEADER, cp.float64)
+    header[2] = 1.0
+    header[4], header[5], header[6], header[10] = counts
+    cap = 1600
+    table = exact_size(tiles * _gpu.TILE_INTS, 0, cp.int64)
+    wire = exact_size(tiles * cap, 0)
+    _gpu.plan_pieces(header, 1, tiles, RB, cap, table, wire)
+    caps = [min(cap // rb, 6) for rb in RB]
+    xs = cp.asarray((rng.standard_normal(6 * 256 - 5) * 3).astype(np.float32))
+    src = _gpu.Source(xs, cp.asarray(rng.permutation(6).astype(np.int64)), 0,
+                      cp.asarray(rng.standard_normal(6).astype(np.float32)))
+    t = {w: build_tables(w, EPS[w]) for w in (2, 4, 8)}
+    params = {w: np.frombuffer(_gpu.make_params(w, True, True, 5, 3, 1, 2, t[w].mag, t[w].inv_gap,
+                                                t[w].level, t[w].lut, 1), np.uint8) for w in t}
+    for tile in range(tiles):
+        slot = wire[tile * cap:(tile + 1) * cap]
+        _gpu.encode_table(params, src, table, tile, caps, (2, 4, 8, 16), True, 1, slot)
+        other = exact_size(cap, 2)           # (the raw BF16 class needs 2-byte alignment)
+        _gpu.encode_table(params, src, table, tile, caps, (2, 4, 8, 16), True, 2, other, slot)
+        acc = exact_size(6 * 256, 0, cp.float32)
+        _gpu.local_values_table(src, table, tile, 6, acc)
+        _gpu.decompress_table(params, other, table, tile, caps, (2, 4, 8, 16), True, acc, True)
+        out = exact_size(6 * 256 - 5, 1, cp.float32)
+        _gpu.decompress_out_table(params, other, table, tile, caps, (2, 4, 8, 16), True,
+                                  cp.arange(6, dtype=cp.int64), cp.zeros(6, cp.float32), 2.0, out)
+mean, norm, tail = cp.empty(6, cp.float32), cp.empty(6, cp.float32), cp.empty(2, cp.float32)
+_gpu.stats_into(cp.asarray(rng.standard_normal(6 * 256 - 9).astype(np.float32)), 6, True, mean,
+                norm, tail)
+_gpu.set_keys(exact_size(2, 0, cp.uint32), 5, 6)
+import dynamiq_mpi as dq  # noqa: E402
+for n, topology in ((2, "ring"), (3, "ring"), (4, "butterfly")):
+    ins = [cp.asarray((rng.standard_normal(256 * 9 + 7)).astype(BF16)) for _ in range(n)]
+    dq.simulate_allreduce(ins, codec=dq.DynamiQ(small_input=0), topology=topology, layout="fixed",
+                          tile_bytes=700)
 _gpu.synchronize()
 print("gpu_sanitize: all kernels ran")

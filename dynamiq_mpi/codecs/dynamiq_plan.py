@@ -85,7 +85,7 @@ def _slots(data_max: int, chunks: int, widest: int, tile_bytes: int) -> tuple:
 
 @functools.lru_cache(maxsize=256)
 def layout_budget(codec, nsg: int, length: int, chunks: int, tile_bytes: int, stats_bits: int,
-                  bf16_class: bool) -> tuple:
+                  bf16_class: bool, reserve: bool = True) -> tuple:
     """(the budget the planner spends, bits; the fixed layout's tiles per
     chunk; its slot bytes; the largest width present's record bytes).
 
@@ -120,7 +120,7 @@ def layout_budget(codec, nsg: int, length: int, chunks: int, tile_bytes: int, st
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     data = hi
-    if 8 * (allowed - data) <= LAYOUT_RESERVE_BITS * length:
+    if reserve and 8 * (allowed - data) <= LAYOUT_RESERVE_BITS * length:
         planned = stats_bits + 8 * max(data, 0)
     else:           # a small input: the fixed layout's padding may exceed the budget
         planned, data = budget, allowed
@@ -156,8 +156,11 @@ class _DynamiQPlan(Plan):
         bf16_class = codec.bf16_class and variable
         padded_budget_bits = codec.bits * nsg * SUPER + stats_bits
         self.chunks = planned_chunks(n)
+        # (a reduce-scatter's global-budget study plans its blocks with the
+        # bits a global allocation gave them, exactly: no reserve; engine_rs)
         self.planned_bits, tiles, slot, _ = layout_budget(
-            codec, nsg, self.length, self.chunks, int(tile_bytes), stats_bits, bf16_class)
+            codec, nsg, self.length, self.chunks, int(tile_bytes), stats_bits, bf16_class,
+            not codec.__dict__.get("_exact_budget", False))
         args = (nsg, codec.centring, codec.zero_class, variable, codec.fixed_width or 0,
                 stats_bits, [record_bits(w, hier) for w in WIDTHS + (BF16_WIDTH,)],
                 self.planned_bits, padded_budget_bits, self.norm2,
