@@ -99,36 +99,8 @@ mpirun_bounded() {
     timeout -k 15 $((MPI_TIMEOUT + 30)) env "${MPI_ENV[@]}" "$MPIEXEC" -n "$1" "${LAUNCH[@]}" </dev/null
 }
 
-# junit_counts FILE... -> "passed failed skipped reports agree": the first report's passed
-# and skipped, the largest failure count (failures + errors), how many reports
-# could be read, and agree=1 if all of them have the same counts.  An aborted rank
-# writes no report.
-junit_counts() {
-    "$PY_ABS" - "$@" <<'PYEOF'
-import sys
-import xml.etree.ElementTree as ET
-
-counts = []
-for path in sys.argv[1:]:
-    try:
-        root = ET.parse(path).getroot()
-    except Exception:
-        continue
-    suites = [root] if root.tag == "testsuite" else root.iter("testsuite")
-    t = f = s = 0
-    for su in suites:
-        t += int(su.get("tests", 0))
-        f += int(su.get("failures", 0)) + int(su.get("errors", 0))
-        s += int(su.get("skipped", 0))
-    counts.append((t - f - s, f, s))
-if not counts:
-    print("0 0 0 0 0")
-else:
-    p, _, s = counts[0]
-    f = max(c[1] for c in counts)   # the worst rank's failures
-    print(p, f, s, len(counts), int(all(c == counts[0] for c in counts)))
-PYEOF
-}
+# junit_counts FILE... -> "passed failed skipped reports agree" (tools/junit_counts.py)
+junit_counts() { "$PY_ABS" "$ROOT/tools/junit_counts.py" "$@"; }
 
 TOTAL_P=0 TOTAL_F=0 TOTAL_S=0 FAILED=0
 SUMMARY=()
