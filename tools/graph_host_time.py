@@ -8,9 +8,11 @@ call), the fixed layout (none), and the fixed layout captured once and
 replayed with new keys.  Host time = wall time of the enqueueing calls,
 ``--calls`` in a row with no synchronisation between them (device work
 overlaps), divided by the calls; device time = the same calls timed with CUDA
-events.  Prints a table and writes JSON.
+events.  Prints a table and writes JSON; ``--plot`` draws it (matplotlib),
+``--from-json`` redraws a run without a GPU.
 
     python tools/graph_host_time.py --sizes 20,23,26 --ranks 2 --json out.json
+    python tools/graph_host_time.py --from-json out.json --plot out.png
 """
 from __future__ import annotations
 
@@ -28,7 +30,15 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--calls", type=int, default=30)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None, help="draw the table into this PNG")
+    ap.add_argument("--from-json", default=None, help="redraw a run's JSON (no GPU needed)")
     args = ap.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            run = json.load(f)
+        if args.plot:
+            plot(run, args.plot)
+        return 0
 
     import cupy as cp
     import ml_dtypes
@@ -93,10 +103,43 @@ def main(argv=None):
     print(f"{'elements':>9} {'mode':<28} {'host us/call':>13} {'device ms/call':>15}")
     for r in rows:
         print(f"  2^{r['log2']:<5} {r['mode']:<28} {r['host_us']:13.1f} {r['device_ms_per_call']:15.3f}")
+    run = {"device": dev, "ranks": n, "calls": args.calls, "rows": rows}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": dev, "ranks": n, "calls": args.calls, "rows": rows}, f, indent=1)
+            json.dump(run, f, indent=1)
+    if args.plot:
+        plot(run, args.plot)
     return 0
+
+
+def plot(run, path):
+    """Host and device time per call by size and mode, side by side (log scale)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = run["rows"]
+    sizes = sorted({r["log2"] for r in rows})
+    modes = list(dict.fromkeys(r["mode"] for r in rows))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    width = 0.8 / len(modes)
+    for ax, key, label, fmt in ((axes[0], "host_us", "host time per call (us)", "%.0f"),
+                                (axes[1], "device_ms_per_call", "device time per call (ms)",
+                                 "%.2g")):
+        for i, mode in enumerate(modes):
+            vals = [next(r[key] for r in rows if r["log2"] == s and r["mode"] == mode)
+                    for s in sizes]
+            xs = [k + (i - (len(modes) - 1) / 2) * width for k in range(len(sizes))]
+            bars = ax.bar(xs, vals, width, label=mode)
+            ax.bar_label(bars, fmt=fmt, fontsize=7)
+        ax.set_yscale("log")
+        ax.set_xticks(range(len(sizes)), [f"2^{s}" for s in sizes])
+        ax.set_xlabel("elements per rank")
+        ax.set_ylabel(label)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{run['device']}: {run['ranks']} ranks simulated on one stream "
+                 f"({run['calls']} calls in a row)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
