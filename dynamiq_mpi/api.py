@@ -234,32 +234,37 @@ class Collective:
         import cupy
         stream = cupy.cuda.get_current_stream()
         keys = call_keys(int(seed), counter)
+        spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
+                        path="compressed", nonfinite=nonfinite, layout=self.layout)
+        metas = entry.metas(counter, self.size)
+        data = self._route(entry.transport, x)
         self._fence_stream()
         try:
-            if entry.graph is None:
-                graph = CallGraph()
-                spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
-                                path="compressed", nonfinite=nonfinite, layout=self.layout,
-                                keys_at=graph.keys_at)
-                program = rank_program(self.rank, self.size, x, spec, out, graph.workspace,
-                                       detailed_report=False)
-                data = self._route(entry.transport, x)
-                metas = entry.metas(counter, self.size)
-                try:
-                    graph.capture(lambda: drive_agreed(program, metas, data), stream)
-                except Exception as exc:
-                    graph.free()
-                    entry.failed = f"capture failed: {type(exc).__name__}: {exc}"
-                    # The call was agreed (the digests above): run it on the
-                    # engine with no second agreement, so that peers replaying
-                    # their graphs meet the same messages in the same order.
-                    spec = dataclasses.replace(spec, keys_at=0)
-                    drive_agreed(rank_program(self.rank, self.size, x, spec, out,
-                                              self._workspace, detailed_report=False),
-                                 metas, data, capturing=False)
-                    return True
-                entry.graph = graph
-            entry.graph.launch(keys, stream)
+            try:
+                if entry.graph is None:
+                    graph = CallGraph()
+                    try:
+                        program = rank_program(
+                            self.rank, self.size, x, dataclasses.replace(spec, keys_at=graph.keys_at),
+                            out, graph.workspace, detailed_report=False)
+                        graph.capture(lambda: drive_agreed(program, metas, data), stream)
+                    except BaseException:
+                        graph.free()
+                        raise
+                    entry.graph = graph
+                entry.graph.launch(keys, stream)
+            except Exception as exc:
+                # Whatever failed after the agreement failed on this rank alone
+                # (a capture that met a host read, an allocation, a launch):
+                # run the agreed call on the engine with no second agreement,
+                # so that peers replaying their graphs meet the same messages
+                # in the same order, and never try a graph for it again.
+                entry.failed = f"graph failed: {type(exc).__name__}: {exc}"
+                if entry.graph is not None:
+                    entry.graph.free()
+                    entry.graph = None
+                drive_agreed(rank_program(self.rank, self.size, x, spec, out, self._workspace,
+                                          detailed_report=False), metas, data, capturing=False)
         finally:
             self._record_stream()
         return True
@@ -303,7 +308,7 @@ class Collective:
             self._counter += 1
             spec = CallSpec(codec, topology, op, seed, counter, transport,
                             self.tile_bytes if tile_bytes is None else tile_bytes,
-                            nonfinite=nonfinite)
+                            nonfinite=nonfinite, layout=self.layout)
             program = rank_program_rs(self.rank, self.size, x, spec, out, self._workspace,
                                       detailed_report=return_report)
             out, report = self._drive(program, x, profile, return_report)

@@ -330,7 +330,8 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
     report.stats_bytes_total = stats_total
     report.bytes_sent = sent
     report.tiles_per_chunk = max(len(p.chunk_tiles[0]) for p in plans)
-    report.sync_free = all(getattr(p, "sync_free", False) for p in plans) and not raise_check
+    report.sync_free = (all(getattr(p, "sync_free", False) for p in plans) and not raise_check
+                        and spec.nonfinite == "propagate")
     info = report_plan(report, own, fixed, blocks.combined is not None, detailed_report, xp,
                        result)
     info["block_bytes"] = chunk_bytes      # message bytes of each rank's block

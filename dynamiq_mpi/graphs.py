@@ -20,10 +20,14 @@ stream), is captured once into a CUDA graph and replayed:
   8-byte digest exchange, and a rank whose call differs makes every rank
   raise the engine's error) and its graph once captured.
 
-The capture itself runs the ordinary engine on the caller's stream; every
-rank then agrees that its capture succeeded before any graph runs, so a
-rank whose capture failed (a host read in some path) sends every rank back
-to the eager path instead of leaving a peer's captured messages unmatched.
+The capture itself runs the ordinary engine on the caller's stream.  A rank
+whose capture (or launch) fails after the call's digests were exchanged runs
+that call on the engine instead, without a second agreement: the engine sends
+the same messages in the same order as the graph would, so peers replaying
+their graphs still meet them; that call never tries a graph again on that
+rank.  (Whether NCCL keeps its state through a discarded capture of
+point-to-point, and two instances of a graph holding NCCL nodes, is not yet
+measured on two GPUs: graphs are off by default.)
 """
 from __future__ import annotations
 

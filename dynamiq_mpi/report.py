@@ -23,7 +23,9 @@ class Report:
     stats_bytes_total: int = 0    # of which the statistics phase
     bytes_sent: int = 0           # bytes this rank sent
     tiles_per_chunk: int = 0      # messages per chunk and step (the pipeline depth)
-    sync_free: bool = False       # no host read of device data: a CUDA graph can replay the call
+    # the call's device work needed no host read of device data, so a CUDA graph
+    # can replay it (a detailed report is read back after that work)
+    sync_free: bool = False
     seconds: float = 0.0          # host time of the call on this rank
     codec_info: dict = field(default_factory=dict)
     phases: dict = field(default_factory=dict)    # seconds per phase, when profiled

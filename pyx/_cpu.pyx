@@ -416,11 +416,11 @@ def encode_table(params, Source local, table, int64_t tile, caps, widths, bint h
 
 
 def decompress_table(params, inp, table, int64_t tile, caps, widths, bint hierarchical, out,
-                     bint accumulate):
+                     bint accumulate, rows=-1):
     decompress_pieces(params, inp, table_pieces(table, tile, widths), out, accumulate, 0)
 
 
 def decompress_out_table(params, inp, table, int64_t tile, caps, widths, bint hierarchical, order,
-                         mean_sum, float divisor, out):
+                         mean_sum, float divisor, out, rows=-1):
     decompress_out_pieces(params, inp, table_pieces(table, tile, widths), order, mean_sum,
                           divisor, out)

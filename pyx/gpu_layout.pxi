@@ -157,13 +157,23 @@ def encode_table(params, Source local, table, int64_t tile, caps, widths, bint h
         _check(rc, _encode_name(raw, ip != NULL))
 
 
+cdef int _covers(int64_t have, int64_t rows, int64_t per_row, what) except -1:
+    """A buffer of ``have`` elements covers the stream's ``rows`` rows (the
+    device table's pieces lie within them; -1: not checked)."""
+    if rows >= 0 and have < rows * per_row:
+        raise ValueError("%s: %d elements do not cover %d stream super-groups"
+                         % (what, have, rows))
+    return 0
+
+
 def decompress_table(params, inp, table, int64_t tile, caps, widths, bint hierarchical, out,
-                     bint accumulate, stream=None):
+                     bint accumulate, stream=None, int64_t rows=-1):
     """decompress tile ``tile`` of the fixed layout into the float32 stream
-    buffer ``out`` (row s = stream super-group s; every stream super-group
-    must have its row)."""
+    buffer ``out`` (row s = stream super-group s; every one of the stream's
+    ``rows`` super-groups must have its row)."""
     _expect(inp, np.uint8, -1, "decompress input")
     _expect(out, np.float32, -1, "decompress out")
+    _covers(out.size, rows, SUPER, "decompress_table out")
     _caps_fit(caps, widths, inp.size, params, hierarchical, "decompress_table")
     cdef const int64_t* row = _tile_row(table, tile)
     cdef const uint8_t* ip = <const uint8_t*>_dptr(inp, "decompress input")
@@ -187,12 +197,14 @@ def decompress_table(params, inp, table, int64_t tile, caps, widths, bint hierar
 
 
 def decompress_out_table(params, inp, table, int64_t tile, caps, widths, bint hierarchical, order,
-                         mean_sum, float divisor, out, stream=None):
+                         mean_sum, float divisor, out, stream=None, int64_t rows=-1):
     """decompress_out of tile ``tile`` of the fixed layout (see
-    decompress_out_pieces); ``order`` covers every stream super-group."""
+    decompress_out_pieces); ``order`` covers every one of the stream's
+    ``rows`` super-groups."""
     cdef int dtype = _dtype_code(out, "decompress_out out")
     _expect(inp, np.uint8, -1, "decompress_out input")
     _expect(order, np.int64, -1, "decompress_out order")
+    _covers(order.size, rows, 1, "decompress_out_table order")
     _expect(mean_sum, np.float32, -1, "decompress_out mean_sum")
     if mean_sum.size * SUPER < out.size:
         raise ValueError("decompress_out: mean_sum does not cover the output")
@@ -223,10 +235,13 @@ def decompress_out_table(params, inp, table, int64_t tile, caps, widths, bint hi
         _check(rc, "bf16_decompress_out" if raw else "decompress_out")
 
 
-def local_values_table(Source local, table, int64_t tile, int64_t cap, out, stream=None):
+def local_values_table(Source local, table, int64_t tile, int64_t cap, out, stream=None,
+                       int64_t rows=-1):
     """The float32 source values of tile ``tile``'s super-groups (as the
-    encoders read them) into their rows of the stream buffer ``out``."""
+    encoders read them) into their rows of the stream buffer ``out``, which
+    covers the stream's ``rows`` super-groups."""
     _expect(out, np.float32, -1, "local values out")
+    _covers(out.size, rows, SUPER, "local_values_table out")
     if cap <= 0:
         return
     if cap * SUPER > out.size:

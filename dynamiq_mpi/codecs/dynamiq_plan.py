@@ -100,7 +100,9 @@ def layout_budget(codec, nsg: int, length: int, chunks: int, tile_bytes: int, st
     layout's padding goes beyond it (the report counts it: ``padding_bytes``,
     ``bits_per_coord``).  Tiny inputs, where even 2-bit codes everywhere
     exceed the budget, fall back on the padded budget as before
-    (``budget_exceeded``)."""
+    (``budget_exceeded``).  No reserve either within it of the smallest budget
+    (where it would tip the planner into the padded budget) or with one width
+    for every super-group (where it could drop a whole width)."""
     rb = {w: record_bits(w, codec.hierarchical) // 8 for w in WIDTHS + (BF16_WIDTH,)}
     present = [w for w in widths_of(bf16_class) if codec.fixed_width in (None, w)]
     widest = max(rb[w] for w in present)
@@ -120,14 +122,21 @@ def layout_budget(codec, nsg: int, length: int, chunks: int, tile_bytes: int, st
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     data = hi
-    if reserve and 8 * (allowed - data) <= LAYOUT_RESERVE_BITS * length:
+    worst_base = stats_bits + nsg * 8 * rb[2]       # every super-group live at 2 bits
+    variable = codec.variable_width                 # (fixed_width is None here)
+    if (reserve and variable and 8 * (allowed - data) <= LAYOUT_RESERVE_BITS * length
+            and worst_base <= stats_bits + 8 * data):
         planned = stats_bits + 8 * max(data, 0)
-    else:           # a small input: the fixed layout's padding may exceed the budget
+    else:
+        # a small input, a budget within the reserve of the smallest one (the
+        # planner would fall back on the padded budget and overspend), or one
+        # width for all (the reserve could drop a whole width): the planner
+        # spends the whole budget and the fixed layout's padding may exceed it
         planned, data = budget, allowed
     # The planner keeps statistics + data within ``planned``, or within the
     # padded budget when every live super-group at 2 bits exceeds it (the
     # same test, at its worst case: every super-group live).
-    if stats_bits + nsg * 8 * rb[2] > planned:
+    if worst_base > planned:
         data = min((math.floor(max(planned, padded)) - stats_bits) // 8, nsg * widest)
     return (planned,) + _slots(max(data, 0), chunks, widest, tile_bytes) + (widest,)
 
@@ -190,7 +199,9 @@ class _DynamiQPlan(Plan):
         self._result = None             # float32 stream of decoded values, made on first use
         self._padded = None
         self._host_header = None
-        self.fixed = current_layout() == "fixed"
+        # (the fixed layout bounds the stream by every super-group: a call of
+        # 2^32 elements or more keeps the exact layout, bounded by the live ones)
+        self.fixed = current_layout() == "fixed" and nsg * SUPER < 2 ** 32
         self.sync_free = self.fixed        # nothing of the plan is read back
         if self.fixed:
             self._layout_fixed(bf16_class, tiles, slot)
@@ -233,8 +244,6 @@ class _DynamiQPlan(Plan):
         the planner's header stays on the device, which cuts the stream into
         them (plan_pieces) and refuses non-finite input by writing NaN in
         finish."""
-        if self.nsg * SUPER >= 2 ** 32:
-            raise ValueError("too many coordinates for one call (2^32 limit of the generator)")
         codec, chunks = self.codec, self.chunks
         classes = WIDTHS + (BF16_WIDTH,)
         record_bytes = [record_bits(w, codec.hierarchical) // 8 for w in classes]
@@ -331,7 +340,8 @@ class _DynamiQPlan(Plan):
             return self._stream_values(a, b)
         acc = self.ws.take(self.xp, "dq.acc", self.nsg * SUPER, np.float32)
         if self.backend.name == "gpu":
-            self.k.local_values_table(self.source, self.table, tile, self.range_cap, acc)
+            self.k.local_values_table(self.source, self.table, tile, self.range_cap, acc,
+                                      rows=self.nsg)
         else:
             row = self.table[tile * self.k.TILE_INTS + 16:]
             a, count = int(row[0]), int(row[1])
@@ -376,7 +386,8 @@ class _DynamiQPlan(Plan):
             acc = self._local_values(tile)
         if self.fixed:
             self.k.decompress_table(self.params, payload, self.table, tile, self.slot_caps,
-                                    self.table_widths, self.codec.hierarchical, acc, True)
+                                    self.table_widths, self.codec.hierarchical, acc, True,
+                                    rows=self.nsg)
             return acc
         a, _ = self.tiling.units[tile]
         self.k.decompress_pieces(self.params, payload, self.pieces[tile], acc, True, a)
@@ -414,14 +425,15 @@ class _DynamiQPlan(Plan):
                 self.k.decompress_out_table(self.params, payload, self.table, tile,
                                             self.slot_caps, self.table_widths,
                                             self.codec.hierarchical, self._order_full,
-                                            self.mean_sum, divisor, out)
+                                            self.mean_sum, divisor, out, rows=self.nsg)
             else:
                 self.k.decompress_out_pieces(self.params, payload, self.pieces[tile],
                                              self._order_full, self.mean_sum, divisor, out)
             return
         if self.fixed:
             self.k.decompress_table(self.params, payload, self.table, tile, self.slot_caps,
-                                    self.table_widths, self.codec.hierarchical, self.result, False)
+                                    self.table_widths, self.codec.hierarchical, self.result, False,
+                                    rows=self.nsg)
             return
         self.k.decompress_pieces(self.params, payload, self.pieces[tile], self.result, False)
 

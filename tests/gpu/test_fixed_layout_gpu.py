@@ -151,6 +151,9 @@ def test_table_launchers_refuse_capacities_beyond_the_slot():
     with pytest.raises(ValueError, match="2-byte aligned"):
         _gpu.encode_table(params, src, cp.asarray(table), 0, caps, CLASSES, True, 0,
                           cp.zeros(cap + 1, cp.uint8)[1:])
+    with pytest.raises(ValueError, match="do not cover"):
+        _gpu.decompress_table(params, cp.zeros(cap, cp.uint8), cp.asarray(table), 0, caps, CLASSES,
+                              True, cp.zeros(rows * SUPER - 1, cp.float32), False, rows=rows)
     with pytest.raises(ValueError, match="no tile"):
         _gpu.encode_table(params, src, cp.asarray(table), tiles, caps, CLASSES, True, 0,
                           cp.zeros(cap, cp.uint8))
