@@ -2,7 +2,6 @@
 :func:`simulate_allreduce`."""
 from __future__ import annotations
 
-import dataclasses
 import os
 import threading
 import time
@@ -234,20 +233,22 @@ class Collective:
         import cupy
         stream = cupy.cuda.get_current_stream()
         keys = call_keys(int(seed), counter)
-        spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
-                        path="compressed", nonfinite=nonfinite, layout=self.layout)
-        metas = entry.metas(counter, self.size)
-        data = self._route(entry.transport, x)
+
+        def program(keys_at, workspace):      # (a replay needs none: only a capture or fallback)
+            spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
+                            path="compressed", nonfinite=nonfinite, layout=self.layout,
+                            keys_at=keys_at)
+            return (rank_program(self.rank, self.size, x, spec, out, workspace,
+                                 detailed_report=False),
+                    entry.metas(counter, self.size), self._route(entry.transport, x))
         self._fence_stream()
         try:
             try:
                 if entry.graph is None:
                     graph = CallGraph()
                     try:
-                        program = rank_program(
-                            self.rank, self.size, x, dataclasses.replace(spec, keys_at=graph.keys_at),
-                            out, graph.workspace, detailed_report=False)
-                        graph.capture(lambda: drive_agreed(program, metas, data), stream)
+                        run = program(graph.keys_at, graph.workspace)
+                        graph.capture(lambda: drive_agreed(*run), stream)
                     except BaseException:
                         graph.free()
                         raise
@@ -263,8 +264,7 @@ class Collective:
                 if entry.graph is not None:
                     entry.graph.free()
                     entry.graph = None
-                drive_agreed(rank_program(self.rank, self.size, x, spec, out, self._workspace,
-                                          detailed_report=False), metas, data, capturing=False)
+                drive_agreed(*program(0, self._workspace), capturing=False)
         finally:
             self._record_stream()
         return True

@@ -60,7 +60,7 @@ class CallGraph:
         """The device address of the keys (CallSpec.keys_at)."""
         return int(self.keys.data.ptr)
 
-    def capture(self, body, stream, keys=None):
+    def capture(self, body, stream):
         """Capture ``body()`` (which enqueues the call on ``stream``, the
         current stream) without running it; returns body's result.  Raises
         what the capture raised (the stream is then out of capture).

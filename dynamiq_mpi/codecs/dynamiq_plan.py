@@ -83,6 +83,11 @@ def _slots(data_max: int, chunks: int, widest: int, tile_bytes: int) -> tuple:
     return tiles, align_up(per_chunk if tiles == 1 else -(-per_chunk // tiles) + widest - 1)
 
 
+def stream_classes(codec, bf16_class: bool) -> list:
+    """The stream's widths (2, 4, 8, 16 bits) a call of ``codec`` can use."""
+    return [w for w in widths_of(bf16_class) if codec.fixed_width in (None, w)]
+
+
 @functools.lru_cache(maxsize=256)
 def layout_budget(codec, nsg: int, length: int, chunks: int, tile_bytes: int, stats_bits: int,
                   bf16_class: bool, reserve: bool = True) -> tuple:
@@ -104,8 +109,7 @@ def layout_budget(codec, nsg: int, length: int, chunks: int, tile_bytes: int, st
     (where it would tip the planner into the padded budget) or with one width
     for every super-group (where it could drop a whole width)."""
     rb = {w: record_bits(w, codec.hierarchical) // 8 for w in WIDTHS + (BF16_WIDTH,)}
-    present = [w for w in widths_of(bf16_class) if codec.fixed_width in (None, w)]
-    widest = max(rb[w] for w in present)
+    widest = max(rb[w] for w in stream_classes(codec, bf16_class))
     budget = codec.bits * length
     padded = codec.bits * nsg * SUPER + stats_bits
     if codec.fixed_width is not None:       # the widths do not depend on the budget
@@ -247,11 +251,10 @@ class _DynamiQPlan(Plan):
         codec, chunks = self.codec, self.chunks
         classes = WIDTHS + (BF16_WIDTH,)
         record_bytes = [record_bits(w, codec.hierarchical) // 8 for w in classes]
-        present = [codec.fixed_width in (None, w) and (w != BF16_WIDTH or bf16_class)
-                   for w in classes]
+        present = stream_classes(codec, bf16_class)
         # the most super-groups of each class one tile can hold: its launch's grid
-        self.slot_caps = [min(slot // rb, self.nsg) if on else 0
-                          for rb, on in zip(record_bytes, present)]
+        self.slot_caps = [min(slot // rb, self.nsg) if w in present else 0
+                          for w, rb in zip(classes, record_bytes)]
         self.range_cap = min(slot // min(record_bytes), self.nsg)
         self.table_widths = classes
         self.tiling = fixed_tiling(chunks, tiles, slot)

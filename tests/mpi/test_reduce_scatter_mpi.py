@@ -121,7 +121,11 @@ def test_codec_chunk_matches_its_allreduce_in_distribution(name):
     # chunk's blocks are shorter than the whole vector's (smaller maxima):
     # its chunks can only come out *more* accurate; BF16 is deterministic.
     lower = 0.0 if name in ("thc", "bf16") else 0.9
-    assert lower <= ratio <= 1.1, \
+    # THC's ratio is heavy-tailed over seeds (4 ranks, 4 calls, simulated:
+    # median 1.003, 95th percentile 1.011, but 1 seed in 60 at 1.20, which
+    # failed a CI-like run): a rare block whose range rounds up weighs alone
+    upper = 1.35 if name == "thc" else 1.1
+    assert lower <= ratio <= upper, \
         f"{name}: reduce-scatter vNMSE {err_rs / ref:.3e}, all-reduce {err_ar / ref:.3e}"
 
 
