@@ -36,6 +36,7 @@ cdef extern from "dq_gpu_api.h":
     int dq_gpu_synchronize(uintptr_t stream) nogil
     int dq_gpu_last_error() nogil
     void dq_gpu_set_variant(int variant) nogil
+    void dq_gpu_set_encode_grid(int blocks) nogil
     int dq_gpu_set_keys(uint32_t* dst, uint32_t key_value, uint32_t key_perm,
                         uintptr_t stream) nogil
     int dq_gpu_stats(const DqSource* S, int64_t nsg, int centre, float* mean, float* norm2,
@@ -142,6 +143,12 @@ def synchronize(stream=None):
     with nogil:
         rc = dq_gpu_synchronize(st)
     _check(rc, "synchronize")
+
+
+def set_encode_grid(int blocks):
+    """Tests only: at most `blocks` blocks per encoder launch (0 restores the
+    resident grid), so small inputs exercise many grid-stride steps per warp."""
+    dq_gpu_set_encode_grid(blocks)
 
 
 def set_variant(int variant):

@@ -89,6 +89,8 @@ void encode_sg(const DqParams* P, const float* x, int64_t s, int64_t sg_index,
     const int w = P->width, gbytes = 2 * w;
     uint8_t* codes = v.codes + s * (int64_t)dq_codes_bytes(w);
     memset(codes, 0, (size_t)dq_codes_bytes(w));
+    // the super-group's permutation, once for its 16 groups
+    const uint32_t sigma = dq_sg_sigma(P, (uint32_t)(sg_index * DQ_GROUPS), event);
     for (int g = 0; g < DQ_GROUPS; g++) {
         uint8_t* gc = codes + g * gbytes;
         if (!(norm_scale[g] > 0.0f)) {          // all-zero group: the zero code
@@ -97,7 +99,7 @@ void encode_sg(const DqParams* P, const float* x, int64_t s, int64_t sg_index,
             continue;
         }
         DqNorm nm = dq_norm_for_scale(norm_scale[g]);
-        DqGroupRng rng = dq_group_rng(P, (uint32_t)(sg_index * DQ_GROUPS + g), event);
+        DqGroupRng rng = dq_group_rng(P, (uint32_t)(sg_index * DQ_GROUPS + g), event, sigma);
         for (int j = 0; j < DQ_GROUP; j++) {
             uint32_t code = dq_encode_lane(P, x[g * DQ_GROUP + j], nm, rng, (uint32_t)j);
             gc[(j * w) >> 3] |= (uint8_t)(code << ((j * w) & 7));

@@ -111,6 +111,10 @@ int dq_gpu_exact_dar(const float* in, const DqSource* local, int64_t nsg, int64_
 // (Variant 1, a one-round-hash study, is gone: the header's generator now
 // hashes once per group; any other value runs the default.)
 void dq_gpu_set_variant(int variant);
+// Tests only: at most `blocks` blocks per encoder launch (0: the resident grid), so
+// a small input makes each warp take many grid-stride steps (the correlated
+// encoders batch their permutations over 16 steps).  Bit-identical either way.
+void dq_gpu_set_encode_grid(int blocks);
 
 #ifdef __cplusplus
 }

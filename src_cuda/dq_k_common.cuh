@@ -27,6 +27,7 @@ struct KParams {
 };
 
 int g_variant = 0;
+int g_encode_grid_cap = 0;   // tests only (dq_gpu_set_encode_grid): 0 = the resident grid
 
 // ---------------------------------------------------------------- hashing
 // dq_mix32 with its right shifts as multiply-high (same bits).
@@ -80,11 +81,10 @@ __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
     return d;
 #endif
 }
-// dq_lane_uniform(base, j): j is a compile-time constant in the unrolled loops,
-// so j * 0x9e3779b9 folds into the XOR's immediate.
+// dq_lane_uniform(base, j) = base * dq_lane_mul(j): j is a compile-time constant
+// in the unrolled loops, so the multiplier folds into one IMAD's immediate.
 __device__ __forceinline__ uint32_t lane_uniform(uint32_t base, uint32_t j) {
-    const uint32_t t = (base ^ (j * 0x9e3779b9u)) * 0x85ebca6bu;
-    return t ^ (t >> 16);
+    return base * dq_lane_mul(j);
 }
 
 #include "dq_device.cuh"      // aligned, ld_u16, load_source, source_row

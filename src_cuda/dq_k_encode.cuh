@@ -9,8 +9,8 @@ template <int W, bool CORR, bool ONESTEP>
 __device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables<W>& sm,
                                              float (&x)[16], uint8_t* out, const WireLoc<W>& L,
                                              const WireAlign& A, uint32_t group, int g, bool valid,
-                                             uint32_t event, uint32_t Ex, uint32_t key_value,
-                                             uint32_t key_perm) {
+                                             uint32_t Ex, uint32_t key_value,
+                                             uint32_t key_perm, uint32_t sigma) {
     // group maximum, then the super-group maximum over the 16 lanes of this half
     float gm = 0.0f;
 #pragma unroll
@@ -65,38 +65,39 @@ __device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables
     constexpr bool SLUT = (W == 4) && ONESTEP;
     const char* tab_a = reinterpret_cast<const char*>(sm.ta);
     const char* tab_b = reinterpret_cast<const char*>(sm.tb);
-    // dq_group_rng(P, group, event): the full hashes once per (group, event),
-    // i.e. once per lane; each element then takes one multiply-xorshift.
+    // dq_group_rng(P, group, event, sigma): the full hashes once per (group,
+    // event), i.e. once per lane; each element then takes one multiplication.
+    // sigma (the super-group's permutation) comes from the caller's batch.
     const uint32_t vbase = event_uniform(group + key_value, Ex);
-    uint32_t sbase = 0u, sigma = 0u;
-    if (CORR) {
-        sbase = mix32(group ^ key_perm ^ 0xbb67ae85u);
-        sigma = dq_permute(event, kp.n_events, kp.perm_bits, mix32(group ^ key_perm));
-    }
+    uint32_t sbase = 0u;
+    if (CORR) sbase = mix32(group ^ key_perm ^ 0xbb67ae85u);
     uint32_t cw[W / 2];
 #pragma unroll
     for (int i = 0; i < W / 2; i++) cw[i] = 0u;
 #pragma unroll
     for (int j = 0; j < 16; j++) {
-        const float t = x[j] * inv;
+        // a = |t| clamped to [0, 1], NaN -> 0 (the header's), t = x / scale
         float a;
         uint32_t off;
         if (SLUT) {
-            // tc = clamp(t, -1, 1) (NaN -> 1, like the header's a = 1 on the t >= 0
-            // side); a = |tc|.  The byte 1 of bits(RZ(a + 256)) is floor(a * 128)
-            // (128 for a = 1), and prmt appends the sign of tc: idx = cell - 256 * (tc
-            // has its sign bit).  t = -0 so takes the t < 0 entry k = 0 with a = 0,
-            // whose p = RN(mag[1] * inv_gap[0]) >= 1 (host_build checks it, else the
-            // generic kernel runs): the code is R - 1 + 1 = R, the header's.
-            const float tc = fmaxf(fminf(t, 1.0f), -1.0f);
-            a = fabsf(tc);
-            const int idx = (int)prmt(__float_as_uint(__fadd_rz(a, 256.0f)), __float_as_uint(tc), 0xFFF1u);
+            // One saturating multiply.  The byte 1 of bits(RZ(a + 256)) is floor(a *
+            // 128) (128 for a = 1), and prmt appends the sign of x (the header's side,
+            // x < 0): idx = cell - 256 * (x has its sign bit).  x = -0 and a NaN with
+            // its sign bit so take the x < 0 entry k = 0 with a = 0, whose p =
+            // RN(mag[1] * inv_gap[0]) >= 1 (host_build checks it, else the generic
+            // kernel runs): the code is R - 1 + 1 = R, the header's.
+            a = __saturatef(fabsf(x[j]) * inv);
+            const int idx = (int)prmt(__float_as_uint(__fadd_rz(a, 256.0f)), __float_as_uint(x[j]), 0xFFF1u);
             off = sm.luts[256 + idx];
         } else {
-            a = fminf(fabsf(t), 1.0f);
-            // (t = -0 takes the t >= 0 entry like the header: a = 0, p = 0, code R)
+            // (here the product first: reading x twice made the 2- and 8-bit kernels spill)
+            const float t = x[j] * inv;
+            a = __saturatef(fabsf(t));
             off = (W == 2) ? 0u : (uint32_t)sm.lut[(__float_as_uint(__fadd_rz(a, 1.0f)) >> SHIFT) - LUT_ORIGIN];
-            if (t < 0.0f) off += 8u;
+            // the side, x < 0.  One-step tables take the sign bit of t instead: it
+            // differs only for -0 and a NaN, where a = 0 and p = RN(mag[1] inv_gap[0])
+            // >= 1 (host_build checks it) give code R on either side.
+            if (ONESTEP ? (__float_as_int(t) < 0) : (x[j] < 0.0f)) off += 8u;
         }
         if (W != 2) {
             if (ONESTEP) {
@@ -106,24 +107,38 @@ __device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables
             }
         }
         const float2 T = *reinterpret_cast<const float2*>(tab_b + off);
-        const uint32_t code = *reinterpret_cast<const uint32_t*>(tab_a + off + 4);
+        // the code of entry e = off / 8 = 2k + (t < 0): R + k, or R - k - 1.  8-bit
+        // kernels are bound by shared-memory bank conflicts (random entries of a
+        // 254-entry table), so they compute it (3 ALU operations for a conflicted load)
+        const uint32_t code = (W == 8) ? ((off & 8u) ? (uint32_t)(WT<W>::R - 1) - (off >> 4)
+                                                     : (uint32_t)WT<W>::R + (off >> 4))
+                                       : *reinterpret_cast<const uint32_t*>(tab_a + off + 4);
         float S = fabsf(a - T.x) * T.y;                 // p * 2^32
         if (!ONESTEP) S = S * 4294967296.0f;            // generic tables: T.y = inv_gap
+        const uint32_t g32 = lane_uniform(vbase, (uint32_t)j);
+        bool up;
         if (CORR) {
             // dq_encode_lane: shift = (lane_uniform(shift_base, j) * n) >> 32,
             // pi = sigma + shift mod n (both < n: one conditional subtraction, as min)
             const uint32_t sft = __umulhi(lane_uniform(sbase, (uint32_t)j), kp.n_events);
             const uint32_t s0 = sigma + sft;
             const uint32_t pi = umin32(s0, s0 - kp.n_events);
-            const float np = kp.n_f * S;                 // n p 2^32
-            // (n p - pi) 2^32: pi 2^32 is exact (pi < 2^24), so one fma rounds
-            // once like the header's subtraction (one instruction less)
-            S = fmaf(-(float)pi, 4294967296.0f, np);
+            // dq_round_up with Q = RN(n p): the header rounds up iff RN(Q - pi) >= 1, or
+            // > 0 and g32 < trunc(RN(Q - pi) 2^32).  Q - pi is exact whenever pi <= Q
+            // (an integer off a float below 2^24 keeps its fraction bits), so that is
+            // pi < floor(Q), or pi = floor(Q) and g32 < trunc(frac(Q) 2^32): exactly
+            // the 64-bit comparison (pi 2^32 + g32) < trunc(Q 2^32), two integer
+            // compares after one conversion (the fma, the int-to-float and the float
+            // test are gone).  Q 2^32 < 2^56 is exact scaling; a negative RN(Q - pi)
+            // (pi > Q) and pi 2^32 > Q 2^32 both round down.
+            const unsigned long long q = __float2ull_rz(kp.n_f * S);   // trunc(n p 2^32)
+            up = ((((unsigned long long)pi) << 32) | g32) < q;
+        } else {
+            const uint32_t lim = __float2uint_rz(S);
+            up = (S >= 4294967296.0f) | (g32 < lim);
         }
-        const uint32_t g32 = lane_uniform(vbase, (uint32_t)j);
-        const uint32_t lim = __float2uint_rz(S);
         cw[(j * W) >> 5] += code << ((j * W) & 31);
-        if ((S >= 4294967296.0f) | (g32 < lim)) cw[(j * W) >> 5] += 1u << ((j * W) & 31);
+        if (up) cw[(j * W) >> 5] += 1u << ((j * W) & 31);
     }
     if (valid) {
         uint8_t* p = out + L.codes;
@@ -241,9 +256,21 @@ k_encode(const __grid_constant__ KParams kp, const DqSource src, const uint8_t* 
     Fetched<W, DT, DAR> cur = {};
     if (pair < npairs && s < nsg)
         fetch<W, DT, DAR>(cur, kp, src, has_map, has_mean, in, L, Ain, sg_base + s, g, full_rows);
-    for (; pair < npairs; pair += stride) {
+    // correlated rounding: sigma_S(event) of the super-groups of this half's next
+    // 16 steps, lane g holding step g's (dq_sg_sigma), so the Feistel network runs
+    // once per 16 steps per lane instead of once per group
+    uint32_t sig_batch = 0u;
+    for (uint32_t it = 0; pair < npairs; pair += stride, ++it) {
         const bool valid = s < nsg;
         const int64_t sidx = sg_base + s;
+        uint32_t sigma = 0u;
+        if (CORR) {
+            if ((it & 15u) == 0u) {
+                const uint32_t S = (uint32_t)(sidx + (int64_t)g * ds) & 0x0FFFFFFFu;   // (group >> 4)
+                sig_batch = dq_permute(event, kp.n_events, kp.perm_bits, mix32(S ^ key_perm));
+            }
+            sigma = __shfl_sync(kFull, sig_batch, (lane & 16) | (int)(it & 15u));
+        }
         // (a lane of a missing super-group works on whatever it holds and stores nothing)
         float x[16];
         {
@@ -273,7 +300,7 @@ k_encode(const __grid_constant__ KParams kp, const DqSource src, const uint8_t* 
         if (pair + stride < npairs && s + ds < nsg)
             fetch<W, DT, DAR>(cur, kp, src, has_map, has_mean, in, Ln, Ain, sidx + ds, g, full_rows);
         encode_group<W, CORR, ONESTEP>(kp, sm, x, out, L, Aout, (uint32_t)(sidx * DQ_GROUPS + g), g,
-                                       valid, event, Ex, key_value, key_perm);
+                                       valid, Ex, key_value, key_perm, sigma);
         L = Ln;
         s += ds;
     }

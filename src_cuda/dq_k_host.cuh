@@ -52,9 +52,11 @@ int host_build(const DqParams* P, KParams* kp, bool* onestep) {
             }
         }
     }
-    // The 4-bit one-step kernel sends t = -0 to the t < 0 entry k = 0 (signed LUT):
-    // it gives the header's code R only if p = RN(mag[1] * inv_gap[0]) >= 1 there.
-    if (w == 4 && !(P->mag[1] * P->inv_gap[0] >= 1.0f)) *onestep = false;
+    // The one-step kernels take the side of -0 and of a NaN (a = 0) from a sign bit,
+    // so they may send it to the x < 0 entry k = 0: that gives the header's code R
+    // only if p = RN(mag[1] * inv_gap[0]) >= 1 there (true for every table levels.py
+    // builds; 2 bits: mag[1] = inv_gap[0] = 1).
+    if (w != 2 && !(P->mag[1] * P->inv_gap[0] >= 1.0f)) *onestep = false;
     if (w == 2 && !*onestep) return (int)cudaErrorInvalidValue;   // inv_gap = 1: cannot happen
     for (int k = 0; k < R; k++) {
         const float ig32 = *onestep ? P->inv_gap[k] * 4294967296.0f   // exact (power of two)
@@ -177,7 +179,9 @@ template <int W, int DT, bool CORR, bool DAR, bool ONESTEP, int MINB = 0>
 int launch_encode_k(const KParams& kp, const EncodeArgs& A) {
     const int64_t npairs = (A.nsg + 1) / 2;
     auto kern = k_encode<W, DT, CORR, DAR, ONESTEP, MINB>;
-    kern<<<grid_resident(kern, npairs, kWarps), kThreads, 0, A.st>>>(
+    unsigned grid = grid_resident(kern, npairs, kWarps);
+    if (g_encode_grid_cap > 0 && grid > (unsigned)g_encode_grid_cap) grid = (unsigned)g_encode_grid_cap;
+    kern<<<grid, kThreads, 0, A.st>>>(
         kp, *A.src, A.in, A.out, A.nsg, A.sg_base, A.event, A.piece);
     return launch_result();
 }

@@ -21,11 +21,11 @@
 //
 // Exact rewrites of header code used below (each gives the same bits; the
 // tests compare every operation with the CPU on the device, docs/kernels.md):
-//  * a = min(|t|, 1) with fminf/fabsf: equal to the header's clamp for every t,
-//    NaN included (fminf(NaN, 1) = 1); t = -0 takes the t >= 0 entry like the
-//    header (a = 0, p = 0, code R) -- except in the 4-bit one-step kernels,
-//    whose signed LUT sends it to the t < 0 entry k = 0, which gives code R too
-//    when RN(mag[1] * inv_gap[0]) >= 1 (host_build checks; see encode_group);
+//  * a = |t| clamped to [0, 1] as __saturatef (NaN -> 0, like the header); the
+//    side is the header's x < 0, except that the one-step kernels take a sign
+//    bit (of x in the 4-bit signed LUT, of t otherwise), which differs only for
+//    -0 and a NaN: there a = 0 and the x < 0 entry k = 0 gives code R too when
+//    RN(mag[1] * inv_gap[0]) >= 1 (host_build checks; see encode_group);
 //  * level search: the LUT cell floor(a * 2^b) is read from the bits of
 //    RZ(1 + a); 4-bit codes use a 128-cell LUT of their own (any LUT that is a
 //    lower bound of the level index ends on the same index after the search,
@@ -44,7 +44,7 @@
 //  * dq_scale_code without branches (scale_code below);
 //  * dq_round_up: "g32 < (uint32)(thr * 2^32)" with the saturating cvt.rzi.u32
 //    (0 for thr <= 0) and thr >= 1 tested on S >= 2^32; with correlated
-//    rounding thr * 2^32 = n * S - pi * 2^32, exactly;
+//    rounding one 64-bit compare, (pi 2^32 + g32) < trunc(n S) (encode_group);
 //  * dq_event_uniform: the inner mix32's last xorshift-16 and the outer one's
 //    first cancel (an involution), see mix_head / mix_tail;
 //  * dq_unit_bf16 without the double division: the smallest BF16 b with
@@ -52,12 +52,16 @@
 //    and one correction step each way, then the header's saturation step
 //    (unit_bf16 below; checked for every non-negative float bit pattern);
 //  * x >> 16, x >> 15 inside the per-group hashes are __umulhi(x, 2^16 / 2^17):
-//    multiply-high runs on the FMA pipe, relieving the integer ALU (in the
-//    per-element dq_lane_uniform the plain shift measured faster);
+//    multiply-high runs on the FMA pipe, relieving the integer ALU;
 //  * dq_group_rng once per lane (= per group): the value base, and with
-//    correlated rounding the shift base and sigma (the header's own
-//    dq_permute); dq_encode_lane per element with j a compile-time constant;
-//    the stratum's "if (pi >= n) pi -= n" is min(pi, pi - n) (unsigned).
+//    correlated rounding the shift base; the super-group's sigma (the header's
+//    own dq_permute, dq_sg_sigma) is computed by lane g for the super-group of
+//    the half's step g of each batch of 16 steps and read with one shuffle per
+//    step; dq_encode_lane per element with j a compile-time constant (the lane
+//    multiplier an immediate); the stratum's "if (pi >= n) pi -= n" is
+//    min(pi, pi - n) (unsigned);
+//  * 8-bit codes are computed from the table offset (R + k or R - k - 1)
+//    instead of read: those kernels are bound by shared-memory bank conflicts.
 #ifndef DQ_EMU
 #include <cuda_runtime.h>
 #endif
@@ -121,6 +125,7 @@ int dq_gpu_synchronize(uintptr_t stream) {
 }
 int dq_gpu_last_error(void) { return (int)cudaGetLastError(); }
 void dq_gpu_set_variant(int variant) { g_variant = variant; }
+void dq_gpu_set_encode_grid(int blocks) { g_encode_grid_cap = blocks > 0 ? blocks : 0; }
 
 int dq_gpu_set_keys(uint32_t* dst, uint32_t key_value, uint32_t key_perm, uintptr_t stream) {
     if (!dst) return (int)cudaErrorInvalidValue;

@@ -20,24 +20,25 @@ threshold.
 Generator (dq_codec.h, "per event"): the full hash runs once per (group, event),
 the group G = uint32(super-group * 16 + g) (= coordinate >> 4 while the stream
 has < 2^28 groups) and each of its 16 lanes j (= coordinate & 15) derives its
-32-bit uniform with one multiply-xorshift, ``lane_uniform(base, j)``: t = (base ^
-j * 0x9e3779b9) * 0x85ebca6b, t ^ (t >> 16) (a bijection of base for each j).  The
-value-rounding uniform is g = lane_uniform(event_uniform(key_value, G, event), j)
-(``value_uniform``).  Group scale codes are deterministic (spec 2.7): the
-smallest c with c * unit >= group max, and values are normalised by c * unit.
+32-bit uniform with one multiplication, ``lane_uniform(base, j)`` = base *
+lane_mul(j) mod 2^32, lane_mul(j) = mix32(j * 0x9e3779b9 + 0x632be5ab) | 1 (odd:
+a bijection of base for each j).  The value-rounding uniform is g =
+lane_uniform(event_uniform(key_value, G, event), j) (``value_uniform``).  Group
+scale codes are deterministic (spec 2.7): the smallest c with c * unit >= group
+max, and values are normalised by c * unit.
 
 Correlated rounding: the stratum of event e at lane j of group G is
-``pi = (sigma_G(e) + shift_{G,j}) mod n`` (``stratum``): sigma_G a keyed 6-round
-Feistel permutation with cycle walking, seeded per group (shared by its 16
-lanes, ``perm_base``), and shift_{G,j} = floor(lane_uniform(mix32(G ^ key_perm ^
-0xbb67ae85), j) n / 2^32) the lane's offset, the same for every event
-(``lane_shift``).  The uniform is u = (pi + g / 2^32) / n.  The 16 lanes of a group
-are NOT independent (their uniforms are fixed functions of one base), each lane
-on its own is exactly uniform.
+``pi = (sigma_S(e) + shift_{G,j}) mod n`` (``stratum``): sigma_S a keyed 12-round
+Feistel permutation with cycle walking, seeded per super-group S = G >> 4 (shared
+by its 256 coordinates, ``perm_base``), and shift_{G,j} =
+floor(lane_uniform(mix32(G ^ key_perm ^ 0xbb67ae85), j) n / 2^32) the lane's
+offset, the same for every event (``lane_shift``).  The uniform is u = (pi + g /
+2^32) / n.  The 16 lanes of a group are NOT independent (their uniforms are fixed
+functions of one base), each lane on its own is exactly uniform.
 
 Non-finite values follow the header: a NaN never wins a group / super-group
-max (``abs_max``), t = x / scale with |t| >= 1 or NaN quantizes as |t| = 1 on
-the positive side unless t < 0; the statistics' mean is 0 when some |x| >
+max (``abs_max``), t = x / scale with |t| >= 1 quantizes as |t| = 1 and a NaN t
+(an inf over an inf scale) as 0, on the side of the sign of x; the statistics' mean is 0 when some |x| >
 2^127 (``MEAN_ABSMAX_LIMIT``); the hierarchical BF16 unit steps one ulp down
 where 255 units would exceed FLT_MAX (``unit_bf16_bits``).
 
@@ -91,7 +92,7 @@ def perm_bits_for(n: int) -> int:
     return max(0, (int(n) - 1).bit_length())
 
 
-FEISTEL_ROUNDS = 6
+FEISTEL_ROUNDS = 12
 
 
 def _feistel_round(h, rnd: int, v) -> np.ndarray:
@@ -106,8 +107,8 @@ def _feistel_round(h, rnd: int, v) -> np.ndarray:
 
 
 def _feistel(x, bits: int, h) -> np.ndarray:
-    """One pass of the unbalanced Feistel network: rounds 0, 2, 4 update the low
-    half from the high half, rounds 1, 3, 5 the high half from the low half."""
+    """One pass of the unbalanced Feistel network: even rounds update the low
+    half from the high half, odd rounds the high half from the low half."""
     lo_bits = bits >> 1
     hi_bits = bits - lo_bits
     lo_mask = (1 << lo_bits) - 1
@@ -121,7 +122,7 @@ def _feistel(x, bits: int, h) -> np.ndarray:
 
 
 def permute(x, n: int, bits: int, h, max_walk: int = 1 << 16) -> np.ndarray:
-    """Keyed permutation of 0..n-1 (6-round Feistel on `bits` bits, cycle walking)."""
+    """Keyed permutation of 0..n-1 (12-round Feistel on `bits` bits, cycle walking)."""
     h = _u32(h)
     x = np.broadcast_to(_u32(x), h.shape).copy()
     if n <= 1:
@@ -136,20 +137,26 @@ def permute(x, n: int, bits: int, h, max_walk: int = 1 << 16) -> np.ndarray:
 
 
 def group_perm_seed(key_perm, group) -> np.ndarray:
-    """Seed h of the Feistel permutation sigma_G shared by the 16 coordinates of group G."""
-    return mix32(_u32(group) ^ _u32(key_perm))
+    """Seed h of the Feistel permutation sigma_S shared by the 256 coordinates of the
+    super-group S = group >> 4 of group G."""
+    return mix32((_u32(group) >> np.uint64(4)) ^ _u32(key_perm))
 
 
 def perm_base(key_perm, group, event, n: int) -> np.ndarray:
-    """sigma_G(event): the group's Feistel image of the event (DqGroupRng.sigma)."""
+    """sigma_S(event): the Feistel image of the event for the super-group of `group`
+    (dq_sg_sigma)."""
     return permute(np.uint64(event), n, perm_bits_for(n), group_perm_seed(key_perm, group))
+
+
+def lane_mul(lane) -> np.ndarray:
+    """Lane j's odd multiplier mix32(j * 0x9e3779b9 + 0x632be5ab) | 1 (dq_lane_mul)."""
+    return mix32((_u32(lane) * 0x9E3779B9 + 0x632BE5AB) & MASK32) | np.uint64(1)
 
 
 def lane_uniform(base, lane) -> np.ndarray:
     """One lane's 32-bit uniform from its group's base (dq_lane_uniform):
-    t = (base ^ lane * 0x9e3779b9) * 0x85ebca6b (mod 2^32), then t ^ (t >> 16)."""
-    t = ((_u32(base) ^ ((_u32(lane) * 0x9E3779B9) & MASK32)) * 0x85EBCA6B) & MASK32
-    return t ^ (t >> 16)
+    base * lane_mul(lane) mod 2^32."""
+    return (_u32(base) * lane_mul(lane)) & MASK32
 
 
 def value_uniform(key_value, group, lane, event) -> np.ndarray:
@@ -420,10 +427,10 @@ def quantize(m: Model, x, scale, u):
     with np.errstate(invalid="ignore"):
         t = x / scale                        # NaN for NaN x, and for inf x over an inf scale
     a = np.abs(t)
-    a = np.where(a < 1.0, a, 1.0)            # |t| >= 1 and NaN map to 1 (the header's clamp)
+    a = np.where(np.isnan(a), 0.0, np.minimum(a, 1.0))   # |t| >= 1 maps to 1, NaN to 0 (the header)
     k = np.searchsorted(mag[:R], a, side="right") - 1       # largest k <= R-1, mag[k] <= a
     gap = mag[k + 1] - mag[k]
-    neg = t < 0                              # NaN takes the positive branch
+    neg = x < 0                              # the side of x (= that of t unless t is NaN)
     p = np.where(neg, (mag[k + 1] - a) / gap, (a - mag[k]) / gap)
     lower = np.where(neg, R - (k + 1), R + k)
     up = u < p

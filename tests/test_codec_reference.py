@@ -330,11 +330,12 @@ def nonfinite_run(case):
 
 @pytest.mark.parametrize("case", NONFINITE_CASES)
 def test_non_finite_values_compress_like_the_model(case):
-    """dq_quantize clamps with !(a < 1): NaN (and inf over an inf scale) quantize as |t| = 1
-    on the positive side; NaN never wins a group max.  First in a subprocess (a
-    regression would segfault), then in-process against the model, decoded values
-    included (bitwise, NaN where the model has NaN).  Decoded values are finite where the
-    quantized super-group holds no +-inf (NaN inputs code +1 of a finite scale), and with
+    """dq_quantize clamps |t| to [0, 1] like a saturating multiply: NaN (and inf over an inf
+    scale) quantize as a = 0, the zero code R (since 2026-11-25; +1 before); NaN never wins
+    a group max.  First in a subprocess (a regression would segfault), then in-process
+    against the model, decoded values included (bitwise, NaN where the model has NaN).
+    Decoded values are finite where the quantized super-group holds no +-inf (NaN inputs
+    code 0 of a finite scale), and with
     per-group BF16 scales everywhere (they saturate at the largest finite BF16).
 
     Hierarchical super-groups holding +-inf do NOT decode finite, and this test records
@@ -363,7 +364,7 @@ def test_non_finite_values_compress_like_the_model(case):
             f"{case}: hierarchical +-inf now decodes finite: update this test's docstring {TAG}"
     nan = np.isnan(vals).reshape(codes.shape)
     scaled = nan & (np.abs(M.decode_scales(m, meta))[:, :, None] > 0)
-    assert np.all(codes[scaled] == 2 * m.radius), f"{case}: NaN not coded +1 {TAG}"
+    assert np.all(codes[scaled] == m.radius), f"{case}: NaN not coded 0 (the zero code R) {TAG}"
 
 
 def test_out_of_range_event_raises():

@@ -22,10 +22,12 @@
 #   mpi-cuda-build mpi-cuda-ext mpi-cuda-probe mpi-cuda-tests mpi-cuda-bench
 # A/B of two package versions, alternating (tools/device/package_ab.sh):
 #   package-ab    OLD_DIR=<old dynamiq_mpi package> [AB_ROUNDS=2]
+# A/B of the kernels of two source versions on one GPU (tools/device/kernels_ab.sh):
+#   kernels-ab    OLD_DIR=<old sources, git archive> [AB_ROUNDS=2] [SIZES=26,28]
 #
 # Consecutive stages of one family run in one invocation of its script.
 set -o pipefail
-[ $# -gt 0 ] || { sed -n '2,27p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
 OUT=${OUT:-device_out}; mkdir -p "$OUT"; export OUT
 PY=${PYTHON:-python3}
 HERE=$(dirname "${BASH_SOURCE[0]}")
@@ -39,6 +41,7 @@ family_of() {
     train) echo train ;;
     mpi-cuda-build|mpi-cuda-ext|mpi-cuda-probe|mpi-cuda-tests|mpi-cuda-bench) echo mpi_cuda ;;
     package-ab) echo package_ab ;;
+    kernels-ab) echo kernels_ab ;;
     *) echo unknown ;;
   esac
 }
@@ -55,6 +58,7 @@ run_family() {   # family, its stages
     train) SKIP_BUILD=1 bash "$HERE/device/train.sh" ;;
     mpi_cuda) bash "$HERE/device/mpi_cuda.sh" "${@#mpi-cuda-}" ;;
     package_ab) bash "$HERE/device/package_ab.sh" "${OLD_DIR:?OLD_DIR: the old package directory}" ${AB_ROUNDS:-2} ;;
+    kernels_ab) bash "$HERE/device/kernels_ab.sh" "${OLD_DIR:?OLD_DIR: the old source directory}" ${AB_ROUNDS:-2} ;;
   esac
 }
 

@@ -310,6 +310,40 @@ def test_occupancy_variants_are_exact(variant, dtype):
     assert np.array_equal(got2.get(), ref2)
 
 
+@pytest.mark.parametrize("n_events", [3, 8])
+@pytest.mark.parametrize("width", [2, 4, 8])
+def test_many_steps_per_warp_are_exact(width, n_events):
+    """One block (8 warps, _gpu.set_encode_grid) over 700 super-groups: each warp takes
+    ~44 grid-stride steps, so the correlated encoders' permutations, batched over 16
+    steps (k_encode), cross two batch boundaries and end on a partial batch; the
+    stream index crosses 2^28 (the permutation's super-group index is taken mod 2^28,
+    group >> 4).  Compress and the fused step equal the CPU's bytes, with the one-block
+    grid and with the resident one."""
+    rng = np.random.default_rng([width, n_events, 20261125])
+    P = make_params(rng, width, True, True, n_events, scale_rule=1)
+    nsg = 700
+    sg_base = (1 << 28) - 300
+    x = as_dtype(gradient_like(rng, nsg * SUPER - 3), "bfloat16")
+    csrc, gsrc, _, _ = sources(rng, x, False, True, nsg, layout=(None, sg_base))
+    nbytes = _cpu.run_bytes(nsg, width, True)
+    event = n_events - 1
+    ref = np.zeros(nbytes, np.uint8)
+    _cpu.compress(P, csrc, nsg, sg_base, event, ref)
+    ref2 = np.zeros(nbytes, np.uint8)
+    _cpu.dar(P, ref, csrc, nsg, sg_base, (event + 1) % n_events, ref2)
+    for blocks in (1, 0):
+        got = cp.zeros(nbytes, cp.uint8)
+        got2 = cp.zeros(nbytes, cp.uint8)
+        _gpu.set_encode_grid(blocks)
+        try:
+            _gpu.compress(P, gsrc, nsg, sg_base, event, got)
+            _gpu.dar(P, got, gsrc, nsg, sg_base, (event + 1) % n_events, got2)
+        finally:
+            _gpu.set_encode_grid(0)
+        assert np.array_equal(got.get(), ref), f"compress, {blocks or 'resident'} block(s)"
+        assert np.array_equal(got2.get(), ref2), f"fused step, {blocks or 'resident'} block(s)"
+
+
 @pytest.mark.parametrize("width", [2, 4, 8])
 @pytest.mark.parametrize("eps", [0.0, 0.05, 0.3, 0.6])
 def test_other_level_spacings(width, eps):
