@@ -59,6 +59,20 @@ __device__ __forceinline__ void stats_stage(float* sm, int lane, const uint4 (&r
 }
 // The header's tree over 16 lanes x 16 registers (lane h, register k = entry
 // h + 16 k), from its first level on (b[k], k < 8: entries k and k + 8 added).
+__device__ __forceinline__ float shfl_down16(float v, int d) { return __shfl_down_sync(kFull, v, d, 16); }
+__device__ __forceinline__ float shfl_bcast16(float v) { return __shfl_sync(kFull, v, 0, 16); }
+// a double moved as its two 32-bit words (the compiler's own 64-bit shuffle
+// copied both halves into a new register pair at every level)
+__device__ __forceinline__ double shfl_down16(double v, int d) {
+    const int lo = __shfl_down_sync(kFull, __double2loint(v), d, 16);
+    const int hi = __shfl_down_sync(kFull, __double2hiint(v), d, 16);
+    return __hiloint2double(hi, lo);
+}
+__device__ __forceinline__ double shfl_bcast16(double v) {
+    const int lo = __shfl_sync(kFull, __double2loint(v), 0, 16);
+    const int hi = __shfl_sync(kFull, __double2hiint(v), 0, 16);
+    return __hiloint2double(hi, lo);
+}
 template <class T>
 __device__ __forceinline__ T tree_sum_half_from8(T (&b)[16]) {
 #pragma unroll
@@ -68,11 +82,64 @@ __device__ __forceinline__ T tree_sum_half_from8(T (&b)[16]) {
     b[0] = b[0] + b[1];
     T v = b[0];
 #pragma unroll
-    for (int h = 8; h >= 1; h >>= 1) v = v + __shfl_down_sync(kFull, v, h, 16);
-    return __shfl_sync(kFull, v, 0, 16);
+    for (int h = 8; h >= 1; h >>= 1) v = v + shfl_down16(v, h);
+    return shfl_bcast16(v);
+}
+// One pair of super-groups (p: 2 p + half is this half-warp's): its entries
+// arrive in r (fetched two pairs ahead); r then takes the pair p + 2 stride.
+template <int DT>
+__device__ __forceinline__ void stats_pair(const DqSource& S, int64_t nsg, int centre, float* mean,
+                                           float* norm2, float* sm, int lane, int half, int h, bool vec,
+                                           int64_t p, int64_t npairs, int64_t stride,
+                                           uint4 (&r)[StatsVec<DT>::N], unsigned long long& bad,
+                                           float& warp_absmax) {
+    stats_stage<DT>(sm, lane, r);
+    __syncwarp();
+    float v[16];
+#pragma unroll
+    for (int k = 0; k < 16; k++) v[k] = sm[half * kStatsRow + h + 16 * k];
+    __syncwarp();
+    if (p + 2 * stride < npairs) stats_fetch<DT>(S, p + 2 * stride, lane, vec, r);
+
+    float amax = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 16; k++) amax = fmaxf(amax, fabsf(v[k]));   // NaN ignored, like the CPU's a > m
+#pragma unroll
+    for (int m = 8; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, m));
+    warp_absmax = fmaxf(warp_absmax, amax);
+    float mu = 0.0f;
+    if (centre) {
+        float a[16];            // the mean's tree, in float32 (dq_tree_sum256f)
+#pragma unroll
+        for (int k = 0; k < 8; k++) a[k] = v[k] * DQ_MEAN_SCALE + v[k + 8] * DQ_MEAN_SCALE;
+        mu = dq_mean_from_tree(tree_sum_half_from8(a), amax);
+    }
+    double b[16];
+    // the squares are exact in float64 (24-bit mantissas), so the tree's
+    // first level c_k^2 + c_{k+8}^2 is one fma with the same bits
+#pragma unroll
+    for (int k = 0; k < 8; k++) {
+        const double c = (double)(v[k] - mu), d = (double)(v[k + 8] - mu);
+        b[k] = fma(c, c, d * d);
+    }
+    const double total = tree_sum_half_from8(b);
+    // Non-finite entries, counted only where they can be: squares of
+    // finite floats summed in double cannot overflow (256 * FLT_MAX^2 <
+    // DBL_MAX), so a finite total means none here (the same count as a
+    // test per entry, 2 instructions per entry fewer).
+    if (!isfinite(total)) {
+#pragma unroll
+        for (int k = 0; k < 16; k++) bad += isfinite(v[k]) ? 0u : 1u;
+    }
+    const float f = dq_norm2_to_f32(total);
+    const int64_t s = 2 * p + half;
+    if (h == 0 && s < nsg) {
+        if (mean) mean[s] = mu;
+        norm2[s] = f;
+    }
 }
 template <int DT>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, 4)   // 64 registers: 4 blocks per SM
 k_stats_pairs(const DqSource S, int64_t nsg, int centre, float* mean, float* norm2,
               unsigned long long* nonfinite, float* tail) {
     __shared__ __align__(16) float smem[kWarps][2 * kStatsRow];
@@ -84,56 +151,18 @@ k_stats_pairs(const DqSource S, int64_t nsg, int centre, float* mean, float* nor
     int64_t p = (int64_t)blockIdx.x * kWarps + (threadIdx.x >> 5);
     unsigned long long bad = 0;
     float warp_absmax = 0.0f;
+    // two buffers that take turns (two pairs ahead), so no step copies one into the other
     uint4 r0[StatsVec<DT>::N], r1[StatsVec<DT>::N];
     if (p < npairs) stats_fetch<DT>(S, p, lane, vec, r0);
     if (p + stride < npairs) stats_fetch<DT>(S, p + stride, lane, vec, r1);
-    for (; p < npairs; p += stride) {
-        stats_stage<DT>(sm, lane, r0);
-        __syncwarp();
-        float v[16];
-#pragma unroll
-        for (int k = 0; k < 16; k++) v[k] = sm[half * kStatsRow + h + 16 * k];
-        __syncwarp();
-#pragma unroll
-        for (int j = 0; j < StatsVec<DT>::N; j++) r0[j] = r1[j];
-        if (p + 2 * stride < npairs) stats_fetch<DT>(S, p + 2 * stride, lane, vec, r1);
-
-        float amax = 0.0f;
-#pragma unroll
-        for (int k = 0; k < 16; k++) amax = fmaxf(amax, fabsf(v[k]));   // NaN ignored, like the CPU's a > m
-#pragma unroll
-        for (int m = 8; m >= 1; m >>= 1) amax = fmaxf(amax, __shfl_xor_sync(kFull, amax, m));
-        warp_absmax = fmaxf(warp_absmax, amax);
-        float mu = 0.0f;
-        if (centre) {
-            float a[16];            // the mean's tree, in float32 (dq_tree_sum256f)
-#pragma unroll
-            for (int k = 0; k < 8; k++) a[k] = v[k] * DQ_MEAN_SCALE + v[k + 8] * DQ_MEAN_SCALE;
-            mu = dq_mean_from_tree(tree_sum_half_from8(a), amax);
-        }
-        double b[16];
-        // the squares are exact in float64 (24-bit mantissas), so the tree's
-        // first level c_k^2 + c_{k+8}^2 is one fma with the same bits
-#pragma unroll
-        for (int k = 0; k < 8; k++) {
-            const double c = (double)(v[k] - mu), d = (double)(v[k + 8] - mu);
-            b[k] = fma(c, c, d * d);
-        }
-        const double total = tree_sum_half_from8(b);
-        // Non-finite entries, counted only where they can be: squares of
-        // finite floats summed in double cannot overflow (256 * FLT_MAX^2 <
-        // DBL_MAX), so a finite total means none here (the same count as a
-        // test per entry, 2 instructions per entry fewer).
-        if (!isfinite(total)) {
-#pragma unroll
-            for (int k = 0; k < 16; k++) bad += isfinite(v[k]) ? 0u : 1u;
-        }
-        const float f = dq_norm2_to_f32(total);
-        const int64_t s = 2 * p + half;
-        if (h == 0 && s < nsg) {
-            if (mean) mean[s] = mu;
-            norm2[s] = f;
-        }
+    while (p < npairs) {
+        stats_pair<DT>(S, nsg, centre, mean, norm2, sm, lane, half, h, vec, p, npairs, stride, r0, bad,
+                       warp_absmax);
+        p += stride;
+        if (p >= npairs) break;
+        stats_pair<DT>(S, nsg, centre, mean, norm2, sm, lane, half, h, vec, p, npairs, stride, r1, bad,
+                       warp_absmax);
+        p += stride;
     }
 #pragma unroll
     for (int m = 16; m >= 1; m >>= 1) bad += __shfl_xor_sync(kFull, bad, m);
