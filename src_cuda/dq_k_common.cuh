@@ -94,7 +94,11 @@ __device__ __forceinline__ uint32_t lane_uniform(uint32_t base, uint32_t j) {
 // both ta and tb: 8-byte strides keep a 4-bit table (14 entries, 112 bytes)
 // inside the 32 banks, so the per-element loads are conflict-free.  The LUTs
 // hold 16 k, the search steps by 16 and the sign adds 8.
-template <int W>
+// CELLS (the 8-bit one-step encoders): the LUT holds per cell both 16 k and the
+// check value mag[k + 1] of that k, so the one-step search reads one 8-byte
+// entry instead of the LUT and then the check (two loads from random banks:
+// these kernels are bound by shared-memory bank conflicts).
+template <int W, bool CELLS = false>
 struct SmemTables {
     static constexpr int R = WT<W>::R;
     static constexpr int NLUT = (1 << WT<W>::LUT_BITS) + 1;
@@ -102,32 +106,41 @@ struct SmemTables {
     float2 ta[2 * R];      // {check[k], bits of the code R + k | R - k - 1}
     float2 tb[2 * R];      // {mag[k] | mag[k+1], inv_gap[k] * 2^32}
     float level[1 << W];   // every code, the never-sent 2^W - 1 included (as the CPU reads it)
-    LutT lut[(NLUT + 3) & ~3];
+    LutT lut[CELLS ? 4 : ((NLUT + 3) & ~3)];
+    float2 lutc[CELLS ? NLUT : 1];   // CELLS: {bits of 16 k(c), check[k(c)]}
     // 4-bit one-step kernels: the LUT indexed by a signed cell (see encode_group):
     // [c] = 16 k(c) + 8 (t < 0, cell c), [256 + c] = 16 k(c) (t >= 0)
     uint8_t luts[W == 4 ? 388 : 4];
 };
-template <int W>
-__device__ __forceinline__ void load_tables(SmemTables<W>& sm, const KParams& kp, bool encode,
+template <int W, bool CELLS = false>
+__device__ __forceinline__ void load_tables(SmemTables<W, CELLS>& sm, const KParams& kp, bool encode,
                                             bool decode) {
     constexpr int R = WT<W>::R;
+    constexpr int NLUT = SmemTables<W, CELLS>::NLUT;
     if (encode) {
         for (int i = threadIdx.x; i < 2 * R; i += blockDim.x) {
             const float4 T = kp.tab[i];
             sm.ta[i] = make_float2(T.z, T.w);
             sm.tb[i] = make_float2(T.x, T.y);
         }
-        if (W != 2)
-            for (int i = threadIdx.x; i < SmemTables<W>::NLUT; i += blockDim.x)
-                sm.lut[i] = (typename SmemTables<W>::LutT)kp.lut[i];
+        if (W != 2 && !CELLS)
+            for (int i = threadIdx.x; i < NLUT; i += blockDim.x)
+                sm.lut[i] = (typename SmemTables<W, CELLS>::LutT)kp.lut[i];
         if (W == 4)
-            for (int i = threadIdx.x; i < SmemTables<W>::NLUT; i += blockDim.x) {
+            for (int i = threadIdx.x; i < NLUT; i += blockDim.x) {
                 sm.luts[i] = (uint8_t)(kp.lut[i] + 8u);
                 sm.luts[256 + i] = (uint8_t)kp.lut[i];
             }
     }
     if (decode)
         for (int i = threadIdx.x; i < (1 << W); i += blockDim.x) sm.level[i] = kp.level[i];
+    if (CELLS && encode) {
+        __syncthreads();   // the checks, from ta (entry 2k holds check[k])
+        for (int i = threadIdx.x; i < NLUT; i += blockDim.x) {
+            const uint32_t k16 = kp.lut[i];
+            sm.lutc[i] = make_float2(__uint_as_float(k16), sm.ta[(k16 >> 4) * 2].x);
+        }
+    }
     __syncthreads();
 }
 

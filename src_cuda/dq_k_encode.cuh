@@ -6,7 +6,8 @@
 // location L.  All 32 lanes must call it (it shuffles); lanes with
 // valid == false store nothing.
 template <int W, bool CORR, bool ONESTEP>
-__device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables<W>& sm,
+__device__ __forceinline__ void encode_group(const KParams& kp,
+                                             const SmemTables<W, (W == 8 && ONESTEP)>& sm,
                                              float (&x)[16], uint8_t* out, const WireLoc<W>& L,
                                              const WireAlign& A, uint32_t group, int g, bool valid,
                                              uint32_t Ex, uint32_t key_value,
@@ -93,13 +94,22 @@ __device__ __forceinline__ void encode_group(const KParams& kp, const SmemTables
             // (here the product first: reading x twice made the 2- and 8-bit kernels spill)
             const float t = x[j] * inv;
             a = __saturatef(fabsf(t));
-            off = (W == 2) ? 0u : (uint32_t)sm.lut[(__float_as_uint(__fadd_rz(a, 1.0f)) >> SHIFT) - LUT_ORIGIN];
+            const uint32_t cell = (__float_as_uint(__fadd_rz(a, 1.0f)) >> SHIFT) - LUT_ORIGIN;
+            float chk = 0.0f;
+            if (W == 8 && ONESTEP) {        // 16 k and its check in one load
+                const float2 lc = sm.lutc[cell];
+                off = __float_as_uint(lc.x);
+                chk = lc.y;
+            } else {
+                off = (W == 2) ? 0u : (uint32_t)sm.lut[cell];
+            }
             // the side, x < 0.  One-step tables take the sign bit of t instead: it
             // differs only for -0 and a NaN, where a = 0 and p = RN(mag[1] inv_gap[0])
             // >= 1 (host_build checks it) give code R on either side.
             if (ONESTEP ? (__float_as_int(t) < 0) : (x[j] < 0.0f)) off += 8u;
+            if (W == 8 && ONESTEP && a >= chk) off += 16u;
         }
-        if (W != 2) {
+        if (W != 2 && !(W == 8 && ONESTEP)) {
             if (ONESTEP) {
                 if (a >= *reinterpret_cast<const float*>(tab_a + off)) off += 16u;
             } else {
@@ -224,8 +234,8 @@ k_encode(const __grid_constant__ KParams kp, const DqSource src, const uint8_t* 
         in += __ldg(piece + 2);
         out += __ldg(piece + 2);
     }
-    __shared__ SmemTables<W> sm;
-    load_tables<W>(sm, kp, true, DAR);
+    __shared__ SmemTables<W, (W == 8 && ONESTEP)> sm;
+    load_tables<W, (W == 8 && ONESTEP)>(sm, kp, true, DAR);
     const int lane = threadIdx.x & 31;
     const int g = lane & 15;
     const int half = lane >> 4;
