@@ -73,6 +73,10 @@ def make_params(int width, bint hierarchical, bint correlated, unsigned n_events
         raise ValueError("lookup table must have 4096 cells")
     if n_events < 1 or n_events > (1 << 30):
         raise ValueError("n_events must be in [1, 2^30], got %d" % n_events)
+    if correlated and n_events > (1 << 24):
+        # the header compares n p - pi in float32: exact (and the GPU's integer
+        # comparison the same bits) only while pi < 2^24
+        raise ValueError("correlated rounding takes at most 2^24 events (ranks), got %d" % n_events)
     if perm_bits != (n_events - 1).bit_length():
         raise ValueError("perm_bits must be %d for n_events=%d, got %d"
                          % ((n_events - 1).bit_length(), n_events, perm_bits))

@@ -105,8 +105,9 @@ DQ_HD uint32_t dq_event_uniform(uint32_t key, uint32_t coord, uint32_t event) {
 // unbalanced Feistel network over perm_bits bits, with cycle walking so the
 // result stays below n.  h seeds the round functions.  One permutation serves
 // a whole super-group (dq_sg_sigma), so a kernel computes it once per 256
-// coordinates and can afford 12 rounds: with 6 the law of a pair (sigma(i),
-// sigma(j)) was within [0.68, 1.63] of uniform at n = 8, with 12 [0.92, 1.11].
+// coordinates and can afford 12 rounds: with the offsets below, the law of a
+// pair (pi(i), pi(j)) of one coordinate at n = 8 is within [0.96, 1.08] of
+// uniform with 12 rounds, [0.71, 1.59] with 6 (tests/test_codec_generator.py).
 // dq_encode_lane adds a uniform cyclic offset per coordinate: that makes the
 // stratum of every event exactly uniform (each quantization stays unbiased)
 // while the Feistel part keeps the joint law far from a mere cyclic shift.
@@ -318,6 +319,9 @@ DQ_HD int dq_record_bytes(int width, int hierarchical) {
 // quantities); odd multipliers keep pairs of lanes close to independent (the
 // 16 x 16 histogram of the top 4 bits of two lanes over 2^20 bases: chi-square
 // at most ~330 against 255 degrees of freedom, tests/test_codec_generator.py).
+// (The low k bits of every lane's uniform are a function of the base's low k
+// bits alone, as in any multiplication; a rounding decision reads the high
+// bits, and the low ones only break ties of the high 32 - k.)
 //
 // Correlated rounding: the stratum of this rank's event for a coordinate is
 // pi = (sigma_S(event) + shift) mod n, sigma_S a keyed Feistel permutation shared

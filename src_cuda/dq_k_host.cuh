@@ -55,8 +55,12 @@ int host_build(const DqParams* P, KParams* kp, bool* onestep) {
     // The one-step kernels take the side of -0 and of a NaN (a = 0) from a sign bit,
     // so they may send it to the x < 0 entry k = 0: that gives the header's code R
     // only if p = RN(mag[1] * inv_gap[0]) >= 1 there (true for every table levels.py
-    // builds; 2 bits: mag[1] = inv_gap[0] = 1).
-    if (w != 2 && !(P->mag[1] * P->inv_gap[0] >= 1.0f)) *onestep = false;
+    // builds; 2 bits: mag[1] = inv_gap[0] = 1, and a 2-bit table that fails this
+    // cannot run at all, below).
+    if (!(P->mag[1] * P->inv_gap[0] >= 1.0f)) *onestep = false;
+    // The one-step correlated decision is an integer compare that equals the
+    // header's float32 n p - pi only while pi < 2^24 (make_params refuses more).
+    if (P->correlated && P->n_events > (1u << 24)) return (int)cudaErrorInvalidValue;
     if (w == 2 && !*onestep) return (int)cudaErrorInvalidValue;   // inv_gap = 1: cannot happen
     for (int k = 0; k < R; k++) {
         const float ig32 = *onestep ? P->inv_gap[k] * 4294967296.0f   // exact (power of two)

@@ -390,3 +390,17 @@ def test_lane_uniforms_independent_across_events():
                 worst = min(worst, (chi2_sf(stat, 255), (j, e, f), stat))
     assert worst[0] > 1e-6, (f"(lane, event, event) {worst[1]}: joint chi-square {worst[2]:.1f}, "
                              f"df 255, p {worst[0]:.1e} {TAG}")
+
+
+def test_correlated_rounding_refuses_more_than_2_24_events():
+    """The header compares n p - pi in float32 (exact while pi < 2^24) and the GPU's
+    one-step kernels compare the same quantity as 64-bit integers: both agree only up
+    to 2^24 events, so make_params (shared by the CPU and the GPU) refuses more with
+    correlated rounding, and takes them without it."""
+    assert params(4, 0.2, True, True, 1 << 24).size > 0
+    with pytest.raises(ValueError, match=r"at most 2\^24 events"):
+        params(4, 0.2, True, True, (1 << 24) + 1)
+    t = LV.build_tables(4, 0.2)          # without correlated rounding n_events is not limited so
+    n = (1 << 24) + 1
+    assert len(K.make_params(4, True, False, n, M.perm_bits_for(n), 1, 2, t.mag, t.inv_gap,
+                             t.level, t.lut, 0)) > 0

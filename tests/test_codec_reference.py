@@ -401,10 +401,10 @@ def test_make_params_validates_events_and_perm_bits():
     def mk(n, bits, correlated=True):
         return K.make_params(4, False, correlated, n, bits, 1, 2, t.mag, t.inv_gap, t.level, t.lut)
 
-    for n in list(range(1, 18)) + [1000, 2 ** 20 + 1, 2 ** 30]:
+    for n in list(range(1, 18)) + [1000, 2 ** 20 + 1, 2 ** 24, 2 ** 30]:
         bits = M.perm_bits_for(n)
         assert bits == (n - 1).bit_length()
-        mk(n, bits)
+        mk(n, bits, correlated=n <= 2 ** 24)   # correlated rounding: at most 2^24 events
         for wrong in {bits - 1, bits + 1, 31} - {bits}:
             if wrong < 0:
                 continue
