@@ -338,10 +338,14 @@ typedef struct DqGroupRng {
 // Lane j's odd multiplier (a compile-time constant where j is one).
 DQ_HD uint32_t dq_lane_mul(uint32_t j) { return dq_mix32(j * 0x9e3779b9u + 0x632be5abu) | 1u; }
 DQ_HD uint32_t dq_lane_uniform(uint32_t base, uint32_t j) { return base * dq_lane_mul(j); }
-// sigma_S(event) for the super-group of `group` (S = group >> 4; 0 unless correlated).
+// sigma_S(event) of super-group S (the kernels batch it by S; S = group >> 4).
+DQ_HD uint32_t dq_sigma(uint32_t event, uint32_t n, uint32_t bits, uint32_t key_perm, uint32_t S) {
+    return dq_permute(event, n, bits, dq_mix32(S ^ key_perm));
+}
+// sigma_S(event) for the super-group of `group` (0 unless correlated).
 DQ_HD uint32_t dq_sg_sigma(const DqParams* P, uint32_t group, uint32_t event) {
     if (!P->correlated) return 0u;
-    return dq_permute(event, P->n_events, P->perm_bits, dq_mix32((group >> 4) ^ P->key_perm));
+    return dq_sigma(event, P->n_events, P->perm_bits, P->key_perm, group >> 4);
 }
 // The group's generator state given its super-group's sigma (dq_sg_sigma).
 DQ_HD DqGroupRng dq_group_rng(const DqParams* P, uint32_t group, uint32_t event, uint32_t sigma) {

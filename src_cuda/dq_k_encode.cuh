@@ -277,7 +277,7 @@ k_encode(const __grid_constant__ KParams kp, const DqSource src, const uint8_t* 
         if (CORR) {
             if ((it & 15u) == 0u) {
                 const uint32_t S = (uint32_t)(sidx + (int64_t)g * ds) & 0x0FFFFFFFu;   // (group >> 4)
-                sig_batch = dq_permute(event, kp.n_events, kp.perm_bits, mix32(S ^ key_perm));
+                sig_batch = dq_sigma(event, kp.n_events, kp.perm_bits, key_perm, S);
             }
             sigma = __shfl_sync(kFull, sig_batch, (lane & 16) | (int)(it & 15u));
         }
