@@ -12,7 +12,10 @@ run different test lists and their collectives would no longer line up.
 
 Nothing happens in a plain serial ``pytest`` run: the hooks only act when
 mpi4py is already imported, MPI is initialised and the world has more than
-one process.
+one process.  Under tools/run_tests.sh each rank also touches the file named
+by ``MPI_TEST_STARTED`` when its first test starts, so that the runner can
+tell a job that died while starting (MPI, the launcher) from one in which a
+test failed.
 """
 import os
 import sys
@@ -62,6 +65,18 @@ def _abort_job(world, headline, details):
         pass
     world.Abort(1)
     os._exit(1)  # not reached when Abort kills the process, as it should
+
+
+_started = False
+
+
+def pytest_runtest_logstart(nodeid, location):
+    global _started
+    marker = os.environ.get("MPI_TEST_STARTED")
+    if marker and not _started:
+        _started = True
+        with open(marker, "w") as f:
+            f.write(nodeid + "\n")
 
 
 @pytest.hookimpl(trylast=True)

@@ -19,9 +19,14 @@
 #   PYTEST_MPI_SITE=/tmp/site  where a carried pytest-mpi wheel (.whl/) is unpacked
 #                         when PYTHON cannot import pytest_mpi
 #
-# Only rank 0 prints to the terminal; rank R writes MPI_LOG_ROOT/npN/rankR.log,
-# which is printed when that world size fails.  Exit status: 0 only if every
-# suite at every size passed on every rank.
+# Only rank 0 prints to the terminal (and to MPI_LOG_ROOT/npN/launcher.log);
+# rank R writes MPI_LOG_ROOT/npN/rankR.log, which is printed when that world
+# size fails.  The summary at the end names, under a failed size, the failing
+# test and its exception on each rank (tools/failure_causes.py), or MPI's error
+# lines when no test failed.  A size whose job died before any rank started a
+# test (MPI or the launcher failed) is launched once more, and its summary line
+# says so; a size in which a test failed never is.  Exit status: 0 only if
+# every suite at every size passed on every rank.
 set -uo pipefail
 
 if [ $# -lt 1 ]; then
@@ -90,6 +95,7 @@ MPI_ENV=(
     OMPI_MCA_rmaps_base_oversubscribe=1
     PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
     OMP_NUM_THREADS=1
+    PYTHONUNBUFFERED=1            # rank 0's progress reaches the terminal through tee
     MPIEXEC_TIMEOUT="$MPI_TIMEOUT"
     MPI_TEST_PYTHON="$PY_ABS"
 )
@@ -153,20 +159,37 @@ if [ "${SKIP_MPI:-0}" != 1 ]; then
 
     for n in "${NPS[@]}"; do
         dir="$LOG_ROOT/np$n"
-        rm -rf "$dir"
-        mkdir -p "$dir"
-        hr
-        echo "### MPI suite, world size $n: mpiexec -n $n tools/mpi_rank_pytest.sh -q --only-mpi $MPI_TESTS"
-        echo "### (rank 0 below; ranks 1..$((n - 1)) log to $dir/rankR.log)"
-        LAUNCH=("$ROOT/tools/mpi_rank_pytest.sh" -q --only-mpi "${EXTRA[@]}" $MPI_TESTS)
-        t0=$(now)
-        MPI_LOG_DIR=$dir mpirun_bounded "$n"
-        rc=$?
-        t1=$(now)
-        dt=$(secs "$t0" "$t1")
-        read -r p f s reports agree <<<"$(junit_counts "$dir"/rank*.xml)"
+        retry_note=""
+        for attempt in 1 2; do
+            rm -rf "$dir"
+            mkdir -p "$dir"
+            hr
+            echo "### MPI suite, world size $n: mpiexec -n $n tools/mpi_rank_pytest.sh -q --only-mpi $MPI_TESTS"
+            echo "### (rank 0 below, also in $dir/launcher.log; ranks 1..$((n - 1)) log to $dir/rankR.log)"
+            LAUNCH=("$ROOT/tools/mpi_rank_pytest.sh" -q --only-mpi "${EXTRA[@]}" $MPI_TESTS)
+            t0=$(now)
+            MPI_LOG_DIR=$dir mpirun_bounded "$n" 2>&1 | tee "$dir/launcher.log"
+            rc=${PIPESTATUS[0]}
+            dt=$(secs "$t0" "$(now)")
+            read -r p f s reports agree <<<"$(junit_counts "$dir"/rank*.xml)"
+            started=$(find "$dir" -name 'rank*.started' | wc -l)
+            ok=0
+            [ "$rc" = 0 ] && [ "$reports" = "$n" ] && [ "$agree" = 1 ] && [ "$f" = 0 ] && ok=1
+            # A job that died before any rank started a test or reported a
+            # collection error (MPI or the launcher failed to start it) is
+            # launched once more; a test failure never is.
+            if [ "$ok" = 1 ] || [ "$started" != 0 ] || [ "$attempt" = 2 ] \
+               || grep -qE '^\[rank [0-9]+/[0-9]+\] (FAILED|COLLECTION ERROR) ' "$dir"/*.log; then
+                break
+            fi
+            cause=$("$PY_ABS" "$ROOT/tools/failure_causes.py" "$dir"/launcher.log "$dir"/rank*.log | head -n 1)
+            retry_note=" (launched twice: the first job died before any test started, exit $rc${cause:+: $cause})"
+            echo
+            echo ">>> world size $n died before any test started (exit $rc); launching it once more"
+        done
         note=""
-        if [ "$rc" = 0 ] && [ "$reports" = "$n" ] && [ "$agree" = 1 ] && [ "$f" = 0 ]; then
+        causes=""
+        if [ "$ok" = 1 ]; then
             status=PASS
         else
             FAILED=1
@@ -192,11 +215,17 @@ if [ "${SKIP_MPI:-0}" != 1 ]; then
             done
             echo
             echo "----- end of rank logs for world size $n -----"
+            causes=$("$PY_ABS" "$ROOT/tools/failure_causes.py" "$dir"/launcher.log "$dir"/rank*.log)
+            [ -n "$causes" ] || causes="no test failure and no error line in $dir/*.log"
         fi
         TOTAL_P=$((TOTAL_P + p)) TOTAL_F=$((TOTAL_F + f)) TOTAL_S=$((TOTAL_S + s))
         if [ "$status" = PASS ]; then where="on each of $n ranks"; else where="($reports of $n ranks reported)"; fi
-        add_summary "$(printf 'mpi np=%-5s : %-6s %d passed, %d failed, %d skipped %s in %ss%s' \
-            "$n" "$status" "$p" "$f" "$s" "$where" "$dt" "$note")"
+        add_summary "$(printf 'mpi np=%-5s : %-6s %d passed, %d failed, %d skipped %s in %ss%s%s' \
+            "$n" "$status" "$p" "$f" "$s" "$where" "$dt" "$note" "$retry_note")"
+        # Why it failed, under its summary line: the end of a CI log is what is shown.
+        while IFS= read -r line; do
+            [ -n "$line" ] && SUMMARY+=("    $line")
+        done <<<"$causes"
     done
 fi
 
