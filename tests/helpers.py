@@ -42,6 +42,21 @@ def vnmse(out, exact) -> float:
     return float(np.sum((out - exact) ** 2) / np.sum(exact ** 2))
 
 
+def magnitude_nmse(out, xs) -> float:
+    """Squared error relative to the squared sum of the ranks' magnitudes,
+    sum((out - sum_r x_r)^2) / sum((sum_r |x_r|)^2).
+
+    A quantized hop errs in proportion to the partial sums it carries, which
+    sum_r |x_r| bounds, not in proportion to the final sum: where the ranks'
+    values cancel (a 1-element input, say) vnmse is unbounded while this stays
+    at the codec's resolution.  Use it for short inputs, vnmse for long ones.
+    """
+    stacked = np.stack([np.asarray(x, dtype=np.float64).reshape(-1) for x in xs])
+    out = np.asarray(out, dtype=np.float64).reshape(-1)
+    magnitude = np.sum(np.abs(stacked), axis=0)
+    return float(np.sum((out - stacked.sum(axis=0)) ** 2) / np.sum(magnitude ** 2))
+
+
 def digest(a) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).view(np.uint8).tobytes()).hexdigest()
 

@@ -9,7 +9,7 @@ from dynamiq_mpi.codecs.allocation import (allocate, allocate_xp, record_bits,
 from dynamiq_mpi.codecs.base import StreamLayout, tile_stream
 from dynamiq_mpi.transports.ops import Claim, Exchange
 from dynamiq_mpi.transports.simulate import SimulatedTransport
-from helpers import exact_sum, fresh_seed, rank_inputs, vnmse
+from helpers import exact_sum, fresh_seed, magnitude_nmse, rank_inputs
 
 FLT_MAX = float(np.finfo(np.float32).max)
 
@@ -136,8 +136,11 @@ def test_no_accuracy_cliff_at_any_length():
     for length in (1, 2, 255, 256, 257, 4095, 65537, threshold - 1, threshold):
         xs = rank_inputs(seed, 3, length)
         out = dq.simulate_allreduce(xs, codec=dq.DynamiQ(bits=5), seed=seed % 100)[0]
-        worst[length] = vnmse(out, exact_sum(xs))
-    assert max(worst.values()) < 0.05, (seed, worst)
+        worst[length] = magnitude_nmse(out, xs)
+    # Against sum_r |x_r|, which cancelling values on 1 or 2 elements cannot
+    # shrink (vNMSE went past 0.05 for 2 seeds in 3000).  Worst measured over
+    # 150 seeds: 5e-5 below the threshold (BF16), 1.1e-3 at it (5-bit DynamiQ).
+    assert max(worst.values()) < 5e-3, (seed, worst)
 
 
 def test_codec_from_string():

@@ -14,7 +14,7 @@ from dynamiq_mpi.codecs.thc import (THC, UNIT, aggregation_bits, fwht, hadamard_
                                     rounding_uniforms, unpack_codes)
 from dynamiq_mpi.rng import call_keys
 from dynamiq_mpi.workspace import FRESH
-from helpers import BF16, exact_sum, fresh_seed, rank_inputs, vnmse
+from helpers import BF16, exact_sum, fresh_seed, magnitude_nmse, rank_inputs, vnmse
 
 CASES = [(n, "ring") for n in (2, 3, 4, 8)] + [(n, "butterfly") for n in (2, 4, 8)]
 
@@ -224,7 +224,9 @@ def test_lengths_and_identical_ranks(n, topology, length):
     xs = rank_inputs(fresh_seed(), n, length, kind="normal")
     outs, reps = dq.simulate_allreduce(xs, codec=THC(), topology=topology, return_reports=True)
     assert all(o.shape == (length,) and bits_equal(o, outs[0]) for o in outs)
-    assert vnmse(outs[0], exact_sum(xs)) < 1.0
+    # Against sum_r |x_r|: on 1 element the ranks' values may cancel and vNMSE
+    # is then unbounded (past 1.0 in 9 of 2800 cases).  Worst measured: 0.115.
+    assert magnitude_nmse(outs[0], xs) < 0.5
     padded = -(-length // 256) * 256
     blocks = sum(c for _, _, c in hadamard_blocks(padded))
     bits = aggregation_bits(16, n)

@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 import dynamiq_mpi as dq
 from helpers import (BF16, assert_identical_everywhere, digest, exact_sum,
-                     rank_inputs, shared_seed, vnmse)
+                     magnitude_nmse, rank_inputs, shared_seed, vnmse)
 
 comm = MPI.COMM_WORLD
 N = comm.size
@@ -93,14 +93,17 @@ def test_lengths(length, topology):
     xs = rank_inputs(seed, N, length)
     # bits=18: every super-group at 8-bit codes, whatever the padding costs
     # (at 12 bits a 257-element input pays two full records and may get 4-bit
-    # codes on both: vNMSE 0.05-0.08 for some seeds, e.g. 3276377185 at n = 8)
-    for codec, bound in ((dq.Exact(), None), (dq.DynamiQ(small_input=0, bits=18), 5e-3),
+    # codes on both: vNMSE 0.05-0.08 for some seeds, e.g. 3276377185 at n = 8).
+    # The error is measured against sum_r |x_r|: on a few elements the ranks'
+    # values may cancel, and vNMSE then exceeds any bound (0.98 seen at n = 3,
+    # 1 element; 1 case in 500 over 5e-3).  Worst measured: 2.2e-4 (n = 8).
+    for codec, bound in ((dq.Exact(), None), (dq.DynamiQ(small_input=0, bits=18), 2e-3),
                          (dq.DynamiQ(small_input=0, bits=5), None)):
         out = dq.allreduce(xs[comm.rank], codec=codec, topology=topology)
         assert out.shape == (length,) and np.all(np.isfinite(out))
         assert_identical_everywhere(comm, out)
         if length and bound:
-            assert vnmse(out, exact_sum(xs)) < bound, f"seed {seed}"
+            assert magnitude_nmse(out, xs) < bound, f"seed {seed}"
         if length and codec.name == "exact":
             mag = np.sum(np.abs(np.stack(xs).astype(np.float64)), axis=0)
             assert np.all(np.abs(out - exact_sum(xs)) <= N * 2.0 ** -24 * mag), f"seed {seed}"
