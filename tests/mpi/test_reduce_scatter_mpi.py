@@ -117,14 +117,16 @@ def test_codec_chunk_matches_its_allreduce_in_distribution(name):
         assert 0 < rep.bits_per_coord < 33
     coll.free()
     ratio = err_rs / err_ar
-    # THC rounds each Hadamard block's range up to a power of two, and a
-    # chunk's blocks are shorter than the whole vector's (smaller maxima):
-    # its chunks can only come out *more* accurate; BF16 is deterministic.
+    # THC rounds each Hadamard block's range up to a power of two, so its
+    # ratio moves in jumps, not as noise; BF16 is deterministic.
     lower = 0.0 if name in ("thc", "bf16") else 0.9
-    # THC's ratio is heavy-tailed over seeds (4 ranks, 4 calls, simulated:
-    # median 1.003, 95th percentile 1.011, but 1 seed in 60 at 1.20, which
-    # failed a CI-like run): a rare block whose range rounds up weighs alone
-    upper = 1.35 if name == "thc" else 1.1
+    # At 2 ranks the whole vector's one block sits at a power-of-two edge: in
+    # 1 call in 8 its range halves and that call's error with it, so over the
+    # 4 calls the ratio is 0.5, 0.62, 0.8, 1.14 or 2.0 (binomial, q = 0.126;
+    # 10 of 12000 simulated runs passed 1.35, worst 2.016).  At 4 ranks a
+    # range that rounds up in one chunk weighs alone (worst 1.37 in 4000).
+    # Past 3.0 takes all 4 calls halved and two more rare roundings (< 1e-9).
+    upper = 3.0 if name == "thc" else 1.1
     assert lower <= ratio <= upper, \
         f"{name}: reduce-scatter vNMSE {err_rs / ref:.3e}, all-reduce {err_ar / ref:.3e}"
 
