@@ -51,10 +51,9 @@ def magnitude_nmse(out, xs) -> float:
     values cancel (a 1-element input, say) vnmse is unbounded while this stays
     at the codec's resolution.  Use it for short inputs, vnmse for long ones.
     """
-    stacked = np.stack([np.asarray(x, dtype=np.float64).reshape(-1) for x in xs])
     out = np.asarray(out, dtype=np.float64).reshape(-1)
-    magnitude = np.sum(np.abs(stacked), axis=0)
-    return float(np.sum((out - stacked.sum(axis=0)) ** 2) / np.sum(magnitude ** 2))
+    magnitude = exact_sum([np.abs(x) for x in xs])
+    return float(np.sum((out - exact_sum(xs)) ** 2) / np.sum(magnitude ** 2))
 
 
 def digest(a) -> str:

@@ -30,6 +30,7 @@ def write(tmp_path, name, text):
 def test_each_ranks_failing_test_and_its_exception(tmp_path):
     logs = [write(tmp_path, f"rank{r}.log", ABORT.format(bang="!" * 70, r=r)) for r in (0, 2)]
     lines = failure_causes.causes(logs + [str(tmp_path / "absent.log")])
+    assert failure_causes.any_test_failed(logs)
     assert lines == ["[rank 0/4] FAILED (call) tests/mpi/test_x.py::test_y[0]",
                      "  E       AssertionError: seed 12345",
                      "[rank 2/4] FAILED (call) tests/mpi/test_x.py::test_y[2]",
@@ -41,6 +42,7 @@ def test_mpi_errors_when_no_test_failed(tmp_path):
                 "python : x\nAbort(1091215) on node 3: Fatal error in internal_Init: Other MPI error\n"
                 "\0ordinary line\nModuleNotFoundError: No module named 'numpy'\n")
     lines = failure_causes.causes([log])
+    assert not failure_causes.any_test_failed([log])
     assert lines == ["Abort(1091215) on node 3: Fatal error in internal_Init: Other MPI error",
                      "ModuleNotFoundError: No module named 'numpy'"]
 

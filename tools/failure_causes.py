@@ -1,6 +1,7 @@
 """Why one world size of the MPI suite failed, read from its logs (tools/run_tests.sh).
 
     python tools/failure_causes.py LOG...
+    python tools/failure_causes.py --test-failed LOG...   (exit 0 if a test failed)
 
 prints at most MAX_LINES lines, meant for the summary at the end of a test run
 (the part of a CI log that is always shown).  When a test failed, the lines are
@@ -69,6 +70,13 @@ def causes(paths):
     return out[:MAX_LINES]
 
 
+def any_test_failed(paths):
+    """True when some log in ``paths`` holds an abort headline of tests/conftest.py."""
+    return any(test_failures(_lines(path)) for path in paths)
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--test-failed"]:
+        sys.exit(0 if any_test_failed(sys.argv[2:]) else 1)
     for line in causes(sys.argv[1:]):
         print(line)

@@ -179,7 +179,7 @@ if [ "${SKIP_MPI:-0}" != 1 ]; then
             # collection error (MPI or the launcher failed to start it) is
             # launched once more; a test failure never is.
             if [ "$ok" = 1 ] || [ "$started" != 0 ] || [ "$attempt" = 2 ] \
-               || grep -qE '^\[rank [0-9]+/[0-9]+\] (FAILED|COLLECTION ERROR) ' "$dir"/*.log; then
+               || "$PY_ABS" "$ROOT/tools/failure_causes.py" --test-failed "$dir"/*.log; then
                 break
             fi
             cause=$("$PY_ABS" "$ROOT/tools/failure_causes.py" "$dir"/launcher.log "$dir"/rank*.log | head -n 1)
