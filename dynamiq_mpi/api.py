@@ -34,6 +34,14 @@ def _check_transport(transport):
 class Collective:
     """A communicator's compressed all-reduce.
 
+    ``comm``: an mpi4py communicator, a ``torch.distributed`` process group
+    (the torch control plane: torchrun, Lightning, ``mp.spawn``), or None for
+    the launcher's default (``control.default_comm``: ``MPI.COMM_WORLD`` in a
+    job started by mpiexec, else torch.distributed's default group when it is
+    initialised; a job whose launcher says it has several processes but that
+    has neither is an error on every rank, never a world of one).
+    ``control_plane`` says which ("mpi" or "torch").
+
     Owns a private duplicate of ``comm``, the per-communicator call counter
     that keys the generator (successive calls with the same seed draw fresh
     randomness), reusable workspace, and - created on the first call that uses
@@ -79,16 +87,16 @@ class Collective:
     def __init__(self, comm=None, transport: str = "auto", tile_bytes: int = DEFAULT_TILE_BYTES,
                  lanes: int | str | None = None, path: str | None = None,
                  nonfinite: str = "propagate", graphs: bool | None = None):
+        from .control import as_plane, default_comm
         if comm is None:
-            from mpi4py import MPI
-            comm = MPI.COMM_WORLD
+            comm = default_comm()
         _check_transport(transport)
         _check_nonfinite(nonfinite)
         self.path = default_path(path)
         self.nonfinite = nonfinite
         self.layout = default_layout()
         self.graphs = default_graphs(graphs)
-        from .transports.mpi_host import MPITransport
+        from .transports.mpi_host import HostTransport
         self.parent = comm
         self.transport = transport
         self.tile_bytes = int(tile_bytes)
@@ -107,8 +115,10 @@ class Collective:
             raise ValueError("DYNAMIQ_NCCL_LANE_BYTES must be a positive number of bytes, "
                              f"got {lane_bytes!r}")
         self.lane_bytes = int(lane_bytes) if lane_bytes is not None else None
-        self._mpi = MPITransport(comm)
-        self.rank, self.size = self._mpi.rank, self._mpi.size
+        self._host = HostTransport(as_plane(comm))    # a private duplicate
+        self._plane = self._host.plane
+        self.control_plane = self._plane.name
+        self.rank, self.size = self._host.rank, self._host.size
         self._nccl = {}
         self._gpu_sharing = {}      # device -> which ranks share a GPU ('' : none), asked once
         self._route_why = ""        # why this call's transport differs from the agreed one
@@ -118,7 +128,7 @@ class Collective:
         self._workspace = Workspace()
         self._last_stream = None     # (stream pointer, event at the end of the last call)
         self._done_event = None
-        self._paths = PathChooser(self._mpi.comm)
+        self._paths = PathChooser(self._plane)
         self._steady = {}            # steady native calls (native.SteadyNative) by their key
         self._graphs = {}            # steady compressed calls (graphs.SteadyCompressed) by graph_key
         self._last_metas = None
@@ -176,8 +186,8 @@ class Collective:
                                                         requested)
             spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
                             path=chosen, nonfinite=nonfinite, layout=self.layout)
-            if chosen != "native" or timed:
-                steady_key = None
+            if chosen != "native" or timed or nonfinite == "raise":
+                steady_key = None       # (a steady native call checks no NaN)
             program = rank_program(self.rank, self.size, x, spec, out, self._workspace,
                                    detailed_report=return_report)
             if timed:
@@ -226,9 +236,9 @@ class Collective:
         call (a failed capture runs it on the engine: the same messages in
         the same order, so peers replaying their graphs still match).
         Returns True: the call is done."""
-        if not entry.agree(self._mpi.comm, counter):
+        if not entry.agree(self._plane, counter):
             from .engine import _agree      # every rank raises, as on the engine's path
-            _agree(self._mpi.comm.allgather(dict(entry.record, counter=counter)))
+            _agree(self._plane.allgather(dict(entry.record, counter=counter)))
             raise InvalidInputError("ranks disagree on the call")
         import cupy
         stream = cupy.cuda.get_current_stream()
@@ -287,7 +297,7 @@ class Collective:
         if on_device:
             self._fence_stream()
         try:
-            return steady.run(self._mpi.comm, self._route, x, out, counter, op, self.size,
+            return steady.run(self._plane, self._route, x, out, counter, op, self.size,
                               self._workspace)
         finally:
             if on_device:
@@ -353,15 +363,16 @@ class Collective:
         if on_device:
             self._fence_stream()
         t0 = time.perf_counter()
-        data, prof, metas, failed = self._mpi, None, None, True
+        data, prof, metas, failed = self._host, None, None, True
         self._last_metas = None
         self._route_why = ""
         try:
             request = program.send(None)
             while True:
                 if isinstance(request, Agree):
-                    answer = metas = self._mpi.answer(request)
-                    self._last_metas = metas
+                    answer = self._host.answer(request)
+                    if metas is None:       # the call's records (later ones: flags)
+                        metas = self._last_metas = answer
                 elif isinstance(request, Route):
                     data = self._route(request.transport, x)
                     answer = data.name
@@ -382,6 +393,7 @@ class Collective:
                 prof = data.stop_profile()
             if on_device:
                 self._record_stream()
+        report.control_plane = self.control_plane
         if prof is not None:
             report.phases = _phases(prof, t0)
         if want_report and metas is not None and len(metas) == self.size:
@@ -394,18 +406,22 @@ class Collective:
 
     def _route(self, transport, x):
         if transport == "mpi-cuda":
+            if self._plane.mpi_comm is None:  # the same on every rank: all raise
+                raise InvalidInputError(
+                    "transport='mpi-cuda' needs the MPI control plane; this collective runs "
+                    "over a torch.distributed group (use transport='auto', 'nccl' or 'mpi')")
             if self._mpi_cuda is None:        # every rank gets here in the same call
                 from .transports.mpi_cuda import MPICudaTransport
-                self._mpi_cuda = MPICudaTransport(self._mpi.comm)
+                self._mpi_cuda = MPICudaTransport(self._plane.mpi_comm)
             return self._mpi_cuda
         if transport != "nccl":
-            return self._mpi
+            return self._host
         device = x.device.id
         if device not in self._nccl:          # every rank gets here in the same call
             from .transports.nccl import NCCLTransport, ranks_sharing_a_gpu
             shared = self._gpu_sharing.get(device)
             if shared is None:
-                shared = self._gpu_sharing[device] = ranks_sharing_a_gpu(self._mpi.comm, device)
+                shared = self._gpu_sharing[device] = ranks_sharing_a_gpu(self._plane, device)
             if shared:          # the same answer on every rank: all raise or all stage
                 requested = self._last_metas[0]["transport"] if self._last_metas else "auto"
                 if requested == "nccl":
@@ -413,9 +429,9 @@ class Collective:
                                             f"per rank ({shared}); use transport='mpi' or 'auto'")
                 self._route_why = (f"auto: NCCL needs one GPU per rank ({shared}): device "
                                    "buffers staged through host memory")
-                return self._mpi
+                return self._host
             pair = os.environ.get("DYNAMIQ_NCCL_PAIR_ALLGATHER")
-            self._nccl[device] = NCCLTransport(self._mpi.comm, device, self.lanes,
+            self._nccl[device] = NCCLTransport(self._plane, device, self.lanes,
                                                self.lane_bytes, pair_allgather=pair == "1")
         return self._nccl[device]
 
@@ -438,7 +454,7 @@ class Collective:
         self._last_stream = (stream.ptr, self._done_event)
 
     def free(self):
-        """Release the NCCL communicators and the MPI duplicate."""
+        """Release the NCCL communicators and the control plane's duplicate."""
         with self._lock:
             for t in self._nccl.values():
                 t.free()
@@ -448,7 +464,7 @@ class Collective:
                 self._mpi_cuda = None
             self._free_graphs()
             self._workspace.clear()
-            self._mpi.free()
+            self._host.free()
 
 
 def default_layout(value=None) -> str:
@@ -487,10 +503,12 @@ _collectives_lock = threading.Lock()
 
 
 def collective_for(comm=None) -> Collective:
-    """The library's cached :class:`Collective` of ``comm`` (COMM_WORLD by default)."""
+    """The library's cached :class:`Collective` of ``comm`` (an mpi4py
+    communicator or a torch.distributed group; None: the launcher's default,
+    see :class:`Collective`)."""
     if comm is None:
-        from mpi4py import MPI
-        comm = MPI.COMM_WORLD
+        from .control import default_comm
+        comm = default_comm()
     with _collectives_lock:
         entry = _collectives.get(id(comm))
         if entry is None or entry.parent is not comm:
@@ -500,7 +518,8 @@ def collective_for(comm=None) -> Collective:
 
 def allreduce(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0, out=None,
               transport="auto", return_report=False, path=None, nonfinite="propagate"):
-    """Compressed all-reduce of ``x`` over ``comm`` (default ``MPI.COMM_WORLD``).
+    """Compressed all-reduce of ``x`` over ``comm`` (an mpi4py communicator or a
+    torch.distributed process group; default: the launcher's, see :class:`Collective`).
 
     Every rank passes an array of the same length and dtype (float32, bfloat16,
     float16 or float64; NumPy or CuPy; any C-contiguous shape) and gets back an
@@ -525,7 +544,7 @@ def allreduce(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0, ou
 
 def reduce_scatter(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0, out=None,
                    transport="auto", return_report=False, nonfinite="propagate"):
-    """Compressed reduce-scatter of ``x`` over ``comm`` (default ``MPI.COMM_WORLD``).
+    """Compressed reduce-scatter of ``x`` over ``comm`` (as in :func:`allreduce`).
 
     Every rank passes a C-contiguous array of the same length (divisible by the
     number of ranks n, else every rank raises ``InvalidInputError``) and dtype;

@@ -379,8 +379,20 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
         if wires:
             wire = native.wire_dtype(spec.codec, dtype_name(flat.dtype), wires)
             report.path = "native"
+            if spec.nonfinite == "raise":
+                # the transport's all-reduce has no statistics phase to flag
+                # NaN/Inf: one more agreement on a local flag, before any data
+                # byte moves (all ranks alike: one digest exchange when clean)
+                flags = yield Agree({"nonfinite": _holds_nonfinite(xp, flat)})
+                bad = [r for r, f in enumerate(flags) if f["nonfinite"]]
+                if bad:
+                    raise NonFiniteInputError(f"NaN or Inf in the input of ranks {bad}")
             send, recv = native.to_wire(backend, flat, wire, result, workspace)
             buf = yield NativeAllreduce(send, recv)
+            if spec.nonfinite == "raise" and _holds_nonfinite(xp, buf):
+                # finite inputs (checked above), a sum past the wire's range:
+                # the same sum on every rank, so every rank raises
+                raise SumOverflowError(f"the sum leaves the {wire} range on the native path")
             native.from_wire(backend, buf, divisor, result)
             if detailed_report:
                 report.nonfinite = _holds_nonfinite(xp, result)

@@ -52,7 +52,8 @@ class PathChooser:
 
     def __init__(self, comm, warmup: int = WARMUP, samples: int = SAMPLES,
                  margin: float = MARGIN):
-        self.comm = comm            # an MPI communicator of the ranks (agreeing on timings)
+        from .control import as_plane
+        self.plane = as_plane(comm)     # the ranks' control plane (agreeing on timings)
         self.warmup, self.samples, self.margin = int(warmup), int(samples), float(margin)
         self._classes: dict = {}
 
@@ -90,8 +91,7 @@ class PathChooser:
         mine = np.array([statistics.median(c.times[p][self.warmup:])
                          for p in ("compressed", "native")], dtype=np.float64)
         worst = np.empty_like(mine)
-        from mpi4py import MPI
-        self.comm.Allreduce(mine, worst, op=MPI.MAX)
+        self.plane.allreduce_max(mine, worst)
         tc, tn = float(worst[0]), float(worst[1])
         c.choice = "compressed" if tc * self.margin < tn else "native"
         c.why = (f"auto: measured compressed {tc * 1e3:.3f} ms, native {tn * 1e3:.3f} ms "

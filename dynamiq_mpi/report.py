@@ -30,6 +30,7 @@ class Report:
     codec_info: dict = field(default_factory=dict)
     phases: dict = field(default_factory=dict)    # seconds per phase, when profiled
     collective: str = "allreduce"  # or "reduce_scatter"
+    control_plane: str = ""       # what carried rank, size and agreement: "mpi" or "torch"
 
     @property
     def bits_per_coord(self) -> float:

@@ -4,10 +4,11 @@ hand-written training loops, both running :class:`dynamiq_mpi.Collective`.
     import dynamiq_mpi as dq
     import dynamiq_mpi.torch as dqt
 
-    dqt.init_process_group_from_mpi()            # torch.distributed from mpi4py's rank/size
+    torch.distributed.init_process_group("nccl")   # torchrun, Lightning, mp.spawn ...
+    # (under mpiexec: dqt.init_process_group_from_mpi())
     ddp = torch.nn.parallel.DistributedDataParallel(model, device_ids=[...])
     state = dqt.HookState(codec=dq.DynamiQ(bits=5))
-    ddp.register_comm_hook(state, dqt.ddp_comm_hook)
+    dqt.register_comm_hook(ddp, state)      # over ddp.process_group
 
     # or, without DDP, after loss.backward():
     dqt.allreduce_gradients(model.parameters(), state)
@@ -19,18 +20,19 @@ added.  torch is imported only by this module: ``import dynamiq_mpi`` never
 imports it.
 """
 import contextlib
-import socket
 import threading
 import time
 
 import torch
 
 from .. import Collective, DynamiQ, InputMismatchError
+from ..control import as_plane, is_torch_group
 from ..paths import PathChooser, default_path, size_class
-from .overlap import BucketWorker, thread_safe_mpi
+from .groups import _adopt_group, _native_group, init_process_group_from_mpi  # noqa: F401 (re-exported)
+from .overlap import BucketWorker
 
-__all__ = ["HookState", "ddp_comm_hook", "allreduce_gradients", "init_process_group_from_mpi",
-           "tensor_as_array", "ReduceScatter"]
+__all__ = ["HookState", "ddp_comm_hook", "register_comm_hook", "allreduce_gradients",
+           "init_process_group_from_mpi", "tensor_as_array", "ReduceScatter"]
 
 DEFAULT_BUCKET_CAP_MB = 25.0   # DDP's default bucket size
 
@@ -83,9 +85,20 @@ class HookState:
     counters agree.  Nothing is keyed on DDP's bucket index, so the bucket
     rebuild after the first iteration changes nothing.
 
+    The communicator: ``process_group=`` (a torch.distributed group, as
+    torch's own stateful hooks take it) or ``comm=`` (that, or an mpi4py
+    communicator); given neither, the launcher's default, decided on first
+    use (``MPI.COMM_WORLD`` under mpiexec, else torch.distributed's default
+    group; a job of several processes with neither raises on every rank).
+    A DDP model over a subgroup needs the state to know that group:
+    :func:`register_comm_hook` fills it in from ``ddp.process_group`` (and
+    raises when the state was made for another group); a state without one,
+    registered by ``ddp.register_comm_hook`` on such a model, would average
+    over the whole job - the caller's error.
+
     Pickling (for checkpoints) keeps the configuration, the call counter and
     the iteration count, never the communicator: after unpickling the state
-    attaches to ``MPI.COMM_WORLD`` on first use, or to what is assigned to
+    takes the launcher's default on first use, or what is assigned to
     ``state.comm``, and its new collective continues from the saved counter.
 
     Per-call results stay on the state, never in globals: with ``reports``
@@ -110,7 +123,7 @@ class HookState:
     def __init__(self, codec=None, comm=None, seed: int = 0, transport: str = "auto", *,
                  topology: str = "ring", reports: bool = True, timing: bool = False,
                  path: str | None = None, nonfinite: str = "propagate",
-                 overlap: bool | None = None):
+                 overlap: bool | None = None, process_group=None):
         self.codec = DynamiQ(bits=5) if codec is None else codec
         self.seed = int(seed)
         self.transport = transport
@@ -132,10 +145,18 @@ class HookState:
         self.reports = reports      # keep each call's Report (last_report, bits in pop_stats)
         self.timing = timing        # time each call (CUDA events on GPU: no host sync)
         self._counter = 0
+        if process_group is not None:
+            if comm is not None and comm is not process_group:
+                raise ValueError("HookState: give comm= or process_group=, not both")
+            if not is_torch_group(process_group):
+                raise TypeError("HookState: process_group must be a torch.distributed "
+                                f"ProcessGroup, got {type(process_group).__name__}")
+            comm = process_group
         self._init_runtime(comm)
 
     def _init_runtime(self, comm):
         self._comm = comm
+        self._plane = None
         self._collective = None
         self._lock = threading.Lock()
         self.last_report = None
@@ -143,7 +164,7 @@ class HookState:
         self._path_comm = None
         self._dist_ok = None        # torch.distributed spans the same ranks (asked once)
         self._workers = {}          # device -> BucketWorker of the overlapped hook
-        self._mpi_threads = None    # MPI_THREAD_MULTIPLE (asked once)
+        self._threads_ok = None     # the control plane takes calls from a worker (asked once)
         self._stats_lock = threading.Lock()
         self._reset_stats()
 
@@ -176,11 +197,26 @@ class HookState:
     # -- communicator and collective
     @property
     def comm(self):
-        """The mpi4py communicator (``MPI.COMM_WORLD`` unless one was given)."""
+        """The communicator: an mpi4py communicator or a torch.distributed
+        group (what was given, else the launcher's default, decided once)."""
         if self._comm is None:
-            from mpi4py import MPI
-            self._comm = MPI.COMM_WORLD
+            from ..control import default_comm
+            self._comm = default_comm()
         return self._comm
+
+    @property
+    def process_group(self):
+        """The torch.distributed group the state reduces over (None when it
+        runs over an mpi4py communicator)."""
+        comm = self.comm
+        return comm if is_torch_group(comm) else None
+
+    @property
+    def plane(self):
+        """The communicator's control plane (rank, size, small exchanges)."""
+        if self._plane is None:
+            self._plane = as_plane(self.comm)
+        return self._plane
 
     @comm.setter
     def comm(self, comm):
@@ -194,6 +230,7 @@ class HookState:
                 old.free()              # its NCCL communicators and MPI duplicate
             self._collective = None
             self._comm = comm
+            self._plane = None
             self._dist_ok = None
 
     @property
@@ -275,16 +312,16 @@ class HookState:
         so does the compressed path with ``overlap`` (its worker thread).
         """
         if self._dist_ok is None:       # asked once: the group does not change under DDP
-            self._dist_ok = _dist_matches(self.comm)
-        native_ok = buf.device.type in ("cpu", "cuda") and self._dist_ok
+            self._dist_ok = _native_group(self.comm)
+        native_ok = buf.device.type in ("cpu", "cuda") and self._dist_ok[0]
         path, key, timed = self._hook_path(buf, native_ok)
         if timed:
             self.settle()       # a measuring call times itself alone
         if path == "native" and native_ok:
             if timed:
                 t0 = self._synced_time(buf)
-            buf.div_(self.comm.Get_size())
-            work = torch.distributed.all_reduce(buf, async_op=True)
+            buf.div_(self.plane.size)
+            work = torch.distributed.all_reduce(buf, group=self._dist_ok[1], async_op=True)
             if timed:
                 work.wait()
                 self._paths.record(key, "native", self._synced_time(buf) - t0, "native")
@@ -316,9 +353,9 @@ class HookState:
         wanted = buf.is_cuda if self.overlap is None else bool(self.overlap)
         if not wanted or self.measure_error:
             return False    # the error's exact all-reduce must keep DDP's order
-        if self._mpi_threads is None:
-            self._mpi_threads = thread_safe_mpi()
-        return self._mpi_threads
+        if self._threads_ok is None:
+            self._threads_ok = self.plane.thread_safe
+        return self._threads_ok
 
     def _worker(self, device) -> BucketWorker:
         worker = self._workers.get(device)
@@ -353,7 +390,7 @@ class HookState:
         if self.path != "auto" or not native_ok:
             return self.path, None, False
         if self._paths is None:
-            self._path_comm = self.comm.Dup()
+            self._path_comm = self.plane.dup()
             self._paths = PathChooser(self._path_comm)
         sig = self.codec.cached_signature()
         key = (buf.device.type, str(buf.dtype), size_class(buf.numel()), sig, self.topology,
@@ -394,18 +431,17 @@ class HookState:
     # -- error measurement against an exact all-reduce
     def exact_mean(self, t: torch.Tensor) -> torch.Tensor:
         """The float64 mean over the ranks of ``t``, reduced uncompressed:
-        through torch.distributed when it spans the same ranks, else through
-        mpi4py on a host copy."""
+        through torch.distributed when it spans the same ranks, else over
+        the control plane on a host copy."""
         ref = t.detach().to(torch.float64, copy=True)
-        comm = self.comm
-        if _dist_matches(comm):
-            torch.distributed.all_reduce(ref)
+        ok, group = _native_group(self.comm)
+        if ok:
+            torch.distributed.all_reduce(ref, group=group)
         else:
-            from mpi4py import MPI
             host = ref.cpu().numpy()
-            comm.Allreduce(MPI.IN_PLACE, host)
+            self.plane.allreduce_sum(host, host)
             ref = torch.from_numpy(host).to(t.device)
-        return ref.div_(comm.Get_size())
+        return ref.div_(self.plane.size)
 
     def record_error(self, result: torch.Tensor, exact: torch.Tensor):
         """Accumulate ||result - exact||^2 and ||exact||^2 (float64)."""
@@ -440,14 +476,17 @@ class HookState:
                 f"iteration={self.iteration})")
 
 
-def _dist_matches(comm) -> bool:
-    """True if torch.distributed's default group spans exactly ``comm``'s world."""
-    dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    from mpi4py import MPI
-    return (dist.get_world_size() == comm.Get_size()
-            and MPI.Comm.Compare(comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT))
+def register_comm_hook(ddp, state: "HookState", hook=None) -> "HookState":
+    """``ddp.register_comm_hook(state, hook or ddp_comm_hook)`` with the
+    state's communicator taken from ``ddp.process_group`` when it has none;
+    raises ``InvalidInputError`` when the state was made for other ranks
+    (a state over the whole job on a DDP over a subgroup would mix the
+    groups' gradients).  Returns ``state``."""
+    group = getattr(ddp, "process_group", None)
+    if group is not None:
+        _adopt_group(state, group, "register_comm_hook", "the DDP model's process group")
+    ddp.register_comm_hook(state, ddp_comm_hook if hook is None else hook)
+    return state
 
 
 # --------------------------------------------------------------------- DDP hook
@@ -470,8 +509,12 @@ def ddp_comm_hook(state: "HookState", bucket) -> torch.futures.Future[torch.Tens
 
 # --------------------------------------------------------------------- plain loops
 def allreduce_gradients(parameters, state: "HookState", *,
-                        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> int:
+                        bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, group=None) -> int:
     """Average the ``.grad`` of ``parameters`` over the ranks, in place.
+
+    ``group``: the torch.distributed group (or mpi4py communicator) to
+    average over; a state without a communicator takes it, one made for
+    other ranks raises ``InvalidInputError``.  Default: the state's.
 
     Gradients are grouped by device and dtype (in order of first appearance)
     and coalesced into buckets of at most ``bucket_cap_mb`` MiB (a tensor
@@ -480,6 +523,8 @@ def allreduce_gradients(parameters, state: "HookState", *,
     of the same shapes and dtypes, else every rank raises
     :class:`~dynamiq_mpi.InputMismatchError`.  Returns the number of buckets.
     """
+    if group is not None:
+        _adopt_group(state, group, "allreduce_gradients")
     grads = []
     for p in parameters:
         g = p.grad
@@ -508,7 +553,7 @@ def allreduce_gradients(parameters, state: "HookState", *,
     # One small exchange first: a rank with a different gradient list would
     # otherwise make a different number of calls and leave the others waiting.
     layout = [(str(b[0].dtype), b[0].device.type, sum(g.numel() for g in b)) for b in buckets]
-    layouts = state.comm.allgather(layout)
+    layouts = state.plane.allgather(layout)
     if any(other != layouts[0] for other in layouts):
         differ = [r for r, other in enumerate(layouts) if other != layouts[0]]
         raise InputMismatchError(
@@ -528,61 +573,3 @@ def allreduce_gradients(parameters, state: "HookState", *,
             g.copy_(flat[offset:offset + n].view_as(g))
             offset += n
     return len(buckets)
-
-
-# --------------------------------------------------------------------- set-up
-def init_process_group_from_mpi(backend: str | None = None, comm=None, timeout=None):
-    """Initialise ``torch.distributed`` from mpi4py's rank and size.
-
-    ``backend`` defaults to ``"nccl"`` when CUDA is available, else ``"gloo"``.
-    Rank 0 opens a TCP store on a free port and broadcasts its address over
-    MPI (``MASTER_ADDR`` / ``MASTER_PORT`` from the environment are used if
-    set).  With CUDA, each rank takes the GPU of its rank on the node.  Does
-    nothing if torch.distributed is already initialised.  Returns
-    ``(rank, world_size, device)``.
-    """
-    import datetime
-    import os
-
-    from mpi4py import MPI
-    dist = torch.distributed
-    comm = MPI.COMM_WORLD if comm is None else comm
-    rank, size = comm.Get_rank(), comm.Get_size()
-    if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    device = torch.device("cpu")
-    if backend == "nccl":
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        local_rank = node.Get_rank()
-        node.Free()
-        device = torch.device("cuda", local_rank % torch.cuda.device_count())
-        torch.cuda.set_device(device)
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size(), device
-
-    names = comm.allgather(MPI.Get_processor_name())
-    host = os.environ.get("MASTER_ADDR") or (
-        "127.0.0.1" if len(set(names)) == 1 else socket.gethostname())
-    port = int(os.environ.get("MASTER_PORT", "0"))
-    timeout = timeout or datetime.timedelta(minutes=5)
-    store, error = None, None
-    if rank == 0:
-        try:
-            # Port 0: the store binds a free port itself, so no other process can take it.
-            store = dist.TCPStore(host, port, size, is_master=True, timeout=timeout,
-                                  wait_for_workers=False)
-            port = store.port
-        except Exception as exc:  # tell the others instead of leaving them waiting
-            error = f"{type(exc).__name__}: {exc}"
-    host, port, error = comm.bcast((host, port, error), root=0)
-    if error is not None:
-        raise RuntimeError(f"init_process_group_from_mpi: rank 0 could not open the "
-                           f"TCP store: {error}")
-    if rank != 0:
-        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
-    kwargs = dict(store=store, rank=rank, world_size=size, timeout=timeout)
-    if backend == "nccl":
-        kwargs["device_id"] = device
-    dist.init_process_group(backend, **kwargs)
-    return rank, size, device
-

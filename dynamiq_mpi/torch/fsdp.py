@@ -4,7 +4,7 @@
     import dynamiq_mpi.torch as dqt
     from torch.distributed.fsdp import fully_shard
 
-    dqt.init_process_group_from_mpi()
+    torch.distributed.init_process_group(...)   # torchrun; under mpiexec: dqt.init_process_group_from_mpi()
     for layer in model.layers:
         fully_shard(layer)
     fully_shard(model)
@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from ..paths import PathChooser, size_class
-from .ddp import HookState, _dist_matches, _torch_stream, tensor_as_array
+from .ddp import HookState, _torch_stream, tensor_as_array
+from .groups import _adopt_group, _native_group
 
 try:     # the abstract class is not re-exported by torch; FSDP only calls it
     from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as _FSDPReduceScatter
@@ -76,16 +77,19 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
 
     ``codec`` defaults to ``DynamiQ(bits=5)``; ``seed`` keys the generator
     with the collective's call counter (checkpoint the object: pickling keeps
-    the configuration and the counter, see :class:`HookState`).  The FSDP
-    group must span the same ranks as ``comm`` (default ``MPI.COMM_WORLD``):
-    plain FSDP, not HSDP's sub-groups.
+    the configuration and the counter, see :class:`HookState`).  Made
+    without ``comm`` / ``process_group``, it reduces over the group FSDP
+    calls it with (HSDP's shard group included; one object serves one
+    group); made with one, FSDP's group must hold the same ranks, else every
+    rank raises ``InvalidInputError``.
     """
 
     def __init__(self, codec=None, seed: int = 0, comm=None, transport: str = "auto", *,
                  topology: str = "ring", reports: bool = False, timing: bool = False,
-                 path: str | None = None, nonfinite: str = "propagate"):
+                 path: str | None = None, nonfinite: str = "propagate", process_group=None):
         HookState.__init__(self, codec, comm, seed, transport, topology=topology,
-                           reports=reports, timing=timing, path=path, nonfinite=nonfinite)
+                           reports=reports, timing=timing, path=path, nonfinite=nonfinite,
+                           process_group=process_group)
 
     # -- FSDP's interface
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -147,29 +151,26 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
 
     def _exact_chunk(self, t, op):
         ref = self.exact_mean(t)
+        n, r = self.plane.size, self.plane.rank
         if op == "sum":
-            ref.mul_(self.comm.Get_size())
-        n, r = self.comm.Get_size(), self.comm.Get_rank()
+            ref.mul_(n)
         m = t.numel() // n
         return ref.reshape(-1)[r * m:(r + 1) * m]
 
     def _check_group(self, group):
-        if group is None:
+        """Reduce over FSDP's group: taken when the object has no
+        communicator yet; one of other ranks is an error."""
+        if group is None or group is self._comm:
             return
-        n, r = self.comm.Get_size(), self.comm.Get_rank()
-        if group.size() != n or dist.get_rank(group) != r:
-            raise ValueError(
-                f"dynamiq_mpi.torch.ReduceScatter: FSDP's group (size {group.size()}, rank "
-                f"{dist.get_rank(group)}) is not the communicator's (size {n}, rank {r}); "
-                "HSDP sub-groups need a matching mpi4py communicator as comm=")
+        _adopt_group(self, group, "ReduceScatter", "FSDP's group")
 
     def _rs_path(self, t, group):
         """(path, class key or None, timed) of one reduce-scatter."""
-        native_ok = t.device.type in ("cpu", "cuda") and _dist_matches(self.comm)
+        native_ok = t.device.type in ("cpu", "cuda") and _native_group(self.comm)[0]
         if self.path != "auto" or not native_ok:
             return ("compressed" if self.path == "auto" else self.path), None, False
         if self._paths is None:
-            self._path_comm = self.comm.Dup()
+            self._path_comm = self.plane.dup()
             self._paths = PathChooser(self._path_comm)
         key = (t.device.type, str(t.dtype), size_class(t.numel()), self.codec.cached_signature(),
                self.topology, "fsdp", "reduce_scatter")

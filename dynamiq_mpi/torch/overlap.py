@@ -23,13 +23,6 @@ import threading
 import torch
 
 
-def thread_safe_mpi() -> bool:
-    """MPI calls from this worker and from the hook's thread need
-    MPI_THREAD_MULTIPLE (mpi4py asks for it by default)."""
-    from mpi4py import MPI
-    return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-
-
 class BucketWorker:
     """One thread running bucket calls in submission order; on CUDA on a
     stream of its own."""

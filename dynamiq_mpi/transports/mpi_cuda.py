@@ -63,7 +63,9 @@ class MPICudaTransport(RequestAnswers):
                 xp.cuda.get_current_stream().synchronize()
         self.xp = xp
         self.synchronize = synchronize
-        self.comm = self.agreement_comm = comm.Dup()
+        from ..control.mpi import MPIPlane
+        self.comm = comm.Dup()
+        self.agreement = MPIPlane(self.comm)
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.profile = None
         self._sends = []          # (request, buffer, first byte, end): in flight

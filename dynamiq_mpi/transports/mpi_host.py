@@ -1,9 +1,12 @@
-"""Host-staged MPI transport over mpi4py, and the MPI agreement every transport uses.
+"""The host transport ("mpi") over a control plane, and the agreement every
+transport uses.
 
-NumPy buffers go to MPI as they are.  Device (CuPy) buffers are staged through
-pinned host buffers that are reused across calls (see ``staging``); the CUDA
-stream is synchronised before a buffer reaches MPI.  Every exchange completes
-before the answer, so a :class:`Claim` returns at once.
+Payload moves by the control plane's own point-to-point: MPI's over an
+mpi4py communicator, the private gloo group's over a torch.distributed one
+(control/).  NumPy buffers go as they are.  Device (CuPy) buffers are staged
+through pinned host buffers that are reused across calls (see ``staging``);
+the CUDA stream is synchronised before a buffer leaves.  Every exchange
+completes before the answer, so a :class:`Claim` returns at once.
 """
 from __future__ import annotations
 
@@ -14,10 +17,8 @@ import time
 
 import numpy as np
 
+from ..control import as_plane
 from .ops import Agree, Claim, Exchange, Mark, NativeAllreduce, Received, payload_array
-
-_TAG = 0x5D17
-
 
 _COUNTER_STEP = 0x9E3779B97F4A7C15
 
@@ -61,27 +62,28 @@ def digest_with_counter(static: int, counter: int) -> int:
     return (static + counter * _COUNTER_STEP) & 0xFFFFFFFFFFFFFFFF
 
 
-def digests_match(comm, digest: int) -> bool:
-    """One fixed-size Allgather of every rank's digest: all equal?"""
-    return Digests(comm).match(digest)
+def digests_match(plane, digest: int) -> bool:
+    """One fixed-size all-gather of every rank's digest: all equal?"""
+    return Digests(plane).match(digest)
 
 
 class Digests:
     """:func:`digests_match` with its buffers kept, for calls that exchange
-    one digest each (a steady native call): no allocation per call."""
+    one digest each (a steady native call): no allocation per call.
+    ``plane``: a control plane (an mpi4py communicator is taken as its plane)."""
 
-    def __init__(self, comm):
-        self.comm = comm
+    def __init__(self, plane):
+        self.plane = as_plane(plane)
         self.mine = np.empty(1, dtype=np.uint64)
-        self.everyone = np.empty(comm.Get_size(), dtype=np.uint64)
+        self.everyone = np.empty(self.plane.size, dtype=np.uint64)
 
     def match(self, digest: int) -> bool:
         self.mine[0] = digest
-        self.comm.Allgather(self.mine, self.everyone)
+        self.plane.allgather_array(self.mine, self.everyone)
         return self.everyone.tolist().count(digest) == self.everyone.shape[0]
 
 
-def agree(comm, value):
+def agree(plane, value):
     """Every rank's ``value`` (a small picklable object), as a list.
 
     Fast path: ranks compare a 64-bit digest of the value (record_digest) in
@@ -89,9 +91,10 @@ def agree(comm, value):
     values.  Only a disagreement pays for the pickled allgather that says who
     differs.
     """
-    if digests_match(comm, record_digest(value)):
-        return [value] * comm.Get_size()
-    return comm.allgather(value)
+    plane = as_plane(plane)
+    if digests_match(plane, record_digest(value)):
+        return [value] * plane.size
+    return plane.allgather(value)
 
 
 class Timeline:
@@ -112,10 +115,10 @@ class Timeline:
 class RequestAnswers:
     """What every transport does with the engine's requests: data requests go
     to its own ``_exchange``, ``_claim`` and ``_mark``; agreement always goes
-    over MPI (the transport's ``agreement_comm``)."""
+    over the control plane (the transport's ``agreement``)."""
 
     profile = None
-    agreement_comm = None
+    agreement = None
 
     def answer(self, request):
         if isinstance(request, Exchange):
@@ -123,7 +126,7 @@ class RequestAnswers:
         if isinstance(request, Claim):
             return self._claim(request.handle)
         if isinstance(request, Agree):
-            return agree(self.agreement_comm, request.value)
+            return agree(self.agreement, request.value)
         if isinstance(request, Mark):
             return self._mark(request.name)
         if isinstance(request, NativeAllreduce):
@@ -138,17 +141,23 @@ class RequestAnswers:
         raise RuntimeError(f"transport {self.name!r} has no native all-reduce")
 
 
-class MPITransport(RequestAnswers):
+class HostTransport(RequestAnswers):
+    """Payload through host memory over a control plane's point-to-point."""
     name = "mpi"
 
     def __init__(self, comm):
-        # A private duplicate: our point-to-point traffic never matches the
-        # caller's messages on the same communicator.
-        self.comm = self.agreement_comm = comm.Dup()
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
+        """``comm``: a control plane, mpi4py communicator or torch process
+        group; duplicated here (collective), so our traffic never matches the
+        caller's messages."""
+        self.plane = self.agreement = as_plane(comm).dup()
+        self.rank, self.size = self.plane.rank, self.plane.size
         self._stager = None
         self.profile = None      # a Timeline while profiling
+
+    @property
+    def comm(self):
+        """The mpi4py communicator of the MPI plane (None on the torch plane)."""
+        return self.plane.mpi_comm if self.plane is not None else None
 
     def _stage_out(self, payload):
         if isinstance(payload, np.ndarray):
@@ -159,8 +168,6 @@ class MPITransport(RequestAnswers):
         return self._stager.to_host(payload)          # synchronises the stream
 
     def _exchange(self, req):
-        from mpi4py import MPI
-
         send = payload_array(req.send) if req.send is not None else None
         recv = req.recv
         on_device = recv is not None and not isinstance(recv, np.ndarray)
@@ -168,13 +175,8 @@ class MPITransport(RequestAnswers):
         recv_host = None
         if recv is not None:
             recv_host = self._stager.recv_buffer(recv.nbytes) if on_device else recv
-        if send_host is not None and recv_host is not None:
-            self.comm.Sendrecv([send_host, MPI.BYTE], req.dest, _TAG,
-                               [recv_host, MPI.BYTE], req.source, _TAG)
-        elif send_host is not None:
-            self.comm.Send([send_host, MPI.BYTE], req.dest, _TAG)
-        elif recv_host is not None:
-            self.comm.Recv([recv_host, MPI.BYTE], req.source, _TAG)
+        if send_host is not None or recv_host is not None:
+            self.plane.sendrecv(send_host, req.dest, recv_host, req.source)
         if recv is None:
             return None
         if on_device:
@@ -185,11 +187,7 @@ class MPITransport(RequestAnswers):
         return handle.buffer          # every exchange completed before its answer
 
     def _native_allreduce(self, send, recv):
-        MPI = sys.modules["mpi4py.MPI"]     # imported: this transport holds a communicator
-        # out=x arrives as two views of one memory: MPI forbids aliased buffers
-        same = send is recv or (send.__array_interface__["data"][0]
-                                == recv.__array_interface__["data"][0])
-        self.comm.Allreduce(MPI.IN_PLACE if same else send, recv, op=MPI.SUM)
+        self.plane.allreduce_sum(send, recv)
         return recv
 
     def _mark(self, name):
@@ -202,6 +200,9 @@ class MPITransport(RequestAnswers):
         self.profile = Timeline(device)
 
     def free(self):
-        if self.comm is not None:
-            self.comm.Free()
-            self.comm = None
+        if self.plane is not None:
+            self.plane.free()
+            self.plane = None
+
+
+MPITransport = HostTransport      # the name of earlier versions

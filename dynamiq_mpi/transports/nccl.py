@@ -15,8 +15,9 @@ Everything is stream-ordered; the host never waits:
   only when a kernel is about to read it, so the kernel of one tile overlaps
   the transfer of the previous one.
 
-The NCCL unique ids are broadcast over the Collective's MPI communicator; the
-communicators are created once per Collective and device.
+The NCCL unique ids are broadcast over the Collective's control plane (MPI
+or a torch.distributed group); the communicators are created once per
+Collective and device.
 """
 from __future__ import annotations
 
@@ -97,15 +98,17 @@ def describe_sharing(keys) -> str:
                      for key, ranks in groups.items() if len(ranks) > 1)
 
 
-def ranks_sharing_a_gpu(mpi_comm, device_id: int) -> str:
-    """Collective over ``mpi_comm``: which ranks drive the same GPU ('' if
-    none).  NCCL refuses a communicator with two ranks on one GPU (invalid
-    usage), so such ranks must stage through MPI; every rank gets the same
-    answer."""
+def ranks_sharing_a_gpu(plane, device_id: int) -> str:
+    """Collective over the control plane: which ranks drive the same GPU (''
+    if none).  NCCL refuses a communicator with two ranks on one GPU (invalid
+    usage), so such ranks must stage through host memory; every rank gets the
+    same answer."""
     import cupy
-    from mpi4py import MPI
-    key = (MPI.Get_processor_name(), cupy.cuda.Device(device_id).pci_bus_id)
-    return describe_sharing(mpi_comm.allgather(key))
+
+    from ..control import as_plane
+    plane = as_plane(plane)
+    key = (plane.node_name(), cupy.cuda.Device(device_id).pci_bus_id)
+    return describe_sharing(plane.allgather(key))
 
 
 class _Profile:
@@ -178,9 +181,11 @@ def _union(intervals):
 class NCCLTransport(RequestAnswers):
     name = "nccl"
 
-    def __init__(self, mpi_comm, device_id: int, lanes=1, lane_bytes: int | None = None,
+    def __init__(self, plane, device_id: int, lanes=1, lane_bytes: int | None = None,
                  modules=None, pair_allgather=None):
-        """``modules``: (cupy, cupy.cuda.nccl) or stand-ins with the same
+        """``plane``: the control plane that bootstraps the communicators and
+        carries the agreement (an mpi4py communicator is taken as its plane).
+        ``modules``: (cupy, cupy.cuda.nccl) or stand-ins with the same
         interface (the CPU tests drive this class with a fake that maps NCCL
         point-to-point onto MPI).  ``pair_allgather`` (two ranks only, off by
         default): an exchange with the one peer as an NCCL all-gather of the
@@ -196,18 +201,19 @@ class NCCLTransport(RequestAnswers):
             modules = (cupy, nccl)
         cupy, nccl = modules
         self.cupy, self.nccl = cupy, nccl
-        self.mpi = self.agreement_comm = mpi_comm
-        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        from ..control import as_plane
+        self.plane = self.agreement = as_plane(plane)
+        self.rank, self.size = self.plane.rank, self.plane.size
         self.device_id = int(device_id)
         if lanes == "auto":
-            lanes, auto_bytes, self.lanes_why = auto_lanes(mpi_comm.allgather(link_record()))
+            lanes, auto_bytes, self.lanes_why = auto_lanes(self.plane.allgather(link_record()))
             lane_bytes = auto_bytes if lane_bytes is None else lane_bytes
         else:
             self.lanes_why = f"{int(lanes)} lane{'s' if int(lanes) != 1 else ''}: requested"
         self.lanes = max(1, int(lanes))
         self.lane_bytes = max(1, int(MIN_LANE_BYTES if lane_bytes is None else lane_bytes))
         ids = [nccl.get_unique_id() for _ in range(self.lanes)] if self.rank == 0 else None
-        ids = mpi_comm.bcast(ids, root=0)
+        ids = self.plane.bcast(ids, root=0)
         with cupy.cuda.Device(self.device_id):
             self.comms = [nccl.NcclCommunicator(self.size, uid, self.rank) for uid in ids]
             self.streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(self.lanes)]
@@ -329,7 +335,7 @@ class NCCLTransport(RequestAnswers):
         made there."""
         nccl = self.nccl
         if self._native is None:
-            uid = self.mpi.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
+            uid = self.plane.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
             with self.cupy.cuda.Device(self.device_id):
                 self._native = nccl.NcclCommunicator(self.size, uid, self.rank)
         compute = self.cupy.cuda.get_current_stream()

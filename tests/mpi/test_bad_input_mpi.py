@@ -108,3 +108,35 @@ def test_overflowing_sum():
     raises_everywhere(dq.SumOverflowError, lambda: dq.allreduce(x, codec=dq.DynamiQ(small_input=0),
                                                                 nonfinite="raise"),
                       "float32 range")
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("path", ["native", "auto"])
+@pytest.mark.parametrize("out_is_x", [False, True])
+def test_non_finite_raises_on_the_native_path(path, out_is_x):
+    """nonfinite="raise" holds whichever path runs the call (path="auto"
+    measures both paths on its first calls: each must raise)."""
+    coll = dq.Collective(path=path, nonfinite="raise")
+    try:
+        for call in range(6):
+            x = inputs()
+            if comm.rank == LAST and call % 2 == 0:
+                x[3] = np.nan
+            before = x.copy()
+            out = x if out_is_x else None
+            if call % 2 == 0:
+                raises_everywhere(dq.NonFiniteInputError, lambda: coll.allreduce(x, out=out),
+                                  "NaN or Inf")
+                assert np.array_equal(x, before, equal_nan=True)   # nothing written
+            else:
+                res, rep = coll.allreduce(x, out=out, return_report=True)
+                assert np.isfinite(res).all() and not rep.nonfinite
+    finally:
+        coll.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_overflowing_sum_on_the_native_path():
+    x = np.full(512, np.float32(3.0e38), dtype=np.float32)
+    raises_everywhere(dq.SumOverflowError,
+                      lambda: dq.allreduce(x, path="native", nonfinite="raise"), "range")

@@ -1,0 +1,76 @@
+"""The MPI control plane: an mpi4py communicator."""
+from __future__ import annotations
+
+from . import ControlPlane
+
+_TAG = 0x5D17
+
+
+class MPIPlane(ControlPlane):
+    name = "mpi"
+
+    def __init__(self, comm):
+        self.mpi_comm = comm
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self._owned = False
+
+    @property
+    def thread_safe(self) -> bool:
+        # calls from the DDP hook's worker and from the hook's thread
+        from mpi4py import MPI
+        return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+    def allgather(self, value) -> list:
+        return self.mpi_comm.allgather(value)
+
+    def bcast(self, value, root: int = 0):
+        return self.mpi_comm.bcast(value, root=root)
+
+    def allgather_array(self, mine, everyone) -> None:
+        self.mpi_comm.Allgather(mine, everyone)
+
+    def allreduce_max(self, mine, out) -> None:
+        from mpi4py import MPI
+        self.mpi_comm.Allreduce(mine, out, op=MPI.MAX)
+
+    def sendrecv(self, send, dest, recv, source) -> None:
+        from mpi4py import MPI
+        if send is not None and recv is not None:
+            self.mpi_comm.Sendrecv([send, MPI.BYTE], dest, _TAG, [recv, MPI.BYTE], source, _TAG)
+        elif send is not None:
+            self.mpi_comm.Send([send, MPI.BYTE], dest, _TAG)
+        elif recv is not None:
+            self.mpi_comm.Recv([recv, MPI.BYTE], source, _TAG)
+
+    def allreduce_sum(self, send, recv) -> None:
+        from mpi4py import MPI
+        # out=x arrives as two views of one memory: MPI forbids aliased buffers
+        same = send is recv or (send.__array_interface__["data"][0]
+                                == recv.__array_interface__["data"][0])
+        self.mpi_comm.Allreduce(MPI.IN_PLACE if same else send, recv, op=MPI.SUM)
+
+    def barrier(self) -> None:
+        self.mpi_comm.Barrier()
+
+    def node_name(self) -> str:
+        from mpi4py import MPI
+        return MPI.Get_processor_name()
+
+    def dup(self) -> "MPIPlane":
+        # a private duplicate: our traffic never matches the caller's messages
+        plane = MPIPlane(self.mpi_comm.Dup())
+        plane._owned = True
+        return plane
+
+    def free(self) -> None:
+        if self._owned and self.mpi_comm is not None:
+            self.mpi_comm.Free()
+            self.mpi_comm = None
+
+
+def world_plane() -> MPIPlane:
+    from mpi4py import MPI
+    return MPIPlane(MPI.COMM_WORLD)
+
+
+__all__ = ["MPIPlane", "world_plane"]

@@ -1,0 +1,189 @@
+"""The torch control plane: a ``torch.distributed`` process group.
+
+Control messages and host payload never go over the caller's group itself:
+a hook's worker thread and the training loop's own collectives would then
+interleave differently on different ranks, and gloo matches operations by
+their order.  The plane makes a private gloo group of the same ranks (the
+caller's group may be NCCL-only) on its first operation, keyed in the job's
+store by the group's global ranks and a per-process count of such groups,
+so that only the group's members take part (``new_group`` would need every
+rank of the job).  Every value travels as a CPU tensor: no call reads the
+device.
+"""
+from __future__ import annotations
+
+import atexit
+import datetime
+import pickle
+import socket
+import threading
+import weakref
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..errors import InvalidInputError
+from . import ControlPlane
+
+_TAG = 0x5D17
+_made = {}                   # global ranks -> private groups made by this process
+_made_lock = threading.Lock()
+_live = weakref.WeakSet()    # planes holding a private group
+
+
+@atexit.register
+def _close_all():
+    """Destroy the private groups before the interpreter tears down: a gloo
+    group collected during finalisation can abort the process ("terminate
+    called without an active exception", seen under torchrun)."""
+    for plane in list(_live):
+        plane.free()
+    import gc
+    gc.collect()
+
+
+def group_timeout(group) -> datetime.timedelta:
+    """The timeout the caller gave the group (its CPU backend's, else its
+    CUDA backend's), else torch's default."""
+    for device in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(device)).options._timeout
+        except Exception:
+            continue
+    return getattr(dist, "default_pg_timeout", datetime.timedelta(minutes=30))
+
+
+def _check_member(group):
+    if group is None or group is dist.GroupMember.WORLD:
+        if not dist.is_initialized():
+            raise InvalidInputError(
+                "dynamiq_mpi: torch.distributed is not initialised: call "
+                "torch.distributed.init_process_group(...) before making a collective over it")
+        return dist.group.WORLD
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise InvalidInputError("dynamiq_mpi: this rank is not a member of the process group "
+                                "it was given")
+    return group
+
+
+class TorchPlane(ControlPlane):
+    name = "torch"
+    thread_safe = True
+
+    def __init__(self, group=None):
+        self.group = _check_member(group)
+        self.ranks = dist.get_process_group_ranks(self.group)
+        self.rank, self.size = self.group.rank(), self.group.size()
+        self.timeout = group_timeout(self.group)
+        self._pg = None
+        self._lock = threading.Lock()
+
+    # -- the private gloo group (made on the first operation: collective)
+    def _gloo(self):
+        pg = self._pg
+        if pg is not None:
+            return pg
+        with self._lock:
+            if self._pg is None:
+                from torch.distributed.distributed_c10d import _get_default_store
+                key = tuple(self.ranks)
+                with _made_lock:
+                    index = _made[key] = _made.get(key, 0) + 1
+                name = ",".join(map(str, key)) if len(key) <= 16 else \
+                    f"{len(key)}:{hash(key) & 0xFFFFFFFF:08x}"
+                store = dist.PrefixStore(f"dynamiq_mpi/{name}/{index}/", _get_default_store())
+                self._pg = dist.ProcessGroupGloo(store, self.rank, self.size, self.timeout)
+                _live.add(self)
+            return self._pg
+
+    # -- object collectives (pickled into uint8 tensors)
+    def allgather(self, value) -> list:
+        if self.size == 1:
+            return [value]
+        data = np.frombuffer(pickle.dumps(value, protocol=4), dtype=np.uint8)
+        sizes = np.empty(self.size, dtype=np.int64)
+        self.allgather_array(np.array([data.size], dtype=np.int64), sizes)
+        width = int(sizes.max())
+        mine = np.zeros(width, dtype=np.uint8)
+        mine[:data.size] = data
+        everyone = np.empty((self.size, width), dtype=np.uint8)
+        self.allgather_array(mine, everyone)
+        return [pickle.loads(everyone[r, :sizes[r]].tobytes()) for r in range(self.size)]
+
+    def bcast(self, value, root: int = 0):
+        if self.size == 1:
+            return value
+        pg = self._gloo()
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = int(root), 0
+        data = pickle.dumps(value, protocol=4) if self.rank == root else b""
+        size = torch.tensor([len(data)], dtype=torch.int64)
+        pg.broadcast([size], opts).wait()
+        buf = torch.empty(int(size[0]), dtype=torch.uint8)
+        if self.rank == root:
+            buf.numpy()[:] = np.frombuffer(data, dtype=np.uint8)
+        pg.broadcast([buf], opts).wait()
+        return value if self.rank == root else pickle.loads(buf.numpy().tobytes())
+
+    # -- fixed-size NumPy collectives
+    def allgather_array(self, mine, everyone) -> None:
+        """``everyone`` (``size`` rows of ``mine``'s bytes) gets every rank's
+        ``mine``, as MPI's Allgather: bytes, so any dtype goes."""
+        rows = everyone.view(np.uint8).reshape(self.size, -1)   # (contiguous: ours)
+        flat = np.ascontiguousarray(mine).view(np.uint8).reshape(-1)
+        if self.size == 1:
+            rows[0] = flat
+            return
+        outs = [torch.from_numpy(rows[r]) for r in range(self.size)]
+        self._gloo().allgather([outs], [torch.from_numpy(_writable(flat))]).wait()
+
+    def allreduce_max(self, mine, out) -> None:
+        self._allreduce(mine, out, dist.ReduceOp.MAX)
+
+    def allreduce_sum(self, send, recv) -> None:
+        self._allreduce(send, recv, dist.ReduceOp.SUM)
+
+    def _allreduce(self, send, recv, op):
+        if send is not recv:
+            np.copyto(recv, send)
+        if self.size == 1:
+            return
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = op
+        self._gloo().allreduce([torch.from_numpy(recv)], opts).wait()
+
+    # -- host payload, point to point
+    def sendrecv(self, send, dest, recv, source) -> None:
+        pg = self._gloo()
+        works = []
+        if send is not None:
+            works.append(pg.send([torch.from_numpy(_writable(send).reshape(-1))], dest, _TAG))
+        if recv is not None:
+            works.append(pg.recv([torch.from_numpy(recv.reshape(-1))], source, _TAG))
+        for w in works:
+            w.wait()
+
+    def barrier(self) -> None:
+        if self.size > 1:
+            self.allgather_array(np.zeros(1, np.uint8), np.empty(self.size, np.uint8))
+
+    def node_name(self) -> str:
+        return socket.gethostname()
+
+    def dup(self) -> "TorchPlane":
+        return TorchPlane(self.group)
+
+    def free(self) -> None:
+        self._pg = None         # gloo closes its pairs when the group is collected
+
+    def describe(self) -> str:
+        return (f"torch plane ({dist.get_backend(self.group)} group of global ranks "
+                f"{self.ranks if self.size <= 8 else str(self.ranks[:8])[:-1] + ', ...]'}), "
+                f"rank {self.rank} of {self.size}")
+
+
+def _writable(a):
+    """torch.from_numpy refuses read-only arrays (a payload may be a view of
+    a read-only buffer): copy those only."""
+    return a if a.flags.writeable else a.copy()

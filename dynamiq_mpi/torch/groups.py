@@ -1,0 +1,113 @@
+"""Which ranks a PyTorch adapter reduces over: torch.distributed groups
+and mpi4py communicators side by side, and ``init_process_group_from_mpi``
+(torch.distributed inside an mpiexec job)."""
+from __future__ import annotations
+
+import socket
+
+import torch
+
+from ..control import is_torch_group
+from ..errors import InvalidInputError
+
+
+def _dist_matches(comm) -> bool:
+    """True if torch.distributed's own collectives can reduce over ``comm``'s
+    ranks: ``comm`` is a torch group, or torch's default group spans exactly
+    the mpi4py communicator's world."""
+    return _native_group(comm)[0]
+
+
+def _native_group(comm) -> tuple:
+    """(usable, group) for torch.distributed's own collectives over ``comm``'s
+    ranks (group None: the default group)."""
+    if is_torch_group(comm):
+        return True, comm
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return False, None
+    from mpi4py import MPI
+    return (dist.get_world_size() == comm.Get_size()
+            and MPI.Comm.Compare(comm, MPI.COMM_WORLD) in (MPI.IDENT, MPI.CONGRUENT)), None
+
+
+def _group_ranks(comm) -> list:
+    """The global ranks of a torch group, or of an mpi4py communicator in
+    ``MPI.COMM_WORLD`` (the torch rank of a job set up from MPI)."""
+    if is_torch_group(comm):
+        return list(torch.distributed.get_process_group_ranks(comm))
+    from mpi4py import MPI
+    return list(comm.Get_group().Translate_ranks(list(range(comm.Get_size())),
+                                                 MPI.COMM_WORLD.Get_group()))
+
+
+def _adopt_group(state, group, who, what="the group given"):
+    """Give a state without a communicator ``group`` (a group of the whole
+    job leaves it the launcher's default: MPI's world under mpiexec, so the
+    MPI route stays as it was); raise when it has one of other ranks."""
+    if state._comm is None:
+        if _group_ranks(group) != list(range(torch.distributed.get_world_size())):
+            state.comm = group
+    elif state._comm is not group:
+        mine, theirs = _group_ranks(state._comm), _group_ranks(group)
+        if mine != theirs:
+            raise InvalidInputError(
+                f"dynamiq_mpi.torch.{who}: the state reduces over ranks {mine} but {what} "
+                f"holds ranks {theirs}: make the state with process_group= that group (or "
+                "none: it is filled in)")
+
+
+def init_process_group_from_mpi(backend: str | None = None, comm=None, timeout=None):
+    """Initialise ``torch.distributed`` from mpi4py's rank and size.
+
+    ``backend`` defaults to ``"nccl"`` when CUDA is available, else ``"gloo"``.
+    Rank 0 opens a TCP store on a free port and broadcasts its address over
+    MPI (``MASTER_ADDR`` / ``MASTER_PORT`` from the environment are used if
+    set).  With CUDA, each rank takes the GPU of its rank on the node.  Does
+    nothing if torch.distributed is already initialised.  Returns
+    ``(rank, world_size, device)``.
+    """
+    import datetime
+    import os
+
+    from mpi4py import MPI
+    dist = torch.distributed
+    comm = MPI.COMM_WORLD if comm is None else comm
+    rank, size = comm.Get_rank(), comm.Get_size()
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    device = torch.device("cpu")
+    if backend == "nccl":
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        local_rank = node.Get_rank()
+        node.Free()
+        device = torch.device("cuda", local_rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), device
+
+    names = comm.allgather(MPI.Get_processor_name())
+    host = os.environ.get("MASTER_ADDR") or (
+        "127.0.0.1" if len(set(names)) == 1 else socket.gethostname())
+    port = int(os.environ.get("MASTER_PORT", "0"))
+    timeout = timeout or datetime.timedelta(minutes=5)
+    store, error = None, None
+    if rank == 0:
+        try:
+            # Port 0: the store binds a free port itself, so no other process can take it.
+            store = dist.TCPStore(host, port, size, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
+            port = store.port
+        except Exception as exc:  # tell the others instead of leaving them waiting
+            error = f"{type(exc).__name__}: {exc}"
+    host, port, error = comm.bcast((host, port, error), root=0)
+    if error is not None:
+        raise RuntimeError(f"init_process_group_from_mpi: rank 0 could not open the "
+                           f"TCP store: {error}")
+    if rank != 0:
+        store = dist.TCPStore(host, port, size, is_master=False, timeout=timeout)
+    kwargs = dict(store=store, rank=rank, world_size=size, timeout=timeout)
+    if backend == "nccl":
+        kwargs["device_id"] = device
+    dist.init_process_group(backend, **kwargs)
+    return rank, size, device

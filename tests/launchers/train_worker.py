@@ -1,0 +1,196 @@
+"""One rank of a small data-parallel training job, started by any launcher.
+
+    torchrun --nproc_per_node N tests/launchers/train_worker.py --mode ddp --out DIR
+    mpiexec -n N python tests/launchers/train_worker.py --mode ddp --out DIR
+    python tests/launchers/train_worker.py --spawn N --mode ddp --out DIR   (mp.spawn, tcp://)
+
+Modes: ``ddp`` (the DDP hook), ``fsdp`` (FSDP2 with the compressed
+reduce-scatter), ``subgroups`` (4 ranks: DDP over {0, 1} and {2, 3}),
+``allreduce`` (``dq.allreduce`` on raw arrays with the default communicator),
+``nogroup`` (a Collective made before ``init_process_group``: must raise).
+Each rank writes DIR/rank{R}.npz: the final parameters and checks (the first
+step's gradient against an exact float64 mean over the rank's group, computed
+separately through torch.distributed).  The pytest side (tests/test_launchers.py)
+compares ranks and launchers.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import dynamiq_mpi as dq
+import dynamiq_mpi.torch as dqt
+
+STEPS = 3
+
+
+def started_by_mpi() -> bool:
+    return any(int(os.environ.get(v, "1") or 1) > 1
+               for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"))
+
+
+def init(args, spawn_rank=None):
+    if spawn_rank is not None:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
+                                rank=spawn_rank, world_size=args.spawn,
+                                timeout=datetime.timedelta(seconds=120))
+    elif started_by_mpi():
+        dqt.init_process_group_from_mpi("gloo")
+    else:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+
+
+def make_model():
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(37, 64), nn.Tanh(), nn.Linear(64, 67), nn.Tanh(),
+                         nn.Linear(67, 5))
+
+
+def batch(step, rank):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 37, generator=g), torch.randn(16, 5, generator=g)
+
+
+def exact_mean_grads(model, rank, group):
+    """The group's mean gradient of step 0, in float64, by torch.distributed."""
+    ref = make_model()
+    ref.load_state_dict(model.state_dict())
+    x, y = batch(0, rank)
+    nn.functional.mse_loss(ref(x), y).backward()
+    flat = torch.cat([p.grad.reshape(-1) for p in ref.parameters()]).double()
+    dist.all_reduce(flat, group=group)
+    return flat / dist.get_world_size(group)
+
+
+def vnmse(got, exact):
+    return float(((got.double() - exact) ** 2).sum() / (exact ** 2).sum())
+
+
+def train_ddp(args, rank, group):
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model, process_group=group)
+    exact = exact_mean_grads(model, rank, group)
+    state = dqt.HookState(codec=dq.DynamiQ(bits=5, small_input=0), path="compressed", seed=7)
+    dqt.register_comm_hook(ddp, state)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    err = None
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        nn.functional.mse_loss(ddp(x), y).backward()
+        if step == 0:
+            err = vnmse(torch.cat([p.grad.reshape(-1) for p in model.parameters()]), exact)
+        opt.step()
+        opt.zero_grad()
+    return model, {"vnmse_step0": err, "control_plane": state.collective.control_plane,
+                   "hook_size": state.plane.size}
+
+
+def train_fsdp(args, rank, group):
+    from torch.distributed.fsdp import fully_shard
+    model = make_model()
+    exact = exact_mean_grads(model, rank, group)
+    # the default codec: FSDP2's reduce-scatters here are 2-3k elements, which
+    # DynamiQ sends as BF16 (small_input); forced 5-bit codes on such tiny
+    # per-rank chunks err far more (the ranks' values cancel)
+    rs = dqt.ReduceScatter(codec=dq.DynamiQ(bits=5), path="compressed", seed=7)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer)
+    fully_shard(model)
+    for m in model.modules():
+        if hasattr(m, "set_custom_reduce_scatter"):
+            m.set_custom_reduce_scatter(rs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    err = None
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        if step == 0:
+            full = torch.cat([p.grad.full_tensor().reshape(-1) for p in model.parameters()])
+            err = vnmse(full, exact)
+        opt.step()
+        opt.zero_grad()
+    params = make_model()
+    params.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+    return params, {"vnmse_step0": err, "control_plane": rs.collective.control_plane,
+                    "hook_size": rs.plane.size}
+
+
+def run_allreduce(args, rank):
+    """dq.allreduce with no comm=: the launcher's default communicator."""
+    rng = np.random.default_rng(99 + rank)
+    x = rng.standard_normal(1000).astype(np.float32)
+    out, rep = dq.allreduce(x, codec=dq.DynamiQ(bits=5), path="compressed",
+                            return_report=True, seed=3)
+    everyone = [np.empty(1000, np.float32) for _ in range(dist.get_world_size())]
+    ts = [torch.from_numpy(e) for e in everyone]
+    dist.all_gather(ts, torch.from_numpy(x))
+    exact = np.sum([e.astype(np.float64) for e in everyone], axis=0)
+    err = float(np.sum((out - exact) ** 2) / np.sum(exact ** 2))
+    return out, {"vnmse": err, "control_plane": rep.control_plane,
+                 "world_size": rep.world_size}
+
+
+def main_rank(args, spawn_rank=None):
+    if args.mode == "nogroup":
+        try:
+            dq.Collective()
+        except dq.InvalidInputError as exc:
+            message = str(exc)
+        else:
+            message = ""
+        rank = int(os.environ.get("RANK", "0"))
+        np.savez(os.path.join(args.out, f"rank{rank}.npz"), message=np.array(message))
+        return
+    init(args, spawn_rank)
+    rank = dist.get_rank()
+    group, color = None, 0
+    if args.mode == "subgroups":
+        groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        color = rank // 2
+        group = groups[color]
+    if args.mode == "allreduce":
+        result, info = run_allreduce(args, rank)
+        flat = result
+    else:
+        train = train_fsdp if args.mode == "fsdp" else train_ddp
+        model, info = train(args, rank, group)
+        flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
+    info["color"] = color
+    np.savez(os.path.join(args.out, f"rank{rank}.npz"), params=flat,
+             info=np.array(json.dumps(info)))
+    dist.destroy_process_group()
+
+
+def _spawned(rank, args):
+    main_rank(args, spawn_rank=rank)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["ddp", "fsdp", "subgroups", "allreduce", "nogroup"],
+                   default="ddp")
+    p.add_argument("--out", required=True)
+    p.add_argument("--spawn", type=int, default=0, help="start N processes by mp.spawn")
+    p.add_argument("--port", type=int, default=0)
+    args = p.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.spawn:
+        import torch.multiprocessing as mp
+        mp.spawn(_spawned, args=(args,), nprocs=args.spawn, join=True)
+    else:
+        main_rank(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
