@@ -1,0 +1,643 @@
+"""``python -m dynamiq_mpi model``: predicted time of an all-reduce on a cluster (CPU only).
+
+    python -m dynamiq_mpi model --nodes 16 --gpus-per-node 8 --intra 400GB/s \\
+        --inter 50GB/s --nics-per-node 8 --elements 2^28 --bits 5
+    python -m dynamiq_mpi model ... --json -                   # the same as JSON
+    python -m dynamiq_mpi model ... --sweep inter=3GB/s,12.5GB/s,50GB/s --plot sweep.png
+    python -m dynamiq_mpi model --check                        # against docs/results
+    python -m dynamiq_mpi model --map docs/results/cost_model_map.png
+
+Three calls are predicted (docs/cost-model.md):
+
+* **NCCL's BF16 all-reduce**: one ring over all ``n = N K`` ranks whose
+  channels enter and leave every node through different NICs, so the node's
+  network share is all its NICs: ``2(n-1) alpha + 2(n-1)/n S / min(intra,
+  NICs x NIC)`` (the ring is pipelined: its slowest link sets the rate).
+* **Our flat compressed all-reduce** (ring or butterfly over ``n`` ranks,
+  every hop compressed). A point-to-point message between consecutive ranks
+  of two nodes crosses through one NIC; a butterfly step at distance ``d``
+  sends ``min(d, K)`` flows out of every node, sharing its NICs.
+* **Our hierarchical all-reduce** (spec 5c): NCCL's reduce-scatter in the
+  node, K rails (one per local rank, each a compressed all-reduce of 1/K of
+  the input over the N nodes, sharing the node's NICs), NCCL's all-gather.
+
+A compressed call is the engine's own schedule replayed for one rank (every
+rank does the same, shifted): per tile the kernel (compress, decompress-
+accumulate, fused step, decode: measured rates, ``kernel_rates.json``) on
+one compute stream, per message ``alpha + bytes / beta`` on one outgoing
+link, a tile sent as soon as its kernel is done and decoded once it arrived,
+so compression of one tile overlaps the transfer of another as the engine
+does; plus the statistics pass and its exact all-reduce, the planner, and
+the host's own time per call (``--host``).
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import schedules
+
+RATES_FILE = Path(__file__).with_name("kernel_rates.json")
+SUPER = 256                       # entries per DynamiQ super-group
+STATS_BITS = 64                   # DynamiQ statistics per super-group: mean and norm, float32
+DEFAULT_TILE_BYTES = 32 << 20     # codecs/base.py
+WIDTHS = (2, 4, 8)
+HOST_MODES = ("exact", "fixed", "graph")
+
+# ------------------------------------------------------------------ units
+
+_SI = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
+       "Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40}
+
+
+def parse_bandwidth(text) -> float:
+    """Bytes per second from '400GB/s', '200Gb/s', '25GBps', '100Gbps', '12.5GiB/s';
+    a bare number is GB/s."""
+    if isinstance(text, (int, float)):
+        return float(text) * 1e9
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][-+]?\d+)?)\s*([kKMGT]i?)?\s*(B|b)?\s*(/s|ps)?\s*",
+                     str(text))
+    if not m or (m.group(2) and not m.group(3)):
+        raise ValueError(f"bandwidth {text!r}: write e.g. 400GB/s, 200Gb/s or 25 (GB/s)")
+    value, prefix, unit = float(m.group(1)), m.group(2) or "", m.group(3)
+    if unit is None:
+        return value * 1e9
+    return value * _SI[prefix] / (8 if unit == "b" else 1)
+
+
+def parse_count(text) -> int:
+    """Elements from '2^28', '2**28', '1<<28', '268435456', '256Mi', '1e8'."""
+    s = str(text).strip().replace("_", "")
+    m = re.fullmatch(r"(\d+)\s*(\^|\*\*)\s*(\d+)", s) or re.fullmatch(r"(\d+)\s*(<<)\s*(\d+)", s)
+    if m:
+        a, b = int(m.group(1)), int(m.group(3))
+        return a ** b if m.group(2) != "<<" else a << b
+    m = re.fullmatch(r"([0-9.]+(?:[eE][-+]?\d+)?)\s*([kKMGT]i?)?", s)
+    if not m:
+        raise ValueError(f"count {text!r}: write e.g. 2^28, 268435456 or 256Mi")
+    value = float(m.group(1)) * _SI[m.group(2) or ""]
+    if value != int(value) or value < 0:
+        raise ValueError(f"count {text!r} is not a whole non-negative number")
+    return int(value)
+
+
+def parse_time(text) -> float:
+    """Seconds from '5us', '2ms', '1e-6s', '800ns'; a bare number is microseconds."""
+    if isinstance(text, (int, float)):
+        return float(text) * 1e-6
+    m = re.fullmatch(r"\s*([0-9.]+(?:[eE][-+]?\d+)?)\s*(ns|us|µs|ms|s)?\s*", str(text))
+    if not m:
+        raise ValueError(f"time {text!r}: write e.g. 5us or 0.02ms")
+    scale = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, None: 1e-6}[m.group(2)]
+    return float(m.group(1)) * scale
+
+
+# ------------------------------------------------------------------ kernel rates
+
+def _bench_rows(doc):
+    """Rows of a ``bench.kernels`` JSON, or of every round of an A/B file
+    (``{"new_round1": {...}, ...}``: the ``new`` rounds), times averaged."""
+    if "rows" in doc:
+        runs = [doc]
+    else:
+        runs = [v for k, v in sorted(doc.items()) if k.startswith("new") and "rows" in v]
+    acc = defaultdict(list)
+    for run in runs:
+        for r in run["rows"]:
+            acc[(r["kernel"], r["log2n"])].append(r)
+    return runs[0], {k: (sum(r["time_ms"] for r in v) / len(v), v[0]["bytes"])
+                     for k, v in acc.items()}
+
+
+def rates_from_kernel_bench(doc, source="") -> dict:
+    """The rates the model needs (nanoseconds per element, per size) from the
+    output of ``python -m dynamiq_mpi.bench.kernels --json``."""
+    head, rows = _bench_rows(doc)
+    out = {"source": source, "device": head.get("device"), "measured": head.get("date"),
+           "command": head.get("command"), "copy_gbps": {}, "ns_per_element": {}}
+    names = {"stats": "dq statistics (centred)", "bf16_cast": "bf16 cast f32->bf16 (ours)",
+             "bf16_add": "bf16 add bf16+bf16->bf16 (ours)", "copy": "copy D2D (bf16 input bytes)"}
+    for w in WIDTHS:
+        names[f"compress_w{w}"] = f"dq compress w={w}"
+        names[f"compress_w{w}_corr"] = f"dq compress w={w} corr n=8"
+        names[f"dar_w{w}"] = f"dq fused dar w={w}"
+        names[f"dar_w{w}_corr"] = f"dq fused dar w={w} corr n=8"
+        names[f"decompress_w{w}"] = f"dq decompress w={w}"
+        names[f"dacc_w{w}"] = f"dq decompress-accumulate w={w}"
+    for log2n in sorted({k[1] for k in rows}):
+        per = {}
+        for key, kernel in names.items():
+            if (kernel, log2n) in rows:
+                t_ms, nbytes = rows[(kernel, log2n)]
+                per[key] = t_ms * 1e6 / 2 ** log2n
+                if key == "copy":
+                    out["copy_gbps"][str(log2n)] = nbytes / (t_ms * 1e-3) / 1e9   # read + write
+        out["ns_per_element"][str(log2n)] = per
+    return out
+
+
+def load_rates(name_or_path="h100-final") -> dict:
+    """A rate set of ``kernel_rates.json`` (with the file's shared fields), or
+    the rates of a ``bench.kernels`` JSON at a path."""
+    shared = json.loads(RATES_FILE.read_text())
+    if name_or_path in shared["sets"]:
+        rates = dict(shared["sets"][name_or_path], name=name_or_path)
+    else:
+        p = Path(name_or_path)
+        if not p.is_file():
+            raise SystemExit(f"--gpu {name_or_path!r}: not a rate set ({', '.join(shared['sets'])}) "
+                             "nor a bench.kernels JSON file")
+        rates = dict(rates_from_kernel_bench(json.loads(p.read_text()), str(p)), name=p.name)
+    for key in ("planner_us", "host_us", "launch_us", "default_widths", "in_call_factor"):
+        rates[key] = shared[key]
+    return rates
+
+
+def _ns(rates, key, elements):
+    """ns per element of a kernel at this size (log-linear between the measured
+    sizes, clamped: a tile below the smallest runs at the smallest's rate)."""
+    table = rates["ns_per_element"]
+    sizes = sorted(int(k) for k in table if key in table[k])
+    x = math.log2(max(elements, 1))
+    if x <= sizes[0] or len(sizes) == 1:
+        return table[str(sizes[0])][key]
+    if x >= sizes[-1]:
+        return table[str(sizes[-1])][key]
+    lo = max(s for s in sizes if s <= x)
+    hi = min(s for s in sizes if s >= x)
+    if lo == hi:
+        return table[str(lo)][key]
+    f = (x - lo) / (hi - lo)
+    return table[str(lo)][key] * (1 - f) + table[str(hi)][key] * f
+
+
+# ------------------------------------------------------------------ codecs
+
+@dataclass(frozen=True)
+class CodecCost:
+    """Per-element kernel seconds of one codec at one tile size, and its wire."""
+    name: str
+    wire_bits: float          # data bits per coordinate on each hop (statistics apart)
+    stats_bytes: float        # statistics bytes per coordinate (0: none)
+    planner: bool
+    compress: float
+    dar: float                # fused decompress-accumulate-recompress
+    dacc: float               # decompress-accumulate (butterfly: all children but the last)
+    decode: float             # decode into the caller's dtype
+    pieces: int = 1           # kernels per tile operation (DynamiQ: one per width present)
+
+
+def codec_cost(codec, bits, rates, tile_elements, widths=None, correlated=True,
+               in_bytes=2) -> CodecCost:
+    """``codec``: dynamiq, bf16, exact, mxfp8, mxfp6, mxfp4. ``widths``: DynamiQ's
+    super-groups per width ({0,2,4,8,16} -> count), e.g. a measured call's;
+    default the benchmark data's mix at 5 bits, kept for other budgets."""
+    f_call = rates.get("in_call_factor", 1.0)
+    ns = lambda key: _ns(rates, key, tile_elements) * 1e-9 * f_call   # noqa: E731
+    copy = rates["copy_gbps"][max(rates["copy_gbps"], key=int)] * 1e9   # bytes/s, read + write
+    mem = lambda nbytes: nbytes / copy * f_call                         # noqa: E731
+    bf16_cast = ns("bf16_cast") / 6        # s per byte moved by our BF16 kernels
+    bf16_add = ns("bf16_add") / 6
+    if codec == "dynamiq":
+        mix = {int(k): float(v) for k, v in (widths or rates["default_widths"]).items()
+               if str(k).isdigit()}
+        total = sum(mix.values())
+        f = {w: mix.get(w, 0.0) / total for w in (0, 2, 4, 8, 16)}
+        c = "_corr" if correlated else ""
+        # code bytes per element of width w (record: codes, group codes, unit): spec 2
+        rec = {w: (16 * (2 * w + 1) + 2) / SUPER for w in WIDTHS}
+        comp = sum(f[w] * ns(f"compress_w{w}{c}") for w in WIDTHS) + f[16] * 4 * bf16_cast
+        dar = sum(f[w] * ns(f"dar_w{w}{c}") for w in WIDTHS) + f[16] * 6 * bf16_add
+        dacc = sum(f[w] * ns(f"dacc_w{w}") for w in WIDTHS) + f[16] * mem(10)
+        # the bench's decompress writes float32; the call decodes into the input dtype
+        dec = sum(f[w] * ns(f"decompress_w{w}") * (rec[w] + in_bytes) / (rec[w] + 4) for w in WIDTHS)
+        dec += f[16] * mem(2 + in_bytes)
+        return CodecCost(f"dynamiq:{bits:g}", bits - STATS_BITS / SUPER, STATS_BITS / SUPER / 8,
+                         True, comp, dar, dacc, dec, sum(f[w] > 0 for w in (2, 4, 8, 16)))
+    if codec == "bf16":
+        return CodecCost("bf16", 16, 0, False, (in_bytes + 2) * bf16_cast, 6 * bf16_add,
+                         mem(10), mem(2 + in_bytes))
+    if codec == "exact":
+        return CodecCost("exact", 32, 0, False, mem(in_bytes + 4), mem(8 + in_bytes + 4),
+                         mem(12), mem(4 + in_bytes))
+    mx = {"mxfp8": 8.25, "mxfp6": 6.25, "mxfp4": 4.25}
+    if codec in mx:
+        # no measured MX rates: assumed memory-bound at our BF16 add's share of the
+        # copy rate; their statistics are one byte of block maxima per 32 values
+        b = mx[codec] / 8
+        return CodecCost(codec, mx[codec], 1 / 32, False, (in_bytes + b) * bf16_add,
+                         (2 * b + in_bytes) * bf16_add, mem(b + 8), mem(b + in_bytes))
+    raise ValueError(f"unknown codec {codec!r}: dynamiq, bf16, exact, mxfp8, mxfp6, mxfp4")
+
+
+# ------------------------------------------------------------------ links and the pipeline
+
+@dataclass(frozen=True)
+class Link:
+    """One flow's alpha-beta: seconds per message, bytes per second per direction."""
+    alpha: float
+    beta: float
+
+    def time(self, nbytes):
+        return self.alpha + nbytes / self.beta
+
+
+def _steps(topology, n):
+    """(reduce-scatter steps, all-gather steps) of rank 0, as the library runs them."""
+    reduce = (schedules._ring_reduce_steps if topology == "ring"
+              else schedules._butterfly_reduce_steps)(0, n)
+    return reduce, schedules._all_gather_steps(0, n)
+
+
+def data_phase(n, topology, chunk_elements, cost: CodecCost, link_for, tile_bytes,
+               launch) -> dict:
+    """Device time of the reduce-scatter and all-gather of one compressed call
+    (engine.run_schedule, replayed for rank 0; by symmetry a message arrives
+    when this rank's own message of the same step and tile has crossed).
+    ``link_for(distance)`` gives the flow of a step."""
+    chunk_bytes = chunk_elements * cost.wire_bits / 8
+    tiles = max(1, math.ceil(chunk_bytes / tile_bytes))
+    tb, te = chunk_bytes / tiles, chunk_elements / tiles
+    gpu = link = 0.0
+    busy = {"kernels": 0.0, "wire": 0.0}
+
+    def kernel(ready, per_element):
+        nonlocal gpu
+        dur = per_element * te + launch * cost.pieces
+        gpu = max(gpu, ready) + dur
+        busy["kernels"] += dur
+        return gpu
+
+    def send(ready, distance):
+        nonlocal link
+        dur = link_for(distance).time(tb)
+        link = max(link, ready) + dur
+        busy["wire"] += dur
+        return link
+
+    def reduce_tile(received):
+        if not received:
+            return kernel(0.0, cost.compress)
+        for arrived in received[:-1]:
+            kernel(arrived, cost.dacc)
+        return kernel(received[-1], cost.dar)
+
+    reduce, gather = _steps(topology, n)
+    pending = defaultdict(list)          # (chunk, tile) -> arrival times of partial sums
+    for st in reduce:
+        for k in range(tiles):
+            arrived = send(reduce_tile(pending.pop((st.send_chunk, k), [])), (st.dest - 0) % n)
+            pending[(st.recv_chunk, k)].append(arrived)
+    arrivals = []
+    if gather:
+        own = gather[0].send_chunk
+        for k in range(tiles):           # the sink's last fused step, sent at once, then decoded
+            arrivals.append(send(reduce_tile(pending.pop((own, k), [])), 1))
+            kernel(0.0, cost.decode)
+        for k in range(tiles):
+            kernel(arrivals[k], cost.decode)
+        for _ in gather[1:]:             # forward what arrived, decode what arrives
+            arrivals = [send(a, 1) for a in arrivals]
+            for a in arrivals:
+                kernel(a, cost.decode)
+    else:                                # one rank: compress and decode its own values
+        kernel(kernel(0.0, cost.compress), cost.decode)
+    hops = (len(reduce) + len(gather)) * tiles
+    return {"seconds": max(gpu, link), "tiles": tiles, "hops": hops, **busy}
+
+
+def planner_seconds(rates, elements):
+    """The device planner (a dozen dependent kernels, launch-bound when small):
+    log-linear between its measured sizes."""
+    pts = sorted((int(k), v) for k, v in rates["planner_us"].items() if k.isdigit())
+    x = math.log2(max(elements, 2))
+    if x <= pts[0][0]:
+        return pts[0][1] * 1e-6
+    for (a, ta), (b, tb) in zip(pts, pts[1:]):
+        if x <= b:
+            return (ta + (tb - ta) * (x - a) / (b - a)) * 1e-6
+    (a, ta), (b, tb) = pts[-2], pts[-1]
+    return (tb + (tb - ta) * (x - b) / (b - a)) * 1e-6
+
+
+def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
+                         host="fixed", tile_bytes=DEFAULT_TILE_BYTES, in_bytes=2) -> dict:
+    """Predicted seconds of one compressed call of ``elements`` per rank over
+    ``n`` ranks, and its parts. ``cost_at(tile_elements) -> CodecCost``."""
+    if host not in HOST_MODES:
+        raise ValueError(f"host {host!r}: one of {HOST_MODES}")
+    ran = topology
+    if topology == "butterfly" and n & (n - 1):
+        ran = "ring"                     # what a rail does there; a flat call refuses
+    h = {k: v * 1e-6 for k, v in rates["host_us"].items() if isinstance(v, (int, float))}
+    launch = rates["launch_us"] * 1e-6
+    chunk = elements / max(n, 1)
+    probe = cost_at(chunk)
+    tiles = max(1, math.ceil(chunk * probe.wire_bits / 8 / tile_bytes))
+    cost = cost_at(chunk / tiles)
+    data = data_phase(n, ran, chunk, cost, link_for, tile_bytes, launch)
+    d = {"stats_local": 0.0, "stats_exchange": 0.0, "plan": 0.0}
+    if cost.stats_bytes:
+        d["stats_local"] = (elements * _ns(rates, "stats", elements) * 1e-9
+                            * rates.get("in_call_factor", 1.0) + launch)
+        sbytes = elements * cost.stats_bytes
+        if n == 2:                       # one exchange of the whole vector, one summing kernel
+            d["stats_exchange"] = link_for(1).time(sbytes) + sbytes * 3 / _copy(rates) + launch
+        elif n > 2:                      # the exact codec's all-reduce, same schedule
+            exact = codec_cost("exact", 32, rates, sbytes / 4, in_bytes=4)
+            d["stats_exchange"] = data_phase(n, ran, sbytes / 4 / n, exact, link_for,
+                                             tile_bytes, launch)["seconds"]
+    if cost.planner:
+        d["plan"] = planner_seconds(rates, elements)
+    # the caller's rows absent from the stream (DynamiQ's 0-bit class) and the mean
+    d["finish"] = elements * in_bytes / _copy(rates) * 0.25 + launch
+    d["data"] = data["seconds"]
+    device = sum(d.values())
+    hops = data["hops"] + (0 if not cost.stats_bytes else (1 if n == 2 else 2 * (n - 1)))
+    # host: the agreement, the plan's Python, then per message its exchange and launch
+    h_rest = h["data_base"] + (h["per_hop"] * hops if n > 1 else 0.0)
+    h_plan = h["plan"] if cost.planner else 0.0
+    if host == "graph":                  # one replay: the work is all on the device
+        total = max(h["graph_call"], device)
+    elif host == "fixed" or not cost.planner:
+        # no host read: back-to-back calls overlap one call's host with another's device
+        total = max(h["agree"] + h_plan + h_rest, device)
+    else:
+        # the layout measured on 2026-11-24: the host reads the plan's header, so the
+        # plan's Python starts when stats exchange, planner and copy are done; the
+        # agreement of the next call overlaps this call's data phase
+        total = (h_plan + h["d2h"] + d["stats_exchange"] + d["plan"]
+                 + max(d["stats_local"] + d["data"] + d["finish"], h["agree"] + h_rest))
+    return {"seconds": total, "device": device, "host": h["agree"] + h_plan + h_rest,
+            "topology": ran, "tiles": data["tiles"], "hops": hops, "codec": cost.name,
+            "wire_bits": cost.wire_bits,
+            "parts": d, "kernels": data["kernels"], "wire": data["wire"]}
+
+
+def _copy(rates):
+    return rates["copy_gbps"][max(rates["copy_gbps"], key=int)] * 1e9
+
+
+# ------------------------------------------------------------------ the cluster
+
+@dataclass(frozen=True)
+class Cluster:
+    """N nodes of K GPUs. ``intra``: one GPU's NVLink (NCCL's bus bandwidth);
+    ``nic``: one NIC, per direction; ``launch``: a collective's fixed cost;
+    ``p2p_efficiency``: our point-to-point over the network against the
+    collective's rate on the same link (1: NCCL's net transport at line rate)."""
+    nodes: int
+    gpus_per_node: int
+    intra: Link
+    nic: Link
+    nics_per_node: int
+    launch: float = 10e-6
+    p2p_efficiency: float = 1.0
+
+    @property
+    def ranks(self):
+        return self.nodes * self.gpus_per_node
+
+    def net_flow(self, flows):
+        """One of ``flows`` point-to-point flows leaving a node at once."""
+        share = min(1.0, self.nics_per_node / max(flows, 1))
+        return Link(self.nic.alpha, self.nic.beta * share * self.p2p_efficiency)
+
+    def flat_flow(self, distance):
+        """The slowest flow of a flat step at this rank distance (consecutive
+        ranks per node: ``min(d, K)`` ranks of every node cross to another)."""
+        k = self.gpus_per_node
+        if self.nodes == 1:
+            return self.intra
+        net = self.net_flow(min(distance, k))
+        return net if k == 1 or net.time(1 << 20) >= self.intra.time(1 << 20) else self.intra
+
+
+def nccl_allreduce(c: Cluster, nbytes) -> float:
+    """NCCL's ring: every NIC of a node busy, so the node boundary moves
+    2(n-1)/n S at NICs x NIC while the NVLink hops move the same per GPU;
+    pipelined, the slower of the two sets the rate."""
+    n = c.ranks
+    if n == 1:
+        return c.launch
+    if c.nodes == 1:
+        return c.launch + 2 * (n - 1) * c.intra.alpha + 2 * (n - 1) / n * nbytes / c.intra.beta
+    bw = min(c.intra.beta, c.nics_per_node * c.nic.beta)
+    return c.launch + 2 * (n - 1) * c.nic.alpha + 2 * (n - 1) / n * nbytes / bw
+
+
+def nccl_in_node(c: Cluster, nbytes) -> float:
+    """NCCL's reduce-scatter (or all-gather) of ``nbytes`` per rank in one node."""
+    k = c.gpus_per_node
+    if k == 1:
+        return 0.0
+    return c.launch + (k - 1) * c.intra.alpha + (k - 1) / k * nbytes / c.intra.beta
+
+
+def predict(c: Cluster, elements, rates, codec="dynamiq", bits=5.0, topologies=("ring", "butterfly"),
+            host="fixed", in_bytes=2, tile_bytes=DEFAULT_TILE_BYTES, widths=None) -> dict:
+    """Seconds of NCCL's all-reduce, our flat calls and our hierarchical calls."""
+    nbytes = elements * in_bytes
+    def cost_at(tile_elements):
+        return codec_cost(codec, bits, rates, tile_elements, widths=widths, in_bytes=in_bytes)
+
+    t_nccl = nccl_allreduce(c, nbytes)
+    out = {"nccl": {"seconds": t_nccl, "speedup": 1.0}}
+    for topo in topologies:
+        flat_note = ""
+        if topo == "butterfly" and c.ranks & (c.ranks - 1):
+            flat_note = "the library refuses a butterfly over a non-power-of-two world; ring shown"
+        flat = compressed_allreduce(c.ranks, elements, cost_at, c.flat_flow, rates, topo, host,
+                                    tile_bytes, in_bytes)
+        out[f"flat_{topo}"] = dict(flat, speedup=t_nccl / flat["seconds"], note=flat_note)
+        if c.gpus_per_node == 1:
+            lv = dict(flat, note="one GPU per node: the flat call")
+        elif c.nodes == 1:
+            lv = {"seconds": t_nccl, "note": "one node: NCCL's own all-reduce"}
+        else:
+            rs = nccl_in_node(c, nbytes)
+            rail = compressed_allreduce(c.nodes, elements / c.gpus_per_node, cost_at,
+                                        lambda d: c.net_flow(c.gpus_per_node), rates, topo, host,
+                                        tile_bytes, in_bytes)
+            lv = {"seconds": 2 * rs + rail["seconds"], "in_node_reduce_scatter": rs,
+                  "rails": rail, "in_node_all_gather": rs, "topology": rail["topology"],
+                  "note": "" if rail["topology"] == topo else
+                  "butterfly over a non-power-of-two node count: the ring on the rails"}
+        out[f"levels_{topo}"] = dict(lv, speedup=t_nccl / lv["seconds"])
+    return out
+
+
+# ------------------------------------------------------------------ command line
+
+def add_arguments(p):
+    g = p.add_argument_group("cluster")
+    g.add_argument("--nodes", default="2", help="node count N (default 2)")
+    g.add_argument("--gpus-per-node", default="8", help="GPUs per node K (default 8)")
+    g.add_argument("--intra", default="400GB/s",
+                   help="one GPU's NVLink bus bandwidth per direction (default 400GB/s)")
+    g.add_argument("--inter", default="50GB/s",
+                   help="one NIC per direction, e.g. 400Gb/s or 50GB/s (default 50GB/s)")
+    g.add_argument("--nics-per-node", default=None, help="NICs per node (default: K)")
+    g.add_argument("--intra-latency", default="2us", help="per NVLink step (default 2us)")
+    g.add_argument("--inter-latency", default="6us", help="per network message (default 6us)")
+    g.add_argument("--launch", default="10us", help="a collective's fixed cost (default 10us)")
+    g.add_argument("--p2p-efficiency", type=float, default=1.0,
+                   help="our point-to-point's share of the collective's network rate (default 1)")
+    g = p.add_argument_group("call")
+    g.add_argument("--elements", default="2^28", help="elements per rank (2^28, 268435456, 256Mi)")
+    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
+    g.add_argument("--codec", default="dynamiq", help="dynamiq, bf16, exact, mxfp8, mxfp6, mxfp4")
+    g.add_argument("--bits", type=float, default=5.0, help="DynamiQ's budget, statistics included")
+    g.add_argument("--topology", choices=["ring", "butterfly", "both"], default="both")
+    g.add_argument("--tile-bytes", default=str(DEFAULT_TILE_BYTES))
+    g = p.add_argument_group("model")
+    g.add_argument("--gpu", default="h100-final",
+                   help="kernel rates: a set of kernel_rates.json (h100, h200, h100-final, "
+                        "h200-final) or a `python -m dynamiq_mpi kernels --json` file")
+    g.add_argument("--host", choices=HOST_MODES, default="fixed",
+                   help="host time per call: exact (the plan's header read back, as measured "
+                        "on 2026-11-24), fixed (no host read: today's default for device "
+                        "arrays), graph (a replayed CUDA graph)")
+    g.add_argument("--no-kernels", action="store_true",
+                   help="wire only: no kernel, statistics, planner or host time")
+    g = p.add_argument_group("output")
+    g.add_argument("--json", default=None, help="write the prediction(s) as JSON ('-': stdout)")
+    g.add_argument("--sweep", default=None,
+                   help="PARAM=v1,v2,...: one row per value (inter, intra, nodes, gpus-per-node, "
+                        "nics-per-node, elements, bits)")
+    g.add_argument("--plot", default=None, help="with --sweep: speed-up over NCCL as a PNG")
+    g.add_argument("--check", action="store_true",
+                   help="predict every two-GPU measurement in --results and print the error")
+    g.add_argument("--results", default=None, help="docs/results (default: this checkout's)")
+    g.add_argument("--map", default=None,
+                   help="draw where compression pays (PNG; its data beside it as JSON)")
+
+
+_SWEEPABLE = {"inter": "inter", "intra": "intra", "nodes": "nodes", "gpus-per-node": "gpus_per_node",
+              "nics-per-node": "nics_per_node", "elements": "elements", "bits": "bits"}
+
+
+def wire_only(rates):
+    """The rates with every kernel, launch, planner and host cost at zero: the
+    plain alpha-beta model of the issue."""
+    return dict(rates, host_us={k: 0.0 for k in rates["host_us"]}, launch_us=0.0,
+                copy_gbps={"28": float("inf")}, planner_us={"20": 0.0, "28": 0.0},
+                ns_per_element={k: dict.fromkeys(v, 0.0)
+                                for k, v in rates["ns_per_element"].items()})
+
+
+def _rates_for(args):
+    rates = load_rates(args.gpu)
+    return wire_only(rates) if args.no_kernels else rates
+
+
+def _setup(args, overrides=None):
+    v = {k: getattr(args, k) for k in ("inter", "intra", "nodes", "gpus_per_node",
+                                       "nics_per_node", "elements", "bits")}
+    v.update(overrides or {})
+    k = int(v["gpus_per_node"])
+    c = Cluster(nodes=int(v["nodes"]), gpus_per_node=k,
+                intra=Link(parse_time(args.intra_latency), parse_bandwidth(v["intra"])),
+                nic=Link(parse_time(args.inter_latency), parse_bandwidth(v["inter"])),
+                nics_per_node=int(v["nics_per_node"] or k), launch=parse_time(args.launch),
+                p2p_efficiency=args.p2p_efficiency)
+    if c.nodes < 1 or k < 1 or c.nics_per_node < 1:
+        raise SystemExit("--nodes, --gpus-per-node and --nics-per-node must be >= 1")
+    return c, parse_count(v["elements"]), float(v["bits"])
+
+
+def _predict_args(args, rates, overrides=None):
+    c, elements, bits = _setup(args, overrides)
+    topos = ("ring", "butterfly") if args.topology == "both" else (args.topology,)
+    in_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
+    res = predict(c, elements, rates, args.codec, bits, topos, args.host, in_bytes,
+                  parse_count(args.tile_bytes))
+    return c, elements, bits, res
+
+
+def _describe(c, elements, bits, args, rates):
+    per_gpu = c.nic.beta * min(c.nics_per_node, c.gpus_per_node) / c.gpus_per_node
+    return (f"{c.nodes} node(s) x {c.gpus_per_node} GPU(s) = {c.ranks} ranks; NVLink "
+            f"{c.intra.beta / 1e9:g} GB/s per GPU; {c.nics_per_node} NIC(s) x {c.nic.beta / 1e9:g} "
+            f"GB/s per node ({per_gpu / 1e9:g} GB/s per GPU)\n{elements} {args.dtype} elements "
+            f"per rank ({elements * (4 if args.dtype == 'fp32' else 2) / 2 ** 20:g} MiB); codec "
+            f"{args.codec}{':%g' % bits if args.codec == 'dynamiq' else ''}; kernels "
+            f"{'none' if args.no_kernels else rates['name']}; host {args.host}")
+
+
+def _inputs(c, elements, bits, args, rates):
+    return {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "nics_per_node": c.nics_per_node,
+            "intra_GBps": c.intra.beta / 1e9, "nic_GBps": c.nic.beta / 1e9,
+            "intra_latency_us": c.intra.alpha * 1e6, "inter_latency_us": c.nic.alpha * 1e6,
+            "launch_us": c.launch * 1e6, "p2p_efficiency": c.p2p_efficiency, "elements": elements,
+            "dtype": args.dtype, "codec": args.codec, "bits": bits, "kernels": rates["name"],
+            "no_kernels": args.no_kernels, "host": args.host}
+
+
+def _table(res, out):
+    out.write(f"{'call':18s} {'time':>10s} {'vs NCCL':>8s}  notes\n")
+    for key, r in res.items():
+        name = {"nccl": "NCCL BF16 ring"}.get(key, key.replace("_", " "))
+        notes = [r.get("note", "")] if r.get("note") else []
+        if "rails" in r:
+            notes.insert(0, f"in-node RS {r['in_node_reduce_scatter'] * 1e3:.3g} ms + rails "
+                            f"{r['rails']['seconds'] * 1e3:.3g} ms + AG "
+                            f"{r['in_node_all_gather'] * 1e3:.3g} ms")
+        elif "parts" in r:
+            notes.insert(0, f"device {r['device'] * 1e3:.3g} ms (wire {r['wire'] * 1e3:.3g}, "
+                            f"kernels {r['kernels'] * 1e3:.3g}), host {r['host'] * 1e3:.3g} ms, "
+                            f"{r['tiles']} tile(s)/chunk")
+        out.write(f"{name:18s} {r['seconds'] * 1e3:8.3f}ms {r['speedup']:7.2f}x  "
+                  f"{'; '.join(notes)}\n")
+
+
+def _write_json(doc, path, out):
+    text = json.dumps(doc, indent=1)
+    if path == "-":
+        out.write(text + "\n")
+    else:
+        Path(path).write_text(text + "\n")
+
+
+def run(args, out=None):
+    out = out or sys.stdout
+    if args.check or args.map:
+        from . import cost_model_check
+        return cost_model_check.run(args, out)
+    rates = _rates_for(args)
+    if not args.sweep:
+        c, elements, bits, res = _predict_args(args, rates)
+        if args.json != "-":
+            out.write(_describe(c, elements, bits, args, rates) + "\n")
+            _table(res, out)
+        if args.json:
+            _write_json({"inputs": _inputs(c, elements, bits, args, rates), "prediction": res},
+                        args.json, out)
+        return res
+    param, _, values = args.sweep.partition("=")
+    if param not in _SWEEPABLE or not values:
+        raise SystemExit(f"--sweep {args.sweep!r}: write PARAM=v1,v2 with PARAM one of "
+                         f"{', '.join(_SWEEPABLE)}")
+    rows = []
+    for v in values.split(","):
+        c, elements, bits, res = _predict_args(args, rates, {_SWEEPABLE[param]: v.strip()})
+        rows.append({"value": v.strip(), **{k: {"seconds": r["seconds"], "speedup": r["speedup"]}
+                                          for k, r in res.items()}})
+    keys = [k for k in rows[0] if k != "value"]
+    if args.json != "-":
+        out.write(f"{param:>14s} " + " ".join(f"{k:>17s}" for k in keys) + "   (ms, speed-up)\n")
+        for r in rows:
+            out.write(f"{r['value']:>14s} " + " ".join(
+                f"{r[k]['seconds'] * 1e3:9.3f} {r[k]['speedup']:5.2f}x " for k in keys) + "\n")
+    if args.json:
+        _write_json({"inputs": _inputs(c, elements, bits, args, rates), "sweep": param,
+                     "rows": rows}, args.json, out)
+    if args.plot:
+        from .cost_model_check import plot_sweep
+        plot_sweep(rows, param, args.plot)
+    return rows
