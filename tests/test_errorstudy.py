@@ -190,3 +190,64 @@ def test_codecs_without_scale_adapter_run_on_simulate_allreduce():
         err, bits, _, _, engine = errorstudy.run_one(data, 4, errorstudy.parse_codec(spec),
                                                      "ring", 0, 0)
         assert engine == "simulate" and 0 < err < 1 and bits > 0
+
+
+def test_paths_resolve_to_the_checkout():
+    # the module lives in dynamiq_mpi/studies/: the repository is two folders up
+    assert errorstudy.CAPTURE_SCRIPT.exists()
+    assert errorstudy.DEFAULT_CACHE == errorstudy.REPO / ".cache" / "gradients"
+
+
+FLAT_ROW_KEYS = {"data", "codec", "topology", "ranks", "length", "bits_per_coord", "vnmse",
+                 "vnmse_calls", "widths", "codec_info", "seconds", "engine"}
+
+
+def test_node_size_rows(tmp_path, capsys):
+    """--node-size K: the hierarchical call, one row per call with the flat
+    keys plus node_size, nodes, rail_topology; a butterfly over a node count
+    that is not a power of two runs the ring on the rail level (said in the
+    row, never an error); ranks that do not make whole nodes: an error row."""
+    from dynamiq_mpi.studies.scale_levels import levels_allreduce
+    out = tmp_path / "levels.json"
+    cli(["vnmse", "--data", "lognormal", "--ranks", "4,5,6,8", "--length", "5000",
+         "--codecs", "dynamiq:5,thc", "--node-size", "2", "--quiet", "--json", str(out)])
+    text = capsys.readouterr().out
+    assert "nodes of 2 (hierarchical)" in text and "lognormal, butterfly, nodes of 2" in text
+    assert "n=6: the node count is not a power of two" in text
+    res = json.loads(out.read_text())
+    assert res["node_size"] == 2
+    codecs = {c for c in errorstudy.available_codecs(("dynamiq:5", "thc"))}
+    rows = res["rows"]
+    assert len(rows) == 4 * 2 * 2
+    for r in rows:
+        assert r["node_size"] == 2
+        if r["ranks"] == 5:
+            assert "nodes of 2" in r["error"]
+            continue
+        if r["codec"] not in codecs:
+            continue
+        assert "error" not in r, r
+        assert FLAT_ROW_KEYS <= set(r) and r["nodes"] == r["ranks"] // 2
+        expect = "ring" if r["topology"] == "butterfly" and r["ranks"] == 6 else r["topology"]
+        assert r["rail_topology"] == expect and ("rail_note" in r) == (expect != r["topology"])
+        assert r["engine"] == ("scale" if r["codec"] == "dynamiq:5" else "simulate")
+        assert 0 < r["vnmse"] < 1 and r["bits_per_coord"] > 4
+        assert len(r["codec_info"]["rails"]) == 2
+    row = next(r for r in rows if (r["codec"], r["topology"], r["ranks"]) == ("dynamiq:5",
+                                                                              "ring", 8))
+    data = errorstudy._Data("lognormal", _args(length=5000), 8)
+    direct = levels_allreduce(data.source, 8, 2, codec=errorstudy.parse_codec("dynamiq:5"))
+    assert row["vnmse"] == direct.vnmse and row["bits_per_coord"] == direct.bits_per_coord
+
+
+def test_node_size_one_is_the_flat_study(capsys):
+    kw = dict(data="lognormal", ranks="2,4", length=3000, codecs="dynamiq:5,bf16")
+    flat = errorstudy.run(_args(**kw))
+    text_flat = capsys.readouterr().out
+    one = errorstudy.run(_args(node_size=1, **kw))
+    text_one = capsys.readouterr().out
+    strip = lambda rows: [{k: v for k, v in r.items() if k != "seconds"} for r in rows]
+    assert strip(one["rows"]) == strip(flat["rows"])
+    assert all(set(r) == FLAT_ROW_KEYS for r in flat["rows"])
+    cut = lambda t: t[:t.rindex("\n(")]          # less the wall-clock line
+    assert cut(text_one) == cut(text_flat) and "nodes of" not in text_flat

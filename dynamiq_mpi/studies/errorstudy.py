@@ -5,6 +5,8 @@
     python -m dynamiq_mpi vnmse --ablation --json ablation.json  # the ablation ladder
     python -m dynamiq_mpi vnmse --data lognormal --ranks 8192 --length 1048576 \\
         --codecs dynamiq:5 --topologies ring                     # the scale simulator
+    python -m dynamiq_mpi vnmse --data lognormal --ranks 8192 --length 65536 \\
+        --codecs dynamiq:5 --node-size 8                         # 1024 nodes of 8
 
 For every data set, codec, topology and number of ranks ``n`` it prints the
 vNMSE of the all-reduce, ``||out - sum||^2 / ||sum||^2`` against the float64
@@ -13,6 +15,14 @@ sum of the inputs, beside the bits per coordinate actually put on the wire
 library's own engine: :func:`dynamiq_mpi.studies.scale_sim.scale_allreduce` (bit for
 bit :func:`~dynamiq_mpi.simulate_allreduce`, in memory independent of ``n``)
 where it has an adapter for the codec, else ``simulate_allreduce``.
+
+``--node-size K`` (default 1: the flat call) runs the hierarchical
+all-reduce instead (dynamiq_mpi/studies/scale_levels.py): in-node sums of K
+consecutive ranks, then K rails, each the flat compressed all-reduce of one
+shard over the n / K nodes (a butterfly over a node count that is not a power
+of two runs the ring there: the row's ``rail_topology``), concatenated.  Its
+rows carry ``node_size``, ``nodes`` and ``rail_topology``; its bits per
+coordinate are the rail level's wire bytes over the input's coordinates.
 
 Data sets (``--data``):
 
@@ -53,7 +63,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]     # the checkout (this file: dynamiq_mpi/studies/)
 DEFAULT_CACHE = REPO / ".cache" / "gradients"
 CAPTURE_SCRIPT = REPO / "tools" / "capture_gradients.py"
 REAL_NAME = "llama_words"
@@ -208,11 +218,25 @@ def _zero_fractions(source, max_ranks):
 
 
 # ----------------------------------------------------------------------------- one run
-def run_one(data, n, codec, topology, seed, counter, engine="auto", progress=False):
-    """(vNMSE, bits per coordinate, codec info, seconds) of one all-reduce."""
+def run_one(data, n, codec, topology, seed, counter, engine="auto", progress=False,
+            node_size=1):
+    """(vNMSE, bits per coordinate, codec info, seconds, engine) of one
+    all-reduce; ``node_size`` > 1: the hierarchical one (scale_levels.py)."""
     from .. import simulate_allreduce
     from .scale_sim import scale_allreduce, supports
     t0 = time.perf_counter()
+    if node_size > 1:
+        from .scale_levels import levels_allreduce, levels_simulate
+        if engine != "simulate" and supports(codec):
+            r = levels_allreduce(data.source, n, node_size, codec=codec, topology=topology,
+                                 seed=seed, counter=counter, progress=progress)
+            kind = "scale"
+        else:
+            r = levels_simulate(data.xs(n), node_size, codec=codec, topology=topology,
+                                seed=seed, counter=counter)
+            kind = "simulate"
+        info = dict(r.codec_info, rails=r.rails)
+        return r.vnmse, r.bits_per_coord, info, time.perf_counter() - t0, kind
     if engine != "simulate" and supports(codec):
         r = scale_allreduce(data.source, n, codec=codec, topology=topology, seed=seed,
                             counter=counter, progress=progress)
@@ -278,6 +302,8 @@ def _jsonable_info(info):
 
 
 def _rows_for(args, datasets, codecs, ranks_list, topologies, quiet):
+    from .scale_levels import rail_topology
+    node_size = getattr(args, "node_size", 1) or 1
     total = len(datasets) * len(codecs) * len(topologies) * len(ranks_list)
     bar = _Bar(total, quiet)
     rows = []
@@ -287,15 +313,27 @@ def _rows_for(args, datasets, codecs, ranks_list, topologies, quiet):
                 for n in ranks_list:
                     row = dict(data=data.name, codec=label, topology=topo, ranks=n,
                                length=data.length)
-                    if topo == "butterfly" and n & (n - 1):
+                    if node_size > 1:
+                        row.update(node_size=node_size, nodes=n // node_size)
+                    if node_size > 1 and n % node_size:
+                        row["error"] = (f"{n} ranks are not nodes of {node_size} "
+                                        "(the ranks must be a multiple of the node size)")
+                    elif node_size > 1:
+                        # never an error: a butterfly over a node count that is
+                        # not a power of two runs the ring on the rail level
+                        row["rail_topology"] = rail_topology(topo, n // node_size)
+                        if row["rail_topology"] != topo:
+                            row["rail_note"] = (f"{n // node_size} nodes is not a power of "
+                                                "two: the ring ran on the rail level")
+                    elif topo == "butterfly" and n & (n - 1):
                         row["error"] = "butterfly needs a power-of-two n"
-                    else:
+                    if "error" not in row:
                         errs, secs = [], 0.0
                         try:
                             for t in range(args.repeats):
                                 err, bits, info, s, engine = run_one(
                                     data, n, codec, topo, args.seed, t, args.engine,
-                                    progress=not quiet and n >= 1024)
+                                    progress=not quiet and n >= 1024, node_size=node_size)
                                 errs.append(err)
                                 secs += s
                             row.update(bits_per_coord=bits, vnmse=float(np.mean(errs)),
@@ -332,8 +370,10 @@ def print_sweep(rows, ranks_list, out=None):
         if all("error" in r for r in sel):
             continue
         length = sel[0]["length"]
-        print(f"\n{data}, {topo}, {length} elements per rank: vNMSE (bits/coordinate on the "
-              f"wire at n={pick})", file=out)
+        k = sel[0].get("node_size", 1)
+        nodes = f", nodes of {k}" if k > 1 else ""
+        print(f"\n{data}, {topo}{nodes}, {length} elements per rank: vNMSE (bits/coordinate on "
+              f"the wire at n={pick})", file=out)
         head = f"{'codec':16s} {'bits':>6s} " + " ".join(f"{'n=' + str(n):>9s}" for n in ranks_list)
         print(head, file=out)
         codecs = []
@@ -348,6 +388,10 @@ def print_sweep(rows, ranks_list, out=None):
                 r = by_n.get(n, {})
                 cells.append(f"{_fmt(r.get('vnmse')):>9s}" if "error" not in r else f"{'err':>9s}")
             print(f"{c:16s} {_fmt(b, '6.3f'):>6s} " + " ".join(cells), file=out)
+        swapped = sorted({r["ranks"] for r in sel if r.get("rail_topology", topo) != topo})
+        if swapped:
+            print(f"(n={','.join(map(str, swapped))}: the node count is not a power of two, "
+                  "the rail level ran the ring)", file=out)
         for mx, dq in EQUAL_BITS:
             a = {r["ranks"]: r for r in sel if r["codec"] == mx and r.get("vnmse")}
             b = {r["ranks"]: r for r in sel if r["codec"] == dq and r.get("vnmse")}
@@ -486,6 +530,10 @@ def add_arguments(p):
     p.add_argument("--bf16-class", choices=["on", "off"], default=None,
                    help="the 16-bit class of every DynamiQ spelling that does not set "
                         "bf16_class (default: the codec's, on); off: widths {0, 2, 4, 8}")
+    p.add_argument("--node-size", type=int, default=1,
+                   help="ranks per node: K > 1 runs the hierarchical all-reduce (in-node sums "
+                        "in the input's dtype, then K rails of n/K nodes, each the flat "
+                        "compressed call on one shard); default 1: the flat call")
     p.add_argument("--cache", default=str(DEFAULT_CACHE),
                    help="folder of the captured real gradients")
     p.add_argument("--json", default=None, help="write every row (and the set-up) here")
@@ -506,6 +554,9 @@ def run(args, out=None):
         if importlib.util.find_spec("matplotlib") is None:
             raise SystemExit("--plot needs matplotlib (pip install matplotlib)")
     ranks_list = _int_list(args.ranks)
+    node_size = getattr(args, "node_size", 1) or 1
+    if node_size < 1:
+        raise SystemExit(f"--node-size must be >= 1, got {node_size}")
     topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]
     names = [d.strip() for d in args.data.split(",") if d.strip()]
     if args.ablation:
@@ -518,7 +569,9 @@ def run(args, out=None):
     datasets = [_Data(d, args, max(ranks_list)) for d in names]
     print(f"vNMSE study: data {', '.join(f'{d.name} ({d.length})' for d in datasets)}; "
           f"n = {', '.join(map(str, ranks_list))}; {', '.join(topologies)}; "
-          f"{args.repeats} call(s) each, seed {args.seed}", file=out, flush=True)
+          f"{args.repeats} call(s) each, seed {args.seed}"
+          + (f"; nodes of {node_size} (hierarchical)" if node_size > 1 else ""),
+          file=out, flush=True)
     rows = _rows_for(args, datasets, codecs, ranks_list, topologies, args.quiet)
     if args.ablation:
         print_ablation(rows, out)
@@ -533,7 +586,8 @@ def run(args, out=None):
         date=started.isoformat(timespec="seconds"), git=git, host=platform.node(),
         cpu=platform.processor() or platform.machine(),
         seconds=seconds, ranks=ranks_list, topologies=topologies, repeats=args.repeats,
-        seed=args.seed, ablation_bits=args.ablation_bits if args.ablation else None,
+        seed=args.seed, node_size=node_size,
+        ablation_bits=args.ablation_bits if args.ablation else None,
         dynamiq_overrides=dynamiq_overrides(args) or None,
         codecs=[c for c, _ in codecs],
         codec_signatures={c: list(map(str, codec.signature())) for c, codec in codecs},

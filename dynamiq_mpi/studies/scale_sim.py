@@ -85,6 +85,25 @@ class RankSource:
         nrows = -(-self.length // SUPER)
         return self.rows(xp, np.full(nrows, rank, dtype=np.int64), SUPER)
 
+    def span(self, xp, rank_of_row, row: int, first_row: int):
+        """Rows ``first_row .. first_row + len(rank_of_row) - 1`` only (the
+        elements ``[first_row*row, min(length, (first_row + k)*row))``), row
+        ``first_row + k`` from rank ``rank_of_row[k]``: a slice of the vector
+        without producing the rest (scale_levels.py reads shards this way).
+        This default produces the whole vector; sources override it."""
+        nrows = -(-self.length // row)
+        full = np.zeros(nrows, dtype=np.int64)
+        k = len(rank_of_row)
+        full[first_row:first_row + k] = rank_of_row
+        return self.rows(xp, full, row)[first_row * row:min(self.length, (first_row + k) * row)]
+
+    def rows_with_exact(self, xp, rank_of_row, row: int):
+        """(:meth:`rows`, None): the float64 values whose sum over the ranks
+        is the exact sum, None meaning the rows themselves.  A source whose
+        ranks stand for several inputs (a node's sum) returns their float64
+        sum here, so the vNMSE is measured against the inputs, not the sums."""
+        return self.rows(xp, rank_of_row, row), None
+
 
 class ArraySource(RankSource):
     """Explicit per-rank arrays (held on the host)."""
@@ -103,13 +122,17 @@ class ArraySource(RankSource):
             self._data[r, :self.length] = x
 
     def rows(self, xp, rank_of_row, row):
+        return self.span(xp, rank_of_row, row, 0)
+
+    def span(self, xp, rank_of_row, row, first_row):
         rank_of_row = np.asarray(rank_of_row, dtype=np.int64)
         if rank_of_row.size and int(rank_of_row.max()) >= self.ranks:
             raise ValueError(f"this source holds {self.ranks} ranks, rank "
                              f"{int(rank_of_row.max())} asked for")
         blocks = self._data.reshape(self.ranks, -1, row)
         k = rank_of_row.shape[0]
-        out = blocks[rank_of_row, np.arange(k)].reshape(-1)[:self.length]
+        out = blocks[rank_of_row, np.arange(first_row, first_row + k)].reshape(-1)
+        out = out[:max(0, self.length - first_row * row)]
         return out if xp is np else xp.asarray(out)
 
 
@@ -177,7 +200,14 @@ class LogNormalMixture(RankSource):
         return self._cache[key]
 
     def rows(self, xp, rank_of_row, row):
+        return self.span(xp, rank_of_row, row, 0)
+
+    def span(self, xp, rank_of_row, row, first_row):
         idx, std = self._index(xp, row)
+        # every element is a function of its position: a slice of rows gives
+        # the bits of the same rows of the whole vector
+        k = len(rank_of_row)
+        idx, std = idx[first_row:first_row + k], std[first_row:first_row + k]
         keys = self._keys(rank_of_row)
         h1 = idx ^ (keys[:, None, None] if xp is np else xp.asarray(keys)[:, None, None])
         _fmix32(h1)
@@ -202,7 +232,7 @@ class LogNormalMixture(RankSource):
         xp.sin(t, out=t)
         t *= r
         out[:, :, 1] = t
-        return out.reshape(-1)[:self.length]
+        return out.reshape(-1)[:max(0, self.length - first_row * row)]
 
 
 # ----------------------------------------------------------------------------- adapters
@@ -503,9 +533,13 @@ def scale_allreduce(source: RankSource, n: int, *, codec=None, topology="ring", 
     seconds = {}
     t0 = time.perf_counter()
     if n == 1 or length == 0:
-        out = source.rank_vector(xp, 0).copy()
+        x, x64 = source.rows_with_exact(xp, np.zeros(-(-length // SUPER), dtype=np.int64), SUPER)
+        out = x.copy()
         res = ScaleResult(out, out.astype(np.float64) if exact else None,
                           0.0 if exact else None, codec=run.name)
+        if exact and x64 is not None:           # one rank standing for several inputs
+            res.exact = xp.asarray(x64, dtype=np.float64)
+            res.vnmse = _vnmse(xp, out, res.exact)
         bar.close()
         return res
 
@@ -524,9 +558,12 @@ def scale_allreduce(source: RankSource, n: int, *, codec=None, topology="ring", 
     seconds["plan"] = t2 - t1
 
     def bind(v):
-        x = source.rows(xp, (chunk_of_row + v) % n, adapter.row)
+        ranks = (chunk_of_row + v) % n
         if total is not None:
-            xp.add(total, x, out=total)
+            x, x64 = source.rows_with_exact(xp, ranks, adapter.row)
+            xp.add(total, x if x64 is None else x64, out=total)
+        else:
+            x = source.rows(xp, ranks, adapter.row)
         state = adapter.local_state(sim, x) if adapter.needs_local_stats() else None
         adapter.bind(plan, x, state)
         sim.tick()
@@ -550,8 +587,12 @@ def scale_allreduce(source: RankSource, n: int, *, codec=None, topology="ring", 
     res = ScaleResult(out, total, None, wire_total * 8.0 / (2.0 * (n - 1) * length), wire_total,
                       stats_total, run.name, info, seconds)
     if total is not None:
-        ref = total / n if op == "mean" else total
-        err = out.astype(np.float64) - ref
-        norm = float(xp.sum(ref * ref))
-        res.vnmse = float(xp.sum(err * err)) / norm if norm > 0 else float("nan")
+        res.vnmse = _vnmse(xp, out, total / n if op == "mean" else total)
     return res
+
+
+def _vnmse(xp, out, ref):
+    """||out - ref||^2 / ||ref||^2 in float64 (NaN for a zero reference)."""
+    err = out.astype(np.float64) - ref
+    norm = float(xp.sum(ref * ref))
+    return float(xp.sum(err * err)) / norm if norm > 0 else float("nan")
