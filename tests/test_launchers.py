@@ -133,6 +133,7 @@ def test_allreduce_takes_the_launchers_group(tmp_path):
     for r in range(3):
         assert t[r]["info"]["control_plane"] == "torch" and m[r]["info"]["control_plane"] == "mpi"
         assert t[r]["info"]["world_size"] == 3
+        assert not t[r]["info"]["mpi_imported"], "a torchrun job must not start MPI"
         assert t[r]["info"]["vnmse"] < VNMSE_BOUND
         assert np.array_equal(t[r]["params"], t[0]["params"])
         assert np.array_equal(t[r]["params"], m[r]["params"])
@@ -167,3 +168,17 @@ def test_readme_torchrun_examples_run(example):
     assert "over the torch control plane" in out
     if example == "torchrun_ddp.py":
         assert "parameters identical on every rank: True" in out
+
+
+@pytest.mark.gpu
+def test_torchrun_on_device_arrays(tmp_path):
+    import dynamiq_mpi as dq
+    if not dq.has_cuda():
+        pytest.skip("needs the CUDA kernels and a GPU")
+    _run(torchrun(2, WORKER, "--mode", "gpu_allreduce", "--out", tmp_path), "torchrun")
+    ranks = results(tmp_path, 2)
+    for r in ranks:
+        info = r["info"]
+        assert info["same_as_cpu"] and info["control_plane"] == "torch", info
+        assert not info["mpi_imported"], "a torchrun job must not start MPI"
+        assert np.array_equal(r["params"], ranks[0]["params"])

@@ -7,6 +7,7 @@
 Modes: ``ddp`` (the DDP hook), ``fsdp`` (FSDP2 with the compressed
 reduce-scatter), ``subgroups`` (4 ranks: DDP over {0, 1} and {2, 3}),
 ``allreduce`` (``dq.allreduce`` on raw arrays with the default communicator),
+``gpu_allreduce`` (the same on CuPy arrays, against the CPU's bits),
 ``nogroup`` (a Collective made before ``init_process_group``: must raise).
 Each rank writes DIR/rank{R}.npz: the final parameters and checks (the first
 step's gradient against an exact float64 mean over the rank's group, computed
@@ -138,7 +139,28 @@ def run_allreduce(args, rank):
     exact = np.sum([e.astype(np.float64) for e in everyone], axis=0)
     err = float(np.sum((out - exact) ** 2) / np.sum(exact ** 2))
     return out, {"vnmse": err, "control_plane": rep.control_plane,
-                 "world_size": rep.world_size}
+                 "world_size": rep.world_size, "mpi_imported": "mpi4py.MPI" in sys.modules}
+
+
+def run_gpu_allreduce(args, rank):
+    """CuPy arrays under torchrun (ranks may share the GPU: device payload
+    staged through host memory over gloo): the same bits as the NumPy
+    (CPU) call on the same data, and no MPI anywhere in the process."""
+    import cupy
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    cupy.cuda.Device(local % cupy.cuda.runtime.getDeviceCount()).use()
+    rng = np.random.default_rng(77 + rank)
+    x = (rng.standard_t(3, 1 << 16) * 10.0 ** rng.uniform(-3, 2)).astype(np.float32)
+    coll = dq.Collective(path="compressed")
+    outs = {}
+    for where, arr in (("gpu", cupy.asarray(x)), ("cpu", x)):
+        coll.counter = 3
+        out, rep = coll.allreduce(arr, codec=dq.DynamiQ(bits=5, small_input=0), seed=5,
+                                  return_report=True)
+        outs[where] = out.get() if where == "gpu" else out
+    return outs["gpu"], {"same_as_cpu": bool(np.array_equal(outs["gpu"], outs["cpu"])),
+                         "control_plane": rep.control_plane, "transport": rep.transport,
+                         "mpi_imported": "mpi4py.MPI" in sys.modules}
 
 
 def main_rank(args, spawn_rank=None):
@@ -159,9 +181,9 @@ def main_rank(args, spawn_rank=None):
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         color = rank // 2
         group = groups[color]
-    if args.mode == "allreduce":
-        result, info = run_allreduce(args, rank)
-        flat = result
+    if args.mode in ("allreduce", "gpu_allreduce"):
+        run = run_allreduce if args.mode == "allreduce" else run_gpu_allreduce
+        flat, info = run(args, rank)
     else:
         train = train_fsdp if args.mode == "fsdp" else train_ddp
         model, info = train(args, rank, group)
@@ -178,8 +200,8 @@ def _spawned(rank, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["ddp", "fsdp", "subgroups", "allreduce", "nogroup"],
-                   default="ddp")
+    p.add_argument("--mode", choices=["ddp", "fsdp", "subgroups", "allreduce", "gpu_allreduce",
+                                      "nogroup"], default="ddp")
     p.add_argument("--out", required=True)
     p.add_argument("--spawn", type=int, default=0, help="start N processes by mp.spawn")
     p.add_argument("--port", type=int, default=0)
