@@ -19,6 +19,7 @@ from .transports.simulate import SimulatedTransport
 from .graphs import CallGraph, SteadyCompressed, default_graphs, drive_agreed, graph_key
 from .rng import call_keys
 from .settings import env_choice
+from .hierarchy import default_node_size
 from .workspace import FRESH, Workspace
 
 
@@ -75,6 +76,13 @@ class Collective:
     is raised) or "raise" (``NonFiniteInputError`` / ``SumOverflowError``
     on every rank, before any data byte moves).
 
+    ``hierarchy``: "flat" (default, or ``$DYNAMIQ_HIERARCHY``: one ring or
+    butterfly over all ranks) or "nodes" (hierarchy.py: uncompressed inside
+    a node, one compressed rail per local rank across nodes);
+    ``report.hierarchy`` and ``report.levels`` say what ran.  ``node_size``
+    (or ``$DYNAMIQ_NODE_SIZE``): consecutive ranks form nodes of that size
+    (to emulate a cluster on one host); default: the ranks that share a host.
+
     ``graphs``: replay steady compressed calls over NCCL as CUDA graphs
     (graphs.py): a call with ``out=`` whose every argument, buffer and stream
     repeats one made before is captured on its second occurrence and
@@ -86,13 +94,17 @@ class Collective:
 
     def __init__(self, comm=None, transport: str = "auto", tile_bytes: int = DEFAULT_TILE_BYTES,
                  lanes: int | str | None = None, path: str | None = None,
-                 nonfinite: str = "propagate", graphs: bool | None = None):
+                 nonfinite: str = "propagate", graphs: bool | None = None,
+                 hierarchy: str | None = None, node_size: int | None = None):
         from .control import as_plane, default_comm
         if comm is None:
             comm = default_comm()
         _check_transport(transport)
         _check_nonfinite(nonfinite)
         self.path = default_path(path)
+        self.hierarchy = default_hierarchy(hierarchy)
+        self.node_size = default_node_size(node_size)
+        self._levels = None          # hierarchy.Levels, made by the first "nodes" call
         self.nonfinite = nonfinite
         self.layout = default_layout()
         self.graphs = default_graphs(graphs)
@@ -147,19 +159,28 @@ class Collective:
 
     def allreduce(self, x, *, codec=None, topology="ring", op="sum", seed=0, out=None,
                   transport=None, tile_bytes=None, return_report=False, profile=False,
-                  path=None, nonfinite=None):
+                  path=None, nonfinite=None, hierarchy=None):
         """All-reduce ``x`` (see :func:`allreduce`).  ``profile=True``
         synchronises at every phase boundary and puts the per-phase times into
         ``report.phases`` (slower: for breakdowns, not for production).
-        ``path`` and ``nonfinite`` override the collective's (see the class)."""
+        ``path``, ``nonfinite`` and ``hierarchy`` override the collective's
+        (see the class)."""
         codec = _DEFAULT_CODEC if codec is None else codec
         transport = self.transport if transport is None else transport
         nonfinite = self.nonfinite if nonfinite is None else nonfinite
         requested = self.path if path is None else default_path(path)
         tile_bytes = self.tile_bytes if tile_bytes is None else tile_bytes
+        hierarchy = self.hierarchy if hierarchy is None else default_hierarchy(hierarchy)
         with self._lock:
             counter = self._counter
             self._counter += 1
+            if hierarchy == "nodes" and self.size > 1:
+                _check_nonfinite(nonfinite)
+                out, report = self._nodes().allreduce(
+                    self, x, out, codec=codec, topology=topology, op=op, seed=seed,
+                    counter=counter, transport=transport, tile_bytes=tile_bytes, path=requested,
+                    nonfinite=nonfinite, return_report=return_report)
+                return (out, report) if return_report else out
             steady_key = None
             if requested != "compressed" and not (return_report or profile):
                 # a call like one agreed before on the native path (for "auto":
@@ -214,6 +235,22 @@ class Collective:
                     self._free_graphs()
                 self._graphs[graph_key] = SteadyCompressed(self._last_metas[self.rank], "nccl")
         return (out, report) if return_report else out
+
+    def _nodes(self):
+        """The node and rail planes (made by the first hierarchical call,
+        collectively; the nodes found once)."""
+        if self._levels is None:
+            from .hierarchy import Levels, find_nodes
+            layout = find_nodes(self._plane, self.node_size)
+            self._levels = Levels(self._plane, layout, lambda plane: Collective(
+                plane, transport=self.transport, tile_bytes=self.tile_bytes, lanes=self.lanes,
+                path=self.path, nonfinite=self.nonfinite, graphs=self.graphs))
+        return self._levels
+
+    def nodes(self):
+        """The node layout the hierarchical call uses (collective on first use)."""
+        with self._lock:
+            return self._nodes().layout
 
     # -- steady compressed calls as CUDA graphs (graphs.py) --------------------
     def _graph_key(self, x, out, codec, topology, op, seed, transport, tile_bytes, nonfinite,
@@ -464,7 +501,16 @@ class Collective:
                 self._mpi_cuda = None
             self._free_graphs()
             self._workspace.clear()
+            if self._levels is not None:
+                self._levels.free()
+                self._levels = None
             self._host.free()
+
+
+def default_hierarchy(value=None) -> str:
+    """``value``, else ``$DYNAMIQ_HIERARCHY``, else "flat"."""
+    from .hierarchy import HIERARCHIES
+    return env_choice(value, "DYNAMIQ_HIERARCHY", HIERARCHIES, "hierarchy", default="flat")
 
 
 def default_layout(value=None) -> str:
@@ -517,7 +563,8 @@ def collective_for(comm=None) -> Collective:
 
 
 def allreduce(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0, out=None,
-              transport="auto", return_report=False, path=None, nonfinite="propagate"):
+              transport="auto", return_report=False, path=None, nonfinite="propagate",
+              hierarchy=None):
     """Compressed all-reduce of ``x`` over ``comm`` (an mpi4py communicator or a
     torch.distributed process group; default: the launcher's, see :class:`Collective`).
 
@@ -535,11 +582,12 @@ def allreduce(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0, ou
     ``nonfinite``: "propagate" (NCCL's semantics: NaN/Inf on any rank gives a
     NaN output on every rank and ``report.nonfinite``) or "raise"
     (``NonFiniteInputError`` on every rank).
+    ``hierarchy``: "flat" (default) or "nodes" (see :class:`Collective`).
     """
     return collective_for(comm).allreduce(x, codec=codec, topology=topology, op=op, seed=seed,
                                           out=out, transport=transport,
                                           return_report=return_report, path=path,
-                                          nonfinite=nonfinite)
+                                          nonfinite=nonfinite, hierarchy=hierarchy)
 
 
 def reduce_scatter(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0, out=None,

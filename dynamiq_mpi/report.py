@@ -31,12 +31,18 @@ class Report:
     phases: dict = field(default_factory=dict)    # seconds per phase, when profiled
     collective: str = "allreduce"  # or "reduce_scatter"
     control_plane: str = ""       # what carried rank, size and agreement: "mpi" or "torch"
+    hierarchy: str = "flat"       # "flat" (one ring/butterfly) or "nodes" (hierarchy.py)
+    levels: list = field(default_factory=list)   # per level: path, codec, bytes, seconds
+    # "nodes": the rail level's compressed wire bytes over the input's coordinates
+    bits_override: float | None = None
 
     @property
     def bits_per_coord(self) -> float:
         """All bytes sent by all ranks x 8 / (2 (n-1)/n x n x length): for ring
         and butterfly, the encoded size per coordinate, metadata included
         (a reduce-scatter moves half of that: (n-1)/n x n x length)."""
+        if self.bits_override is not None:
+            return self.bits_override
         n = self.world_size
         if n < 2 or self.length == 0:
             return 0.0

@@ -10,6 +10,9 @@ Rows: MPI_Allreduce alone; ``path="native"`` (a steady call: one digest
 exchange and the all-reduce); the default ``path="auto"`` (its class decided
 native); ``path="compressed"`` with DynamiQ at 5 bits (small_input=0: the
 codec's CPU kernels included).  Median of --rounds rounds of --calls calls.
+``--planes mpi,torch`` adds the same rows over the torch control plane
+(torch.distributed started from MPI with gloo; the collective over its
+default group): gloo's all-reduce alone, then the library's calls.
 """
 import argparse
 import json
@@ -41,19 +44,34 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=2000)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json")
+    p.add_argument("--planes", default="mpi", help="mpi, torch or mpi,torch")
     args = p.parse_args(argv)
     comm = MPI.COMM_WORLD
     x = np.random.default_rng(comm.rank).standard_normal(1 << args.log2n).astype(np.float32)
     out = np.empty_like(x)
-    coll = dq.Collective(comm)
     codec = dq.DynamiQ(bits=5, small_input=0)
-    cases = [
-        ("MPI_Allreduce", lambda: comm.Allreduce(x, out)),
-        ("dq path=native (steady)", lambda: coll.allreduce(x, out=out, path="native")),
-        ("dq path=auto (decided)", lambda: coll.allreduce(x, out=out, path="auto")),
-        ("dq path=compressed, DynamiQ 5 bits", lambda: coll.allreduce(
-            x, codec=codec, out=out, path="compressed")),
-    ]
+    colls, cases = [], []
+    for plane in args.planes.split(","):
+        if plane == "torch":
+            import torch
+            import dynamiq_mpi.torch as dqt
+            dqt.init_process_group_from_mpi("gloo")
+            group = torch.distributed.group.WORLD
+            xt = torch.from_numpy(x.copy())
+            cases.append(("gloo all_reduce", lambda: torch.distributed.all_reduce(xt)))
+            coll = dq.Collective(group)
+        else:
+            cases.append(("MPI_Allreduce", lambda: comm.Allreduce(x, out)))
+            coll = dq.Collective(comm)
+        colls.append(coll)
+        tag = f" [{plane}]"
+        cases += [
+            ("dq path=native (steady)" + tag, lambda c=coll: c.allreduce(x, out=out,
+                                                                         path="native")),
+            ("dq path=auto (decided)" + tag, lambda c=coll: c.allreduce(x, out=out, path="auto")),
+            ("dq path=compressed, DynamiQ 5 bits" + tag, lambda c=coll: c.allreduce(
+                x, codec=codec, out=out, path="compressed")),
+        ]
     rows = []
     for name, fn in cases:
         calls = args.calls if "compressed" not in name else max(50, args.calls // 10)
@@ -63,13 +81,14 @@ def main(argv=None):
         print(f"# host time per call, {comm.size} ranks, 2^{args.log2n} float32 "
               f"(slowest rank, median of {args.rounds} rounds)")
         for r in rows:
-            print(f"  {r['case']:<38s} {r['us_per_call']:8.1f} us")
+            print(f"  {r['case']:<46s} {r['us_per_call']:8.1f} us")
         if args.json:
             meta = {"ranks": comm.size, "log2n": args.log2n, "mpi": MPI.Get_library_version()
                     .splitlines()[0], "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    coll.free()
+    for coll in colls:
+        coll.free()
 
 
 if __name__ == "__main__":

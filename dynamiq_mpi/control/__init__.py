@@ -34,7 +34,8 @@ class ControlPlane:
     NumPy collectives :meth:`allgather_array` and :meth:`allreduce_max`;
     host payload :meth:`sendrecv` (either side may be None) and
     :meth:`allreduce_sum` (the native path of host arrays); :meth:`dup` (a
-    private plane of the same ranks: collective) and :meth:`free`.
+    private plane of the same ranks: collective), :meth:`split` (planes of
+    subsets: nodes, rails) and :meth:`free`; :meth:`node_name` (the host).
     ``thread_safe``: calls from a worker thread are allowed.
     ``mpi_comm``: the mpi4py communicator, or None on the torch plane."""
 
@@ -66,6 +67,14 @@ class ControlPlane:
         self.allgather(None)
 
     def dup(self) -> "ControlPlane":
+        raise NotImplementedError
+
+    def split(self, color: int, key: int) -> "ControlPlane":
+        """A private plane of the ranks that pass the same ``color``, ranked
+        by ``key`` (collective over this plane, as ``MPI_Comm_split``)."""
+        raise NotImplementedError
+
+    def node_name(self) -> str:
         raise NotImplementedError
 
     def free(self) -> None:

@@ -62,6 +62,21 @@ class MPIPlane(ControlPlane):
         plane._owned = True
         return plane
 
+    def split(self, color: int, key: int) -> "MPIPlane":
+        plane = MPIPlane(self.mpi_comm.Split(int(color), int(key)))
+        plane._owned = True
+        return plane
+
+    def shared_memory_leader(self) -> int:
+        """The lowest rank of this plane on this rank's node, by
+        ``MPI_Comm_split_type(SHARED)`` (collective)."""
+        from mpi4py import MPI
+        local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        try:
+            return local.allreduce(self.rank, op=MPI.MIN)
+        finally:
+            local.Free()
+
     def free(self) -> None:
         if self._owned and self.mpi_comm is not None:
             self.mpi_comm.Free()

@@ -71,11 +71,15 @@ class TorchPlane(ControlPlane):
     name = "torch"
     thread_safe = True
 
-    def __init__(self, group=None):
-        self.group = _check_member(group)
-        self.ranks = dist.get_process_group_ranks(self.group)
-        self.rank, self.size = self.group.rank(), self.group.size()
-        self.timeout = group_timeout(self.group)
+    def __init__(self, group=None, *, _members=None):
+        if _members is not None:        # a subset of another plane (split)
+            self.group, self.ranks, self.rank, self.timeout = _members
+            self.size = len(self.ranks)
+        else:
+            self.group = _check_member(group)
+            self.ranks = dist.get_process_group_ranks(self.group)
+            self.rank, self.size = self.group.rank(), self.group.size()
+            self.timeout = group_timeout(self.group)
         self._pg = None
         self._lock = threading.Lock()
 
@@ -172,13 +176,22 @@ class TorchPlane(ControlPlane):
         return socket.gethostname()
 
     def dup(self) -> "TorchPlane":
-        return TorchPlane(self.group)
+        return TorchPlane(_members=(self.group, list(self.ranks), self.rank, self.timeout))
+
+    def split(self, color: int, key: int) -> "TorchPlane":
+        """Members by the job's global ranks: their private gloo group is
+        keyed by those ranks, so only they take part in making it."""
+        everyone = self.allgather((int(color), int(key), self.ranks[self.rank]))
+        mine = sorted((k, g) for c, k, g in everyone if c == int(color))
+        ranks = [g for _, g in mine]
+        return TorchPlane(_members=(self.group, ranks, ranks.index(self.ranks[self.rank]),
+                                    self.timeout))
 
     def free(self) -> None:
         self._pg = None         # gloo closes its pairs when the group is collected
 
     def describe(self) -> str:
-        return (f"torch plane ({dist.get_backend(self.group)} group of global ranks "
+        return (f"torch plane (a gloo group of global ranks "
                 f"{self.ranks if self.size <= 8 else str(self.ranks[:8])[:-1] + ', ...]'}), "
                 f"rank {self.rank} of {self.size}")
 

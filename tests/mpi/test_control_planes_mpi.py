@@ -132,3 +132,61 @@ def test_hook_state_over_a_torch_group_pickles_and_reattaches(planes):
     state.allreduce_(a)
     restored.allreduce_(b)
     assert torch.equal(a, b)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_group_checks_and_allreduce_gradients_over_a_subgroup(planes):
+    """Groups of two consecutive ranks (the last alone at odd sizes): each
+    averages its own gradients; a state made for the whole job refuses a
+    DDP model of one group on every rank; the group's timeout is kept."""
+    import datetime
+
+    from dynamiq_mpi.control.torch_group import TorchPlane
+    groups = [dist.new_group(list(range(s, min(s + 2, N))),
+                             timeout=datetime.timedelta(seconds=77)) for s in range(0, N, 2)]
+    mine = groups[comm.rank // 2]
+    assert TorchPlane(mine).timeout == datetime.timedelta(seconds=77)
+    members = list(range(comm.rank // 2 * 2, min(comm.rank // 2 * 2 + 2, N)))
+    seed = shared_seed(comm)
+    grads = rank_inputs(seed, N, 3000)
+    model = torch.nn.Linear(3000, 1, bias=False)
+    model.weight.grad = torch.from_numpy(grads[comm.rank].copy()).reshape(1, -1)
+    state = dqt.HookState(codec=dq.DynamiQ(bits=5, small_input=0), path="compressed")
+    dqt.allreduce_gradients(model.parameters(), state, group=mine)
+    got = model.weight.grad.reshape(-1).numpy().astype(np.float64)
+    exact = exact_sum([grads[r] for r in members]) / len(members)
+    if len(members) > 1:
+        assert vnmse(got, exact) < 0.05
+    else:
+        assert np.array_equal(got, exact)           # a group of one returns its input
+    # every member of a group holds the same bits; the groups differ
+    everyone = comm.allgather(digest(model.weight.grad.numpy()))
+    assert everyone[members[0]] == everyone[comm.rank]
+    if N > 2:
+        assert everyone[0] != everyone[2]
+    # a state made for the whole job, on a DDP model over one group: refused
+    ddp = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1), process_group=mine)
+    whole = dqt.HookState(process_group=dist.group.WORLD)
+    if len(members) < N:
+        with pytest.raises(dq.InvalidInputError, match="holds ranks"):
+            dqt.register_comm_hook(ddp, whole)
+    for g in groups:
+        if g is not dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(g)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("k", [k for k in range(1, N + 1) if N % k == 0])
+def test_hierarchical_call_same_bits_on_both_planes(planes, k):
+    """hierarchy="nodes": node and rail planes split from either control plane."""
+    seed = shared_seed(comm)
+    x = rank_inputs(seed, N, 3001)[comm.rank]
+    got = {}
+    for name, comm_ in (("mpi", comm), ("torch", dist.group.WORLD)):
+        coll = dq.Collective(comm_, node_size=k, hierarchy="nodes", path="compressed")
+        out, rep = coll.allreduce(x, codec=dq.DynamiQ(small_input=0), seed=seed,
+                                  return_report=True)
+        assert rep.hierarchy == "nodes" and rep.control_plane == name
+        got[name] = out
+        coll.free()
+    assert np.array_equal(got["mpi"], got["torch"])

@@ -1,0 +1,309 @@
+"""The hierarchical all-reduce (spec 5c): uncompressed inside a node,
+compressed across nodes, one rail per local rank.
+
+For ``n = N x K`` ranks in N nodes of K:
+
+1. inside each node, a reduce-scatter with no compression: local rank ``l``
+   gets the node's sum of *its rail's shard*, added left to right in
+   local-rank order, in the input's dtype;
+2. across nodes, local rank ``l`` of every node runs the flat compressed
+   all-reduce (the call's codec, topology, seed and call counter; the codec's
+   statistics are the shard's) of that shard with local rank ``l`` of the
+   other nodes: K rails at once, each on a communicator of its own;
+3. inside each node, an all-gather of the rails' results; ``op="mean"``
+   then divides the float32 value by n once.
+
+Shards interleave 256-element blocks (one DynamiQ super-group): rail ``l``
+holds blocks ``l, l + K, l + 2K, ...`` of the vector, in that order.  Every
+rail then sees a sample of the whole vector - its statistics and bit budget
+stay fair on real gradients, whose contiguous parts (an embedding table, a
+layer of another scale) are very unlike - and every rail carries nearly the
+same bytes, so the node's NICs finish together.
+
+The butterfly needs a power-of-two node count; on any other count the rails
+run the ring and the report says so.  A node count of one is an exact
+all-reduce inside the node; a node size of one is the flat call.  Nodes of
+unequal size are refused (every rail needs one rank of every node).
+
+In-node traffic goes over the control plane's point-to-point (MPI, or gloo
+over a torch group); device arrays are staged through host memory for the
+in-node levels (NCCL's own reduce-scatter and all-gather inside a node of
+several GPUs is the next step: docs/design.md), and the rail level runs the
+collective's GPU path.  ``studies/scale_levels.py`` simulates the same
+definition at thousands of ranks.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from .backend import backend_for, dtype_name
+from .errors import InvalidInputError, NonFiniteInputError
+
+BLOCK = 256
+HIERARCHIES = ("flat", "nodes")
+
+
+# ----------------------------------------------------------------- shards
+def rail_length(length: int, k: int, rail: int) -> int:
+    """Elements of rail ``rail``'s shard of a vector of ``length``."""
+    blocks = -(-length // BLOCK)
+    mine = len(range(rail, blocks, k))
+    if mine == 0:
+        return 0
+    last = rail + (mine - 1) * k                  # its last block
+    return mine * BLOCK - (BLOCK * blocks - length if last == blocks - 1 else 0)
+
+
+def _padded(xp, x, k):
+    """``x`` as (rows, k, BLOCK) blocks, zero-padded (a copy only when the
+    length is not a multiple of k blocks)."""
+    length = x.shape[0]
+    rows = -(-length // (k * BLOCK))
+    if rows * k * BLOCK == length:
+        return x.reshape(rows, k, BLOCK)
+    padded = xp.zeros(rows * k * BLOCK, dtype=x.dtype)
+    padded[:length] = x
+    return padded.reshape(rows, k, BLOCK)
+
+
+def rail_gather(x, k: int, rail: int):
+    """Rail ``rail``'s shard of flat ``x`` (a new contiguous array)."""
+    xp = backend_for(x).xp
+    n = rail_length(x.shape[0], k, rail)
+    return xp.ascontiguousarray(_padded(xp, x, k)[:, rail, :]).reshape(-1)[:n]
+
+
+def rail_scatter(out, shard, k: int, rail: int) -> None:
+    """Write rail ``rail``'s shard back into its blocks of flat ``out``."""
+    length = out.shape[0]
+    rows = length // (k * BLOCK)               # complete rows of k blocks
+    if rows:
+        out[:rows * k * BLOCK].reshape(rows, k, BLOCK)[:, rail, :] = \
+            shard[:rows * BLOCK].reshape(rows, BLOCK)
+    start = (rows * k + rail) * BLOCK          # its one block in the tail, if any
+    if start < length:
+        out[start:min(start + BLOCK, length)] = shard[rows * BLOCK:]
+
+
+# ----------------------------------------------------------------- nodes
+@dataclass(frozen=True)
+class NodeLayout:
+    node: int           # this rank's node (0..nodes-1, in order of their lowest rank)
+    local: int          # this rank's place in its node (by rank)
+    nodes: int
+    node_size: int
+    how: str            # how the nodes were found
+
+    def describe(self) -> str:
+        return f"{self.nodes} node(s) x {self.node_size} ({self.how})"
+
+
+def default_node_size(value=None):
+    """``value``, else ``$DYNAMIQ_NODE_SIZE``, else None (find the nodes)."""
+    if value is None:
+        value = os.environ.get("DYNAMIQ_NODE_SIZE", "").strip() or None
+    if value is None:
+        return None
+    try:
+        k = int(value)
+    except (TypeError, ValueError):
+        k = 0
+    if k < 1:
+        raise ValueError(f"node_size must be a positive integer (argument or "
+                         f"$DYNAMIQ_NODE_SIZE), got {value!r}")
+    return k
+
+
+def find_nodes(plane, node_size=None) -> NodeLayout:
+    """Which ranks share a node (collective over ``plane``; the same answer
+    on every rank).  ``node_size``: consecutive ranks in nodes of that size
+    (emulated nodes); else ``MPI_Comm_split_type(SHARED)`` on the MPI plane,
+    host names on the torch plane.  Unequal nodes raise."""
+    n = plane.size
+    if node_size is not None:
+        if n % node_size:
+            raise InvalidInputError(
+                f"node_size={node_size} does not divide the {n} ranks: nodes of unequal size "
+                "are refused (every rail needs one rank of each node)")
+        return NodeLayout(plane.rank // node_size, plane.rank % node_size, n // node_size,
+                          node_size, f"node_size={node_size}: consecutive ranks")
+    if getattr(plane, "mpi_comm", None) is not None:
+        key, how = plane.shared_memory_leader(), "MPI_Comm_split_type(SHARED)"
+    else:
+        key, how = plane.node_name(), "host names"
+    keys = plane.allgather(key)
+    firsts = {}
+    for r, k in enumerate(keys):
+        firsts.setdefault(k, r)
+    order = sorted(firsts, key=firsts.get)
+    sizes = {k: keys.count(k) for k in order}
+    if len(set(sizes.values())) != 1:
+        raise InvalidInputError(
+            f"nodes of unequal size ({', '.join(f'{k}: {v}' for k, v in sizes.items())}) are "
+            "refused by hierarchy='nodes': every rail needs one rank of each node (use "
+            "hierarchy='flat')")
+    mine = keys[plane.rank]
+    local = [r for r, k in enumerate(keys) if k == mine].index(plane.rank)
+    return NodeLayout(order.index(mine), local, len(order), n // len(order), how)
+
+
+def rail_topology(topology: str, nodes: int) -> str:
+    """The butterfly needs a power-of-two node count; else the rails run the ring."""
+    return "ring" if topology == "butterfly" and nodes & (nodes - 1) else topology
+
+
+# ----------------------------------------------------------------- the call
+class Levels:
+    """The node and rail planes of one Collective and node layout, and the
+    rail's own Collective (made once, collectively)."""
+
+    def __init__(self, plane, layout: NodeLayout, make_collective):
+        self.layout = layout
+        self.node = plane.split(layout.node, layout.local)        # my node's ranks
+        self._rail_plane = plane.split(layout.local, layout.node)  # local rank l of every node
+        self.rail = make_collective(self._rail_plane)
+
+    def free(self):
+        self.rail.free()
+        self._rail_plane.free()
+        self.node.free()
+
+    # -- in-node exchanges: every local rank with every other, in K-1 shifted steps
+    def _exchange_all(self, payload_for, size_from, dtype, xp):
+        """{local rank: array received from it} after sending ``payload_for(j)``
+        to every other local rank j (host arrays)."""
+        k, me = self.layout.node_size, self.layout.local
+        got = {}
+        for s in range(1, k):
+            dest, source = (me + s) % k, (me - s) % k
+            send = np.ascontiguousarray(payload_for(dest))
+            recv = np.empty(size_from(source), dtype=dtype)
+            self.node.sendrecv(send.view(np.uint8) if send.size else None, dest,
+                               recv.view(np.uint8) if recv.size else None, source)
+            got[source] = recv
+        return got
+
+    def allreduce(self, coll, x, out, *, codec, topology, op, seed, counter, transport,
+                  tile_bytes, path, nonfinite, return_report):
+        """One hierarchical call (every rank of the collective makes it)."""
+        from .engine import CallSpec, _agree, _check_local, _holds_nonfinite, agreement_record
+        from .report import Report
+        from .transports.mpi_host import agree
+        t0 = time.perf_counter()
+        lay = self.layout
+        n, k = lay.nodes * lay.node_size, lay.node_size
+        rail_topo = rail_topology(topology, lay.nodes)
+        spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
+                        path="compressed" if path == "auto" else path, nonfinite=nonfinite,
+                        layout=coll.layout)
+        error, flat, backend = None, None, None
+        try:
+            flat, flat_out, backend = _check_local(x, out, CallSpec(
+                codec, rail_topo, op, seed, counter, transport, tile_bytes, path=spec.path,
+                nonfinite=nonfinite, layout=coll.layout), lay.nodes)
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        record = agreement_record(error, flat, backend, spec, hierarchy="nodes",
+                                  nodes=lay.nodes, node_size=k)
+        record["can"] = {}      # the rails choose their transport in their own agreement
+        _agree(agree(coll._plane, record))
+        if nonfinite == "raise":   # before any data byte moves, on every rank alike
+            bad = [r for r, f in enumerate(agree(coll._plane, _holds_nonfinite(backend.xp,
+                                                                                flat)))
+                   if f]
+            if bad:
+                raise NonFiniteInputError(f"NaN or Inf in the input of ranks {bad}")
+        length = int(flat.shape[0])
+        on_device = backend.name == "gpu"
+        host = flat.get() if on_device else flat
+        dtype = host.dtype
+
+        # 1. in-node reduce-scatter: my rail's shard from every local rank
+        t1 = time.perf_counter()
+        mine = rail_length(length, k, lay.local)
+        got = self._exchange_all(lambda j: rail_gather(host, k, j),
+                                 lambda j: mine, dtype, np)
+        got[lay.local] = rail_gather(host, k, lay.local)
+        shard = got[0].copy()
+        for j in range(1, k):           # left to right, in the input's dtype
+            np.add(shard, got[j], out=shard)
+        t_rs = time.perf_counter() - t1
+
+        # 2. the rail: local rank l of every node, compressed
+        t1 = time.perf_counter()
+        rail_in = shard
+        if on_device:
+            import cupy
+            rail_in = cupy.asarray(shard)
+        self.rail.counter = counter
+        reduced, rail_rep = self.rail.allreduce(
+            rail_in, codec=codec, topology=rail_topo, op="sum", seed=seed, transport=transport,
+            tile_bytes=tile_bytes, return_report=True, path=path, nonfinite=nonfinite)
+        reduced = reduced.get() if on_device else reduced
+        t_rail = time.perf_counter() - t1
+
+        # 3. in-node all-gather of the rails' results
+        t1 = time.perf_counter()
+        result_host = np.empty(length, dtype=dtype)
+        got = self._exchange_all(lambda j: reduced, lambda j: rail_length(length, k, j),
+                                 dtype, np)
+        got[lay.local] = reduced
+        for j, part in got.items():
+            rail_scatter(result_host, part, k, j)
+        if op == "mean":      # one division of the float32 value, then the dtype's rounding
+            result_host = (result_host.astype(np.float32) / np.float32(n)).astype(dtype)
+        t_ag = time.perf_counter() - t1
+        if flat_out is not None:
+            if on_device:
+                flat_out.set(result_host)
+            else:
+                flat_out[...] = result_host
+            shaped = out
+        else:
+            res = backend.xp.asarray(result_host) if on_device else result_host
+            shaped = res.reshape(x.shape)
+        if not return_report:
+            return shaped, None
+
+        rails = self.node.allgather((lay.local, rail_length(length, k, lay.local),
+                                     rail_rep.wire_bytes_total, rail_rep.bits_per_coord,
+                                     rail_rep.path, rail_rep.transport))
+        wire = sum(r[2] for r in rails)
+        itemsize = dtype.itemsize
+        node_bytes = 2 * (k - 1) * length * itemsize // k        # per rank, both phases
+        report = Report(codec=rail_rep.codec, topology=topology, world_size=n, length=length,
+                        dtype=dtype_name(dtype), op=op, seed=int(seed), call_counter=counter,
+                        transport=rail_rep.transport, path=rail_rep.path,
+                        path_reason=rail_rep.path_reason, nonfinite=_holds_nonfinite(
+                            np, result_host) if length else False,
+                        wire_bytes_total=wire,
+                        stats_bytes_total=rail_rep.stats_bytes_total,
+                        bytes_sent=rail_rep.bytes_sent + node_bytes,
+                        seconds=time.perf_counter() - t0, codec_info=rail_rep.codec_info)
+        report.hierarchy = "nodes"
+        report.control_plane = coll.control_plane
+        report.transport_reason = rail_rep.transport_reason
+        report.bits_override = (wire * 8.0 / (2.0 * (lay.nodes - 1) * length)
+                                if lay.nodes > 1 and length else 0.0)
+        report.levels = [
+            {"level": "node reduce-scatter", "path": "uncompressed", "codec": dtype_name(dtype),
+             "ranks": k, "bytes_sent": node_bytes // 2, "seconds": t_rs},
+            {"level": "rails", "path": rail_rep.path, "codec": rail_rep.codec,
+             "topology": rail_topo, "ranks": lay.nodes, "rails": k,
+             "bits_per_coord": report.bits_override,
+             "per_rail": [{"rail": r[0], "coords": r[1], "wire_bytes_total": r[2],
+                           "bits_per_coord": r[3], "path": r[4], "transport": r[5]}
+                          for r in sorted(rails)],
+             "bytes_sent": rail_rep.bytes_sent, "seconds": t_rail},
+            {"level": "node all-gather", "path": "uncompressed", "codec": dtype_name(dtype),
+             "ranks": k, "bytes_sent": node_bytes // 2, "seconds": t_ag},
+        ]
+        if rail_topo != topology:
+            report.levels[1]["note"] = (f"butterfly needs a power-of-two node count "
+                                        f"({lay.nodes}): the rails ran the ring")
+        report.codec_info = dict(rail_rep.codec_info, nodes=lay.describe())
+        return shaped, report
