@@ -1,12 +1,13 @@
 # dynamiq-mpi: build and test.
 #
 #   make test             venv + build, serial suite, then MPI suite at NP_LIST world sizes
+#                         (6: nodes of 2 and 3 for the hierarchical call)
 #   make test-installed   same suites with $(PYTHON) and the packages it already has
 #                         (the GPU machine: system Python 3.12 + Open MPI, no package index)
 #   make demo             venv + build, then mpiexec -n $(DEMO_NP) python -m dynamiq_mpi demo
 #   make venv / build / wheels / clean / distclean
 #
-# Overridable: NP_LIST="2 3 4 8"  PYTHON=python3 (test-installed)  PYTHON_BOOT=python3
+# Overridable: NP_LIST="2 3 4 6 8"  PYTHON=python3 (test-installed)  PYTHON_BOOT=python3
 #              (creates the venv)  MPI_TIMEOUT=600 (seconds per world size)  DEMO_NP=4
 #              PYTEST_ARGS="-k ring -x"  MPI_TESTS=tests/mpi  SERIAL_TESTS=tests
 # See tools/run_tests.sh for the rest.
@@ -23,7 +24,7 @@ SHELL        := /bin/bash
 PYTHON_BOOT  ?= python3
 PYTHON       ?= python3
 VENV         ?= .venv
-NP_LIST      ?= 2 3 4 8
+NP_LIST      ?= 2 3 4 6 8
 MPI_TIMEOUT  ?= 600
 DEMO_NP      ?= 4
 

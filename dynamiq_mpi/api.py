@@ -175,9 +175,8 @@ class Collective:
             counter = self._counter
             self._counter += 1
             if hierarchy == "nodes" and self.size > 1:
-                _check_nonfinite(nonfinite)
-                out, report = self._nodes().allreduce(
-                    self, x, out, codec=codec, topology=topology, op=op, seed=seed,
+                out, report = self._run_nodes(
+                    "allreduce", x, out, codec=codec, topology=topology, op=op, seed=seed,
                     counter=counter, transport=transport, tile_bytes=tile_bytes, path=requested,
                     nonfinite=nonfinite, return_report=return_report)
                 return (out, report) if return_report else out
@@ -235,6 +234,21 @@ class Collective:
                     self._free_graphs()
                 self._graphs[graph_key] = SteadyCompressed(self._last_metas[self.rank], "nccl")
         return (out, report) if return_report else out
+
+    def _run_nodes(self, collective, x, out, **call):
+        """A hierarchical call: agreed first over the whole plane (a rank
+        making a flat call meets the same exchange and every rank raises),
+        then the node and rail planes, made once."""
+        from .hierarchy import agree_call
+        _check_nonfinite(call["nonfinite"])
+        return_report = call.pop("return_report")
+        agreed = agree_call(self, x, out, collective, **call)
+        levels = self._nodes()
+        if collective == "reduce_scatter":
+            call.pop("path")
+            return levels.reduce_scatter(self, x, out, agreed, return_report=return_report,
+                                         **call)
+        return levels.allreduce(self, x, out, agreed, return_report=return_report, **call)
 
     def _nodes(self):
         """The node and rail planes (made by the first hierarchical call,
@@ -342,17 +356,25 @@ class Collective:
 
     def reduce_scatter(self, x, *, codec=None, topology="ring", op="sum", seed=0, out=None,
                        transport=None, tile_bytes=None, return_report=False, profile=False,
-                       nonfinite=None):
+                       nonfinite=None, hierarchy=None):
         """Reduce-scatter ``x`` (see :func:`reduce_scatter`); always compressed
         (``path`` does not apply).  Shares the call counter with
-        :meth:`allreduce`."""
+        :meth:`allreduce`.  ``hierarchy="nodes"``: hierarchy.py."""
         from .engine_rs import rank_program_rs
         codec = _DEFAULT_CODEC if codec is None else codec
         transport = self.transport if transport is None else transport
         nonfinite = self.nonfinite if nonfinite is None else nonfinite
+        hierarchy = self.hierarchy if hierarchy is None else default_hierarchy(hierarchy)
         with self._lock:
             counter = self._counter
             self._counter += 1
+            if hierarchy == "nodes" and self.size > 1:
+                out, report = self._run_nodes(
+                    "reduce_scatter", x, out, codec=codec, topology=topology, op=op, seed=seed,
+                    counter=counter, transport=transport,
+                    tile_bytes=self.tile_bytes if tile_bytes is None else tile_bytes,
+                    path="compressed", nonfinite=nonfinite, return_report=return_report)
+                return (out, report) if return_report else out
             spec = CallSpec(codec, topology, op, seed, counter, transport,
                             self.tile_bytes if tile_bytes is None else tile_bytes,
                             nonfinite=nonfinite, layout=self.layout)
@@ -591,7 +613,8 @@ def allreduce(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0, ou
 
 
 def reduce_scatter(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0, out=None,
-                   transport="auto", return_report=False, nonfinite="propagate"):
+                   transport="auto", return_report=False, nonfinite="propagate",
+                   hierarchy=None):
     """Compressed reduce-scatter of ``x`` over ``comm`` (as in :func:`allreduce`).
 
     Every rank passes a C-contiguous array of the same length (divisible by the
@@ -606,7 +629,7 @@ def reduce_scatter(x, *, codec=None, topology="ring", op="sum", comm=None, seed=
     return collective_for(comm).reduce_scatter(x, codec=codec, topology=topology, op=op,
                                                seed=seed, out=out, transport=transport,
                                                return_report=return_report,
-                                               nonfinite=nonfinite)
+                                               nonfinite=nonfinite, hierarchy=hierarchy)
 
 
 def simulate_allreduce(xs, *, codec=None, topology="ring", op="sum", seed=0, counter=0,

@@ -131,6 +131,10 @@ def _check_local(x, out, spec: CallSpec, n: int):
     return x.reshape(-1), flat_out, backend
 
 
+# what a flat all-reduce's record leaves out (other collectives say it)
+_FLAT_DEFAULTS = {"collective": "allreduce", "hierarchy": "flat"}
+
+
 def _agree(metas: list) -> None:
     first = metas[0]
     if not first["error"] and all(m is first for m in metas):
@@ -140,8 +144,9 @@ def _agree(metas: list) -> None:
         detail = "; ".join(f"rank {r}: {e}" for r, e in bad)
         raise InvalidInputError(f"invalid all-reduce input ({detail})")
     for key in ("length", "dtype", "backend", "codec", "topology", "op", "seed", "counter",
-                "transport", "tile_bytes", "path", "nonfinite", "layout"):
-        values = [m[key] for m in metas]
+                "transport", "tile_bytes", "path", "nonfinite", "layout", "collective",
+                "hierarchy", "node_size"):
+        values = [m.get(key, _FLAT_DEFAULTS.get(key)) for m in metas]
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
             raise InputMismatchError(f"ranks disagree on {key} ({per_rank})")

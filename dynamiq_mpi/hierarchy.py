@@ -97,6 +97,10 @@ class NodeLayout:
     nodes: int
     node_size: int
     how: str            # how the nodes were found
+    table: tuple = ()   # table[j][l]: the rank of local rank l of node j
+
+    def rank_of(self, node: int, local: int) -> int:
+        return self.table[node][local]
 
     def describe(self) -> str:
         return f"{self.nodes} node(s) x {self.node_size} ({self.how})"
@@ -129,8 +133,10 @@ def find_nodes(plane, node_size=None) -> NodeLayout:
             raise InvalidInputError(
                 f"node_size={node_size} does not divide the {n} ranks: nodes of unequal size "
                 "are refused (every rail needs one rank of each node)")
+        table = tuple(tuple(range(j * node_size, (j + 1) * node_size))
+                      for j in range(n // node_size))
         return NodeLayout(plane.rank // node_size, plane.rank % node_size, n // node_size,
-                          node_size, f"node_size={node_size}: consecutive ranks")
+                          node_size, f"node_size={node_size}: consecutive ranks", table)
     if getattr(plane, "mpi_comm", None) is not None:
         key, how = plane.shared_memory_leader(), "MPI_Comm_split_type(SHARED)"
     else:
@@ -146,9 +152,10 @@ def find_nodes(plane, node_size=None) -> NodeLayout:
             f"nodes of unequal size ({', '.join(f'{k}: {v}' for k, v in sizes.items())}) are "
             "refused by hierarchy='nodes': every rail needs one rank of each node (use "
             "hierarchy='flat')")
-    mine = keys[plane.rank]
-    local = [r for r, k in enumerate(keys) if k == mine].index(plane.rank)
-    return NodeLayout(order.index(mine), local, len(order), n // len(order), how)
+    table = tuple(tuple(r for r, k in enumerate(keys) if k == key) for key in order)
+    node = order.index(keys[plane.rank])
+    return NodeLayout(node, table[node].index(plane.rank), len(order), n // len(order), how,
+                      table)
 
 
 def rail_topology(topology: str, nodes: int) -> str:
@@ -157,6 +164,42 @@ def rail_topology(topology: str, nodes: int) -> str:
 
 
 # ----------------------------------------------------------------- the call
+def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, transport,
+               tile_bytes, path, nonfinite):
+    """The first exchange of a hierarchical call, before the node and rail
+    planes are made (a rank that makes a flat call instead meets the same
+    exchange and every rank raises).  Returns (flat input, flat out or None,
+    backend)."""
+    from . import schedules
+    from .engine import CallSpec, _agree, _check_local, agreement_record
+    from .engine_rs import _check_out
+    from .transports.mpi_host import agree
+    n = coll.size
+    spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
+                    path="compressed" if path == "auto" else path, nonfinite=nonfinite,
+                    layout=coll.layout)
+    error, flat, flat_out, backend = None, None, None, None
+    try:
+        schedules.check_topology(topology, 1)   # the name (rails fall back to the ring)
+        local = CallSpec(codec, "ring", op, seed, counter, transport, tile_bytes,
+                         path=spec.path, nonfinite=nonfinite, layout=coll.layout)
+        if collective == "allreduce":
+            flat, flat_out, backend = _check_local(x, out, local, n)
+        else:
+            flat, _, backend = _check_local(x, None, local, n)
+            if flat.shape[0] % n:
+                raise ValueError(f"reduce_scatter needs a length divisible by the {n} "
+                                 f"ranks, got {flat.shape[0]} (pad it, as FSDP does)")
+            flat_out = _check_out(out, x, flat.shape[0] // n, backend)
+    except Exception as exc:
+        error = f"{type(exc).__name__}: {exc}"
+    record = agreement_record(error, flat, backend, spec, hierarchy="nodes",
+                              node_size=coll.node_size, collective=collective)
+    record["can"] = {}      # the rails choose their transport in their own agreement
+    _agree(agree(coll._plane, record))
+    return flat, flat_out, backend
+
+
 class Levels:
     """The node and rail planes of one Collective and node layout, and the
     rail's own Collective (made once, collectively)."""
@@ -187,36 +230,42 @@ class Levels:
             got[source] = recv
         return got
 
-    def allreduce(self, coll, x, out, *, codec, topology, op, seed, counter, transport,
-                  tile_bytes, path, nonfinite, return_report):
-        """One hierarchical call (every rank of the collective makes it)."""
-        from .engine import CallSpec, _agree, _check_local, _holds_nonfinite, agreement_record
-        from .report import Report
+    @staticmethod
+    def _nonfinite_check(coll, agreed, nonfinite):
+        """NaN/Inf with nonfinite="raise": every rank raises before any data
+        byte moves."""
+        from .engine import _holds_nonfinite
         from .transports.mpi_host import agree
+        flat, flat_out, backend = agreed
+        if nonfinite == "raise":
+            flags = agree(coll._plane, _holds_nonfinite(backend.xp, flat))
+            bad = [r for r, f in enumerate(flags) if f]
+            if bad:
+                raise NonFiniteInputError(f"NaN or Inf in the input of ranks {bad}")
+        return agreed
+
+    def _in_node_sum(self, host, shard_for, size):
+        """In-node reduce-scatter: every local rank's ``shard_for(me)``,
+        summed left to right in local-rank order in the input's dtype."""
+        k, me = self.layout.node_size, self.layout.local
+        got = self._exchange_all(shard_for, lambda j: size, host.dtype, np)
+        got[me] = shard_for(me)
+        acc = np.array(got[0], copy=True)
+        for j in range(1, k):
+            np.add(acc, got[j], out=acc)
+        return acc
+
+    def allreduce(self, coll, x, out, agreed, *, codec, topology, op, seed, counter, transport,
+                  tile_bytes, path, nonfinite, return_report):
+        """One hierarchical call after :func:`agree_call` (every rank of the
+        collective makes it)."""
+        from .engine import _holds_nonfinite
+        from .report import Report
         t0 = time.perf_counter()
         lay = self.layout
         n, k = lay.nodes * lay.node_size, lay.node_size
         rail_topo = rail_topology(topology, lay.nodes)
-        spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
-                        path="compressed" if path == "auto" else path, nonfinite=nonfinite,
-                        layout=coll.layout)
-        error, flat, backend = None, None, None
-        try:
-            flat, flat_out, backend = _check_local(x, out, CallSpec(
-                codec, rail_topo, op, seed, counter, transport, tile_bytes, path=spec.path,
-                nonfinite=nonfinite, layout=coll.layout), lay.nodes)
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        record = agreement_record(error, flat, backend, spec, hierarchy="nodes",
-                                  nodes=lay.nodes, node_size=k)
-        record["can"] = {}      # the rails choose their transport in their own agreement
-        _agree(agree(coll._plane, record))
-        if nonfinite == "raise":   # before any data byte moves, on every rank alike
-            bad = [r for r, f in enumerate(agree(coll._plane, _holds_nonfinite(backend.xp,
-                                                                                flat)))
-                   if f]
-            if bad:
-                raise NonFiniteInputError(f"NaN or Inf in the input of ranks {bad}")
+        flat, flat_out, backend = self._nonfinite_check(coll, agreed, nonfinite)
         length = int(flat.shape[0])
         on_device = backend.name == "gpu"
         host = flat.get() if on_device else flat
@@ -224,13 +273,8 @@ class Levels:
 
         # 1. in-node reduce-scatter: my rail's shard from every local rank
         t1 = time.perf_counter()
-        mine = rail_length(length, k, lay.local)
-        got = self._exchange_all(lambda j: rail_gather(host, k, j),
-                                 lambda j: mine, dtype, np)
-        got[lay.local] = rail_gather(host, k, lay.local)
-        shard = got[0].copy()
-        for j in range(1, k):           # left to right, in the input's dtype
-            np.add(shard, got[j], out=shard)
+        shard = self._in_node_sum(host, lambda j: rail_gather(host, k, j),
+                                  rail_length(length, k, lay.local))
         t_rs = time.perf_counter() - t1
 
         # 2. the rail: local rank l of every node, compressed
@@ -307,3 +351,71 @@ class Levels:
                                         f"({lay.nodes}): the rails ran the ring")
         report.codec_info = dict(rail_rep.codec_info, nodes=lay.describe())
         return shaped, report
+
+    def reduce_scatter(self, coll, x, out, agreed, *, codec, topology, op, seed, counter,
+                       transport, tile_bytes, nonfinite, return_report):
+        """Hierarchical reduce-scatter: rank r ends with chunk r (``len/n``
+        coordinates) of the sum.  Local rank l's rail shard is the chunks of
+        the ranks of local index l, in node order; the in-node reduce-scatter
+        sums it, and the rail's own (compressed) reduce-scatter over the
+        nodes hands node j the chunk of its rank of local index l."""
+        from .report import Report
+        t0 = time.perf_counter()
+        lay = self.layout
+        n, k = lay.nodes * lay.node_size, lay.node_size
+        rail_topo = rail_topology(topology, lay.nodes)
+        flat, flat_out, backend = self._nonfinite_check(coll, agreed, nonfinite)
+        length = int(flat.shape[0])
+        m = length // n
+        on_device = backend.name == "gpu"
+        host = flat.get() if on_device else flat
+        dtype = host.dtype
+
+        def chunks_of(local):       # the chunks of the ranks of local index ``local``
+            return np.concatenate([host[lay.rank_of(j, local) * m:(lay.rank_of(j, local) + 1)
+                                        * m] for j in range(lay.nodes)])
+        t1 = time.perf_counter()
+        shard = self._in_node_sum(host, chunks_of, lay.nodes * m)
+        t_rs = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        rail_in = shard
+        if on_device:
+            import cupy
+            rail_in = cupy.asarray(shard)
+        self.rail.counter = counter
+        mine, rail_rep = self.rail.reduce_scatter(
+            rail_in, codec=codec, topology=rail_topo, op="sum", seed=seed, transport=transport,
+            tile_bytes=tile_bytes, return_report=True, nonfinite=nonfinite)
+        mine = mine.get() if on_device else np.asarray(mine)
+        if op == "mean":
+            mine = (mine.astype(np.float32) / np.float32(n)).astype(dtype)
+        t_rail = time.perf_counter() - t1
+        if flat_out is not None:
+            if on_device:
+                flat_out.set(mine)
+            else:
+                flat_out[...] = mine
+            result = out
+        else:
+            result = backend.xp.asarray(mine) if on_device else mine
+        if not return_report:
+            return result, None
+        rails = self.node.allgather((lay.local, rail_rep.wire_bytes_total))
+        wire = sum(r[1] for r in rails)
+        report = Report(codec=rail_rep.codec, topology=topology, world_size=n, length=length,
+                        dtype=dtype_name(dtype), op=op, seed=int(seed), call_counter=counter,
+                        transport=rail_rep.transport, path="compressed",
+                        wire_bytes_total=wire, stats_bytes_total=rail_rep.stats_bytes_total,
+                        bytes_sent=rail_rep.bytes_sent, seconds=time.perf_counter() - t0,
+                        codec_info=dict(rail_rep.codec_info, nodes=lay.describe()),
+                        collective="reduce_scatter")
+        report.hierarchy, report.control_plane = "nodes", coll.control_plane
+        report.bits_override = (wire * 8.0 / ((lay.nodes - 1) * length)
+                                if lay.nodes > 1 and length else 0.0)
+        report.levels = [
+            {"level": "node reduce-scatter", "path": "uncompressed", "codec": dtype_name(dtype),
+             "ranks": k, "seconds": t_rs},
+            {"level": "rails", "path": "compressed", "codec": rail_rep.codec,
+             "topology": rail_topo, "ranks": lay.nodes, "rails": k,
+             "bits_per_coord": report.bits_override, "seconds": t_rail}]
+        return result, report

@@ -162,3 +162,57 @@ def test_device_arrays_equal_the_cpu_path(colls, k, codec):
         out = colls[k].allreduce(arr, codec=codec, seed=seed)
         outs.append(out.get() if hasattr(out, "get") else out)
     assert np.array_equal(outs[0], outs[1]), seed
+
+
+def reference_rs(xs, k, codec, topology, op, seed, counter):
+    """Rank r's chunk of the hierarchical reduce-scatter, step by step."""
+    n, length, dtype = len(xs), xs[0].shape[0], xs[0].dtype
+    nodes, m = n // k, length // n
+    rail_topology = "ring" if topology == "butterfly" and nodes & (nodes - 1) else topology
+    chunks = {}
+    for rail in range(k):
+        ranks = [j * k + rail for j in range(nodes)]        # local index ``rail``, node order
+        shards = []
+        for j in range(nodes):
+            members = [np.concatenate([xs[j * k + l][r * m:(r + 1) * m] for r in ranks])
+                       for l in range(k)]
+            acc = members[0].copy()
+            for part in members[1:]:
+                acc = (acc + part).astype(dtype)
+            shards.append(acc)
+        outs = dq.simulate_reduce_scatter(shards, codec=codec, topology=rail_topology,
+                                          op="sum", seed=seed, counter=counter)
+        for j, r in enumerate(ranks):
+            chunks[r] = outs[j]
+    if op == "mean":
+        chunks = {r: (c.astype(np.float32) / np.float32(n)).astype(dtype)
+                  for r, c in chunks.items()}
+    return chunks
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("k", NODE_SIZES)
+@pytest.mark.parametrize("op", ["sum", "mean"])
+@pytest.mark.parametrize("codec", [dq.DynamiQ(small_input=0, bits=5), dq.Exact(), dq.BF16()],
+                         ids=lambda c: c.name)
+def test_reduce_scatter_equals_the_reference(colls, k, op, codec):
+    seed = shared_seed(comm)
+    xs = rank_inputs(seed, N, 1031 * N)
+    coll = colls[k]
+    coll.counter = 21
+    out, rep = coll.reduce_scatter(xs[comm.rank], codec=codec, op=op, seed=seed,
+                                   return_report=True)
+    assert rep.hierarchy == "nodes" and out.shape == (1031,)
+    ref = reference_rs(xs, k, codec, "ring", op, seed, 21)[comm.rank]
+    assert np.array_equal(out, ref), seed
+    exact = exact_sum(xs)[comm.rank * 1031:(comm.rank + 1) * 1031] / (N if op == "mean" else 1)
+    assert vnmse(out, exact) < (1e-10 if codec.name == "exact" else 0.5)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_flat_and_nodes_calls_on_different_ranks_raise():
+    coll = dq.Collective(comm, node_size=1)
+    x = np.ones(300, np.float32)
+    with pytest.raises(dq.InputMismatchError, match="hierarchy"):
+        coll.allreduce(x, hierarchy="nodes" if comm.rank == 0 else "flat")
+    coll.free()
