@@ -12,17 +12,51 @@ native); ``path="compressed"`` with DynamiQ at 5 bits (small_input=0: the
 codec's CPU kernels included).  Median of --rounds rounds of --calls calls.
 ``--planes mpi,torch`` adds the same rows over the torch control plane
 (torch.distributed started from MPI with gloo; the collective over its
-default group): gloo's all-reduce alone, then the library's calls.
+default group): gloo's all-reduce alone, then the library's calls.  Under
+torchrun (no MPI in the job) it measures the torch plane alone:
+
+    torchrun --nproc_per_node 2 tools/host_floor.py --planes torch
 """
 import argparse
 import json
 import statistics
 import time
 
+import os
+
 import numpy as np
-from mpi4py import MPI
 
 import dynamiq_mpi as dq
+
+
+class _TorchWorld:
+    """What this script asks of MPI.COMM_WORLD, from torch.distributed (torchrun)."""
+
+    def __init__(self):
+        import torch
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        self.torch, self.dist = torch, dist
+        self.rank, self.size = dist.get_rank(), dist.get_world_size()
+
+    def Barrier(self):
+        self.dist.barrier()
+
+    def allreduce(self, value, op=None):
+        t = self.torch.tensor([float(value)], dtype=self.torch.float64)
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
+        return float(t[0])
+
+    def Allreduce(self, x, out):
+        out[...] = x
+
+
+def _world():
+    if "WORLD_SIZE" in os.environ and not any(v in os.environ for v in (
+            "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE")):
+        return _TorchWorld(), None
+    from mpi4py import MPI
+    return MPI.COMM_WORLD, MPI
 
 
 def per_call_us(fn, comm, calls, rounds):
@@ -46,7 +80,7 @@ def main(argv=None):
     p.add_argument("--json")
     p.add_argument("--planes", default="mpi", help="mpi, torch or mpi,torch")
     args = p.parse_args(argv)
-    comm = MPI.COMM_WORLD
+    comm, MPI = _world()
     x = np.random.default_rng(comm.rank).standard_normal(1 << args.log2n).astype(np.float32)
     out = np.empty_like(x)
     codec = dq.DynamiQ(bits=5, small_input=0)
@@ -55,7 +89,8 @@ def main(argv=None):
         if plane == "torch":
             import torch
             import dynamiq_mpi.torch as dqt
-            dqt.init_process_group_from_mpi("gloo")
+            if MPI is not None:
+                dqt.init_process_group_from_mpi("gloo")
             group = torch.distributed.group.WORLD
             xt = torch.from_numpy(x.copy())
             cases.append(("gloo all_reduce", lambda: torch.distributed.all_reduce(xt)))
@@ -75,7 +110,8 @@ def main(argv=None):
     rows = []
     for name, fn in cases:
         calls = args.calls if "compressed" not in name else max(50, args.calls // 10)
-        us = comm.allreduce(per_call_us(fn, comm, calls, args.rounds), op=MPI.MAX)
+        us = comm.allreduce(per_call_us(fn, comm, calls, args.rounds),
+                            op=None if MPI is None else MPI.MAX)
         rows.append({"case": name, "us_per_call": us})
     if comm.rank == 0:
         print(f"# host time per call, {comm.size} ranks, 2^{args.log2n} float32 "
@@ -83,8 +119,9 @@ def main(argv=None):
         for r in rows:
             print(f"  {r['case']:<46s} {r['us_per_call']:8.1f} us")
         if args.json:
-            meta = {"ranks": comm.size, "log2n": args.log2n, "mpi": MPI.Get_library_version()
-                    .splitlines()[0], "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+            meta = {"ranks": comm.size, "log2n": args.log2n, "launcher": "torchrun" if MPI is None
+                    else MPI.Get_library_version().splitlines()[0],
+                    "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             with open(args.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)
     for coll in colls:
