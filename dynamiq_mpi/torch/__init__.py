@@ -1,6 +1,7 @@
 """PyTorch adapter: a DDP communication hook and a gradient all-reduce for
 hand-written loops (``ddp``), FSDP2's reduce-scatter (``fsdp``), the
-worker thread that lets the DDP hook return at once (``overlap``), and which
+worker thread that lets the DDP hook return at once (``overlap``), HSDP's
+compressed replicate all-reduce (``hsdp``), and which
 ranks they reduce over (``groups``: torch groups, MPI communicators).
 
     import dynamiq_mpi as dq
@@ -15,6 +16,7 @@ imports it.
 from .ddp import (HookState, allreduce_gradients, ddp_comm_hook, init_process_group_from_mpi,
                   register_comm_hook, tensor_as_array)
 from .fsdp import ReduceScatter
+from .hsdp import HSDP
 
 __all__ = ["HookState", "ddp_comm_hook", "register_comm_hook", "allreduce_gradients",
-           "init_process_group_from_mpi", "tensor_as_array", "ReduceScatter"]
+           "init_process_group_from_mpi", "tensor_as_array", "ReduceScatter", "HSDP"]

@@ -8,6 +8,8 @@ Modes: ``ddp`` (the DDP hook), ``fsdp`` (FSDP2 with the compressed
 reduce-scatter), ``subgroups`` (4 ranks: DDP over {0, 1} and {2, 3}),
 ``allreduce`` (``dq.allreduce`` on raw arrays with the default communicator),
 ``gpu_allreduce`` (the same on CuPy arrays, against the CPU's bits),
+``hsdp`` (4 ranks as 2 replicas x 2 shards, dqt.HSDP's compressed replicate
+all-reduce),
 ``nogroup`` (a Collective made before ``init_process_group``: must raise).
 Each rank writes DIR/rank{R}.npz: the final parameters and checks (the first
 step's gradient against an exact float64 mean over the rank's group, computed
@@ -127,6 +129,39 @@ def train_fsdp(args, rank, group):
                     "hook_size": rs.plane.size}
 
 
+def train_hsdp(args, rank, group):
+    """2 replicas x 2 shards: FSDP2 over the shard mesh, the replicate
+    all-reduce compressed by dqt.HSDP; the first step's full gradient
+    against the exact mean over all four ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
+                            mesh_dim_names=("replicate", "shard"))
+    model = make_model()
+    exact = exact_mean_grads(model, rank, None)
+    # the default DynamiQ: these shards (170-2178 elements) go as BF16 (small_input)
+    codec = dq.Exact() if args.codec == "exact" else dq.DynamiQ(bits=5)
+    hsdp = dqt.HSDP(mesh, codec=codec, path="compressed", seed=7)
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=hsdp.shard_mesh)
+    fully_shard(model, mesh=hsdp.shard_mesh)
+    hooks = hsdp.attach(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    err = None
+    for step in range(STEPS):
+        x, y = batch(step, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        if step == 0:
+            full = torch.cat([p.grad.full_tensor().reshape(-1) for p in model.parameters()])
+            err = vnmse(full, exact)
+        opt.step()
+        opt.zero_grad()
+    params = make_model()
+    params.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+    return params, {"vnmse_step0": err, "control_plane": hsdp.collective.control_plane,
+                    "hook_size": hsdp.plane.size, "hooks": hooks}
+
+
 def run_allreduce(args, rank):
     """dq.allreduce with no comm=: the launcher's default communicator."""
     rng = np.random.default_rng(99 + rank)
@@ -185,7 +220,7 @@ def main_rank(args, spawn_rank=None):
         run = run_allreduce if args.mode == "allreduce" else run_gpu_allreduce
         flat, info = run(args, rank)
     else:
-        train = train_fsdp if args.mode == "fsdp" else train_ddp
+        train = {"fsdp": train_fsdp, "hsdp": train_hsdp}.get(args.mode, train_ddp)
         model, info = train(args, rank, group)
         flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy()
     info["color"] = color
@@ -200,8 +235,9 @@ def _spawned(rank, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["ddp", "fsdp", "subgroups", "allreduce", "gpu_allreduce",
-                                      "nogroup"], default="ddp")
+    p.add_argument("--mode", choices=["ddp", "fsdp", "hsdp", "subgroups", "allreduce",
+                                      "gpu_allreduce", "nogroup"], default="ddp")
+    p.add_argument("--codec", choices=["dynamiq", "exact"], default="dynamiq")
     p.add_argument("--out", required=True)
     p.add_argument("--spawn", type=int, default=0, help="start N processes by mp.spawn")
     p.add_argument("--port", type=int, default=0)

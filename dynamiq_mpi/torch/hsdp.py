@@ -1,0 +1,80 @@
+"""HSDP with a compressed replicate all-reduce: FSDP2 shards parameters
+inside a shard group (a node: its reduce-scatter stays uncompressed, NCCL's
+or gloo's own), and the gradient shards are all-reduced across the
+replicas, compressed, by :func:`dynamiq_mpi.allreduce` over the replicate
+group (spec 5c: the slow links between nodes carry the compressed bytes).
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    import dynamiq_mpi.torch as dqt
+
+    mesh = init_device_mesh("cuda", (nodes, gpus_per_node),
+                            mesh_dim_names=("replicate", "shard"))
+    hsdp = dqt.HSDP(mesh, codec=dq.DynamiQ(bits=5))
+    for layer in model.layers:
+        fully_shard(layer, mesh=hsdp.shard_mesh)
+    fully_shard(model, mesh=hsdp.shard_mesh)
+    hsdp.attach(model)                    # every FSDP module's all-reduce hook
+
+FSDP2 over the 1-D shard mesh reduce-scatters each parameter group and calls
+its all-reduce hook with the shard (the mean over the shard group); the hook
+replaces it, in place, by its mean over the replicate group, so every
+gradient is the mean over all ranks, once (tests/test_launchers.py compares
+it with the exact float64 mean).  Replicas must start from the same
+parameters (the same seed, or a broadcast), as with HSDP's own.
+"""
+from __future__ import annotations
+
+import torch
+
+from .ddp import HookState
+
+__all__ = ["HSDP"]
+
+
+class HSDP(HookState):
+    """The replicate all-reduce of HSDP as FSDP2's all-reduce hook.
+
+    ``mesh``: a 2-D device mesh (replicate, shard), its dimensions named by
+    ``replicate_dim`` and ``shard_dim``; or pass ``replicate_group`` (and
+    shard with the mesh of your choice).  The rest is :class:`HookState`'s
+    (codec, seed, topology, path, reports, pickling...): its communicator is
+    the replicate group."""
+
+    shard_mesh = None           # (not pickled: a mesh belongs to one job)
+
+    def __init__(self, mesh=None, codec=None, seed: int = 0, *, replicate_group=None,
+                 replicate_dim: str = "replicate", shard_dim: str = "shard", **options):
+        if (mesh is None) == (replicate_group is None):
+            raise ValueError("HSDP: give a 2-D device mesh or a replicate_group")
+        if mesh is not None:
+            if mesh.ndim != 2:
+                raise ValueError(f"HSDP: the mesh must have 2 dimensions (replicate, shard), "
+                                 f"got {mesh.ndim}")
+            replicate_group = mesh.get_group(replicate_dim)
+            self.shard_mesh = mesh[shard_dim]
+        options.setdefault("overlap", False)    # the hook already runs on FSDP's own stream
+        HookState.__init__(self, codec=codec, seed=seed, process_group=replicate_group,
+                           **options)
+
+    def __call__(self, reduce_output: torch.Tensor) -> None:
+        """FSDP2's all-reduce hook: the shard's mean over the replicas, in place."""
+        if not reduce_output.is_contiguous():
+            raise ValueError("HSDP: FSDP handed a non-contiguous gradient shard")
+        self.allreduce_(reduce_output)
+
+    def attach(self, module) -> int:
+        """Register the hook on every FSDP module under ``module`` (itself
+        included); returns how many."""
+        count = 0
+        for m in module.modules():
+            if hasattr(m, "set_all_reduce_hook"):
+                m.set_all_reduce_hook(self)
+                count += 1
+        if count == 0:
+            raise ValueError("HSDP.attach: no FSDP module found (apply fully_shard first)")
+        return count
+
+    def __repr__(self):
+        return (f"HSDP(codec={self.codec!r}, seed={self.seed}, topology={self.topology!r}, "
+                f"counter={self.counter})")
