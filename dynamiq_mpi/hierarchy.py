@@ -40,53 +40,88 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backend import backend_for, dtype_name
+from .backend import dtype_name
 from .errors import InvalidInputError, NonFiniteInputError
 
-BLOCK = 256
+BLOCK = 256          # the interleave's block: one DynamiQ super-group
 HIERARCHIES = ("flat", "nodes")
 
 
 # ----------------------------------------------------------------- shards
-def rail_length(length: int, k: int, rail: int) -> int:
-    """Elements of rail ``rail``'s shard of a vector of ``length``."""
-    blocks = -(-length // BLOCK)
-    mine = len(range(rail, blocks, k))
-    if mine == 0:
-        return 0
-    last = rail + (mine - 1) * k                  # its last block
-    return mine * BLOCK - (BLOCK * blocks - length if last == blocks - 1 else 0)
+def _rail_counts(length: int, node_size: int, rail: int, block: int):
+    """(full blocks of the vector, blocks of rail ``rail``, its elements)."""
+    if node_size < 1 or not 0 <= rail < node_size:
+        raise ValueError(f"rail {rail} of {node_size}")
+    if block < 1 or length < 0:
+        raise ValueError(f"blocks of {block} over {length} elements")
+    nb = -(-length // block)                           # blocks, the last maybe partial
+    count = max(0, -(-(nb - rail) // node_size))       # j = rail, rail + K, ... < nb
+    elems = count * block
+    if count and (nb - 1) % node_size == rail:         # this rail holds the last block
+        elems -= nb * block - length
+    return length // block, count, elems
 
 
-def _padded(xp, x, k):
-    """``x`` as (rows, k, BLOCK) blocks, zero-padded (a copy only when the
-    length is not a multiple of k blocks)."""
+def rail_blocks(length: int, node_size: int, block: int = BLOCK):
+    """For each rail ``l = 0 .. K-1`` the numbers
+    ``j`` of the blocks it holds, increasing (int64 arrays, an empty one for
+    a rail without blocks).  Block ``j`` is the elements
+    ``[j * block, min(length, (j + 1) * block))``; rail ``l`` holds the blocks
+    with ``j % node_size == l``, concatenated in this order."""
+    nb = -(-length // block) if length else 0
+    return [np.arange(l, nb, node_size, dtype=np.int64) for l in range(node_size)]
+
+
+def rail_length(length: int, node_size: int, rail: int, block: int = BLOCK) -> int:
+    """The number of elements of rail ``rail``'s shard (0: the rail is
+    skipped).  The rails' lengths differ by at most ``block``."""
+    return _rail_counts(length, node_size, rail, block)[2]
+
+
+def rail_index(length: int, node_size: int, rail: int, block: int = BLOCK):
+    """The element positions of rail ``rail``'s shard, in shard order (int64):
+    ``shard = x[rail_index(...)]``.  The same as :func:`rail_gather` by
+    indexing (memory: 8 bytes a shard element)."""
+    j = rail_blocks(length, node_size, block)[rail]
+    idx = (j[:, None] * block + np.arange(block, dtype=np.int64)).reshape(-1)
+    return idx[idx < length]
+
+
+def _module_of(x):
+    if isinstance(x, np.ndarray):
+        return np
+    import importlib
+    return importlib.import_module(type(x).__module__.split(".")[0])     # cupy
+
+
+def rail_gather(x, node_size: int, rail: int, block: int = BLOCK):
+    """Rail ``rail``'s shard of the vector ``x`` (NumPy or CuPy, 1-D): its
+    blocks (:func:`rail_blocks`) concatenated in increasing block number.
+    A new array, except for ``node_size == 1``: then ``x`` itself."""
     length = x.shape[0]
-    rows = -(-length // (k * BLOCK))
-    if rows * k * BLOCK == length:
-        return x.reshape(rows, k, BLOCK)
-    padded = xp.zeros(rows * k * BLOCK, dtype=x.dtype)
-    padded[:length] = x
-    return padded.reshape(rows, k, BLOCK)
+    full, count, elems = _rail_counts(length, node_size, rail, block)
+    if node_size == 1:
+        return x
+    body = x[:full * block].reshape(full, block)[rail::node_size].reshape(-1)
+    tail = x[full * block:full * block + elems - body.shape[0]]   # the partial last block
+    return _module_of(x).concatenate([body, tail])
 
 
-def rail_gather(x, k: int, rail: int):
-    """Rail ``rail``'s shard of flat ``x`` (a new contiguous array)."""
-    xp = backend_for(x).xp
-    n = rail_length(x.shape[0], k, rail)
-    return xp.ascontiguousarray(_padded(xp, x, k)[:, rail, :]).reshape(-1)[:n]
-
-
-def rail_scatter(out, shard, k: int, rail: int) -> None:
-    """Write rail ``rail``'s shard back into its blocks of flat ``out``."""
+def rail_scatter(out, shard, node_size: int, rail: int, block: int = BLOCK):
+    """The inverse of :func:`rail_gather`: write ``shard`` (rail ``rail``'s
+    elements in shard order) into its blocks of ``out``, in place."""
     length = out.shape[0]
-    rows = length // (k * BLOCK)               # complete rows of k blocks
-    if rows:
-        out[:rows * k * BLOCK].reshape(rows, k, BLOCK)[:, rail, :] = \
-            shard[:rows * BLOCK].reshape(rows, BLOCK)
-    start = (rows * k + rail) * BLOCK          # its one block in the tail, if any
-    if start < length:
-        out[start:min(start + BLOCK, length)] = shard[rows * BLOCK:]
+    full, count, elems = _rail_counts(length, node_size, rail, block)
+    if shard.shape[0] != elems:
+        raise ValueError(f"rail {rail} of {node_size} holds {elems} elements, "
+                         f"{shard.shape[0]} given")
+    nbody = -(-(full - rail) // node_size) if full > rail else 0     # its whole blocks
+    out[:full * block].reshape(full, block)[rail::node_size] = \
+        shard[:nbody * block].reshape(nbody, block)
+    if elems > nbody * block:
+        out[full * block:] = shard[nbody * block:]
+    return out
+
 
 
 # ----------------------------------------------------------------- nodes
@@ -159,7 +194,10 @@ def find_nodes(plane, node_size=None) -> NodeLayout:
 
 
 def rail_topology(topology: str, nodes: int) -> str:
-    """The butterfly needs a power-of-two node count; else the rails run the ring."""
+    """The butterfly needs a power-of-two node count; else the rails run the
+    ring (never an error)."""
+    from . import schedules
+    schedules.check_topology(topology, 1)          # the name only
     return "ring" if topology == "butterfly" and nodes & (nodes - 1) else topology
 
 

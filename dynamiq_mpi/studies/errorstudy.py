@@ -19,8 +19,9 @@ where it has an adapter for the codec, else ``simulate_allreduce``.
 ``--node-size K`` (default 1: the flat call) runs the hierarchical
 all-reduce instead (dynamiq_mpi/studies/scale_levels.py): in-node sums of K
 consecutive ranks, then K rails, each the flat compressed all-reduce of one
-shard over the n / K nodes (a butterfly over a node count that is not a power
-of two runs the ring there: the row's ``rail_topology``), concatenated.  Its
+interleaved shard (the 256-element blocks ``j`` with ``j mod K == l``) over
+the n / K nodes (a butterfly over a node count that is not a power of two
+runs the ring there: the row's ``rail_topology``), scattered back.  Its
 rows carry ``node_size``, ``nodes`` and ``rail_topology``; its bits per
 coordinate are the rail level's wire bytes over the input's coordinates.
 
@@ -533,7 +534,8 @@ def add_arguments(p):
     p.add_argument("--node-size", type=int, default=1,
                    help="ranks per node: K > 1 runs the hierarchical all-reduce (in-node sums "
                         "in the input's dtype, then K rails of n/K nodes, each the flat "
-                        "compressed call on one shard); default 1: the flat call")
+                        "compressed call on one interleaved shard of 256-element blocks); "
+                        "default 1: the flat call")
     p.add_argument("--cache", default=str(DEFAULT_CACHE),
                    help="folder of the captured real gradients")
     p.add_argument("--json", default=None, help="write every row (and the set-up) here")

@@ -7,16 +7,29 @@ the letter).  ``n = N * K`` ranks, node ``j`` holding ranks ``jK .. jK+K-1``:
 1. in-node sum: ``s_j = x_{jK} + x_{jK+1} + ... + x_{jK+K-1}``, added left to
    right in local-rank order, in the input's dtype (float32 adds; bfloat16:
    rounded after each add);
-2. shards: the length-``L`` vector is cut into ``K`` contiguous shards of
-   ``m = ceil(L / K)`` elements, shard ``l`` = ``[l m, min(L, (l+1) m))`` (the
-   last ones may be shorter or empty);
+2. shards, interleaved: the length-``L`` vector is cut into blocks of
+   ``B = 256`` elements (one DynamiQ super-group), block ``j`` =
+   ``[j B, min(L, (j+1) B))`` for ``j = 0 .. ceil(L/B) - 1`` (the last may be
+   partial); rail ``l`` (``l = 0 .. K-1``) holds the blocks with
+   ``j mod K == l``, concatenated in increasing ``j`` (:func:`rail_blocks`,
+   :func:`rail_gather`, :func:`rail_scatter`; ``dynamiq_mpi/hierarchy.py``,
+   the multi-process call, cuts the same shards: tests/test_scale_levels.py
+   checks).  The rails' lengths differ by at most ``B``; a rail with no
+   block (``K`` > the block count) is empty;
 3. rail ``l``: the flat compressed all-reduce (op "sum", the call's codec and
    topology, the call's seed and counter on every rail) over the ``N`` node
    sums' shard ``l`` (rail rank ``j`` = node ``j``); an empty shard is
    skipped.  A butterfly over a node count that is not a power of two runs
    the ring on that level (``rail_topology`` says which ran);
-4. the result is the rails' results concatenated (op "mean": divided by
-   ``n`` at the end, one float32 division).
+4. the result: each rail's result scattered back to its blocks (op "mean":
+   divided by ``n`` at the end, one float32 division).
+
+Why interleaved: every rail's statistics and bit budget then cover a sample
+of the whole vector (each layer, the embedding table included, is spread
+over all rails), so the rails' budgets stay fair; and every rail carries the
+same number of coordinates, so every rail's NIC finishes at the same time.
+(Contiguous shards of real gradients are very unlike: one rail got the
+embedding table's zero rows and could spend only part of its bits.)
 
 Bits per coordinate: the rails' wire bytes (statistics included) over the
 input's ``L`` coordinates, with the flat accounting ``2 (N - 1) L``: the
@@ -25,43 +38,29 @@ are not compressed and are not counted.
 
 ``levels_allreduce`` runs the rails one after another through
 :func:`~dynamiq_mpi.studies.scale_sim.scale_allreduce`, each on a
-:class:`NodeShardSource` that produces node sums of one shard on demand from
-the flat study's :class:`RankSource` (``K`` rank rows summed per node row,
-never all ``n`` inputs at once).  ``levels_simulate`` is the same definition
-over explicit inputs with :func:`~dynamiq_mpi.simulate_allreduce` on each
-shard: it runs any codec (THC, OmniReduce) and any input dtype, in memory
-``n`` times the vector.
+:class:`NodeRailSource` that produces node sums of one rail's shard on
+demand from the flat study's :class:`RankSource` (``K`` rank rows summed per
+node row, only the rail's rows generated, never all ``n`` inputs at once;
+ArraySource and LogNormalMixture read just those rows, any other source
+through its ``span`` from the rail's first row to its last).
+``levels_simulate`` is the same definition over explicit inputs with
+:func:`~dynamiq_mpi.simulate_allreduce` on each shard: it runs any codec
+(THC, OmniReduce) and any input dtype, in memory ``n`` times the vector.
 """
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import schedules
 from ..codecs.base import DEFAULT_TILE_BYTES
-from .scale_sim import RankSource, _vnmse, scale_allreduce
-
-# The source rows a shard is read in: the smallest row every source serves
-# (LogNormalMixture pairs elements within blocks of 32).
-SOURCE_ROW = 32
-
-
-def rail_topology(topology: str, nodes: int) -> str:
-    """The topology the rail level runs: the butterfly needs a power-of-two
-    node count; on any other count the rails run the ring (never an error)."""
-    schedules.check_topology(topology, 1)          # the name only
-    if topology == "butterfly" and nodes & (nodes - 1):
-        return "ring"
-    return topology
-
-
-def shards(length: int, node_size: int):
-    """The ``node_size`` shards ``(start, stop)`` of step 2 (empty ones included)."""
-    m = -(-length // node_size) if length else 0
-    return [(min(length, l * m), min(length, (l + 1) * m)) for l in range(node_size)]
-
+# the shards (step 2) and the rails' topology are the library's own, so the
+# simulation and the multi-process call (hierarchy.py) cut the same rails
+from ..hierarchy import (BLOCK, rail_blocks, rail_gather, rail_index,  # noqa: F401
+                         rail_length, rail_scatter, rail_topology)
+from .scale_sim import ArraySource, LogNormalMixture, RankSource, _vnmse, scale_allreduce
 
 def _check(n, node_size):
     if node_size < 1 or n < 1 or n % node_size:
@@ -70,19 +69,57 @@ def _check(n, node_size):
     return n // node_size
 
 
-class NodeShardSource(RankSource):
+# ----------------------------------------------------------------------------- rail sources
+def _rows_at(source, xp, ranks, row, at, size, cache):
+    """Rows ``at[k]`` (rows of ``row`` elements of the whole vector) of ranks
+    ``ranks[k]``, concatenated, the first ``size`` elements (the last row may
+    be partial).  Only those rows are generated where the source allows it."""
+    if hasattr(source, "rows_at"):                     # a source's own hook, if any
+        return source.rows_at(xp, ranks, row, at)[:size]
+    if isinstance(source, ArraySource):
+        blocks = source._data.reshape(source.ranks, -1, row)
+        out = blocks[np.asarray(ranks, dtype=np.int64), at].reshape(-1)[:size]
+        return out if xp is np else xp.asarray(out)
+    if isinstance(source, LogNormalMixture):
+        # Every element is a function of (position, rank) through the
+        # source's per-row position hashes and scales: a view of the source
+        # whose rows are the gathered ones gives the same bits.
+        key = (xp.__name__, row)
+        view = cache.get(key)
+        if view is None:
+            idx, std = source._index(xp, row)
+            view = copy.copy(source)
+            view._cache = {key: (idx[xp.asarray(at)], std[xp.asarray(at)])}
+            view.length = size
+            cache[key] = view
+        return view.span(xp, ranks, row, 0)
+    # any other source: the span from the first to the last row, then the rows
+    first, k = int(at[0]), int(at[-1]) - int(at[0]) + 1
+    fill = np.full(k, int(ranks[0]), dtype=np.int64)
+    fill[at - first] = ranks
+    y = source.span(xp, fill, row, first)
+    pad = k * row - y.shape[0]
+    if pad:
+        y = xp.concatenate([y, xp.zeros(pad, dtype=y.dtype)])
+    return y.reshape(k, row)[xp.asarray(at - first)].reshape(-1)[:size]
+
+
+class NodeRailSource(RankSource):
     """Rail inputs: rank ``j`` of this source is node ``j``'s in-node sum
-    (float32, added in local-rank order) over the shard ``[start, stop)`` of
-    ``source``.  ``rows_with_exact`` also gives the float64 sum of the node's
-    inputs, so the rail's exact sum is that of the original ranks."""
+    (float32, added in local-rank order) over rail ``rail``'s interleaved
+    shard (:func:`rail_blocks`) of ``source``.  A rail row (32 or 256
+    elements: a divisor of the block) lies inside one block, so it is one
+    row of the whole vector.  ``rows_with_exact`` also gives the float64 sum
+    of the node's inputs, so the rail's exact sum is that of the original
+    ranks."""
 
     name = "node sums"
 
-    def __init__(self, source: RankSource, node_size: int, start: int, stop: int):
-        self.source, self.k = source, int(node_size)
-        self.start, self.stop = int(start), int(stop)
-        self.length = self.stop - self.start
+    def __init__(self, source: RankSource, node_size: int, rail: int, block: int = BLOCK):
+        self.source, self.k, self.rail, self.block = source, int(node_size), int(rail), int(block)
+        self.length = rail_length(source.length, self.k, self.rail, self.block)
         self.ranks = None if source.ranks is None else source.ranks // self.k
+        self._at, self._views = {}, {}
 
     def rows(self, xp, rank_of_row, row):
         return self._sums(xp, rank_of_row, row, False)[0]
@@ -90,33 +127,26 @@ class NodeShardSource(RankSource):
     def rows_with_exact(self, xp, rank_of_row, row):
         return self._sums(xp, rank_of_row, row, True)
 
+    def _rows_of(self, row):
+        """The whole vector's row number of each rail row."""
+        if row not in self._at:
+            if self.block % row:
+                raise ValueError(f"rows of {row} elements: rail rows must divide the "
+                                 f"block of {self.block}")
+            q = self.block // row
+            r = np.arange(-(-self.length // row), dtype=np.int64)
+            self._at[row] = (self.rail + self.k * (r // q)) * q + r % q
+        return self._at[row]
+
     def _sums(self, xp, rank_of_row, row, exact):
-        if row % SOURCE_ROW:
-            raise ValueError(f"rows of {row} elements: a shard is read in rows of {SOURCE_ROW}")
         nodes = np.asarray(rank_of_row, dtype=np.int64)
-        a, b, k, rs = self.start, self.stop, self.k, SOURCE_ROW
-        g0, g1 = a // rs, -(-b // rs)             # the source rows that cover the shard
-        lo = a - g0 * rs
-        if g1 <= g0:
+        if self.length == 0:
             empty = xp.zeros(0, dtype=np.float32)
             return empty, (xp.zeros(0, dtype=np.float64) if exact else None)
-        # A shard that starts inside a source row puts a rail row boundary
-        # inside source rows: such a row holds two nodes' elements, read as
-        # the node of its first element (A) and of its last (B).
-        g = np.arange(g0, g1, dtype=np.int64)
-        first = np.maximum(g * rs, a) - a
-        last = np.minimum((g + 1) * rs, b) - 1 - a
-        node_a, node_b = nodes[first // row], nodes[last // row]
-        mixed = bool((node_a != node_b).any())
-        if mixed:
-            elem_node = nodes[np.arange(self.length) // row]
-            take_b = xp.asarray(elem_node != np.repeat(node_a, rs)[lo:lo + self.length])
+        at, k = self._rows_of(row), self.k
         acc = acc64 = None
         for t in range(k):                        # local-rank order: the sum's order
-            y = self.source.span(xp, node_a * k + t, rs, g0)[lo:lo + self.length]
-            if mixed:
-                yb = self.source.span(xp, node_b * k + t, rs, g0)[lo:lo + self.length]
-                y = xp.where(take_b, yb, y)
+            y = _rows_at(self.source, xp, nodes * k + t, row, at, self.length, self._views)
             if acc is None:
                 acc = xp.array(y, dtype=np.float32, copy=True)    # never a view of the source
             else:
@@ -141,7 +171,7 @@ class LevelsResult:
     rail_topology: str = "ring"       # run on the rail level
     codec: str = ""
     codec_info: dict = field(default_factory=dict)
-    rails: list = field(default_factory=list)      # per rail: shard, bytes, bits, seconds
+    rails: list = field(default_factory=list)      # per rail: blocks, coords, bytes, bits, s
     seconds: float = 0.0
 
 
@@ -196,21 +226,22 @@ def levels_allreduce(source: RankSource, n: int, node_size: int, *, codec=None,
     total = xp.zeros(length, dtype=np.float64) if exact else None
     wire = stats = 0
     rails, infos, name = [], [], ""
-    for l, (a, b) in enumerate(shards(length, node_size)):
-        if a == b:
+    for l, blocks in enumerate(rail_blocks(length, node_size)):
+        rail = NodeRailSource(source, node_size, l)
+        if rail.length == 0:
             continue                               # an empty shard has no rail call
-        r = scale_allreduce(NodeShardSource(source, node_size, a, b), nodes, codec=codec,
-                            topology=rail_topo, op="sum", seed=seed, counter=counter,
-                            tile_bytes=tile_bytes, xp=xp, exact=exact, progress=progress,
-                            detailed=detailed)
-        out[a:b] = r.out
+        r = scale_allreduce(rail, nodes, codec=codec, topology=rail_topo, op="sum",
+                            seed=seed, counter=counter, tile_bytes=tile_bytes, xp=xp,
+                            exact=exact, progress=progress, detailed=detailed)
+        rail_scatter(out, r.out, node_size, l)
         if total is not None:
-            total[a:b] = r.exact
+            rail_scatter(total, r.exact, node_size, l)
         wire += r.wire_bytes_total
         stats += r.stats_bytes_total
         name = name or r.codec
         infos.append(r.codec_info)
-        rails.append(dict(rail=l, start=a, stop=b, bits_per_coord=r.bits_per_coord,
+        rails.append(dict(rail=l, blocks=int(blocks.shape[0]), coords=rail.length,
+                          bits_per_coord=r.bits_per_coord,
                           wire_bytes_total=r.wire_bytes_total, codec=r.codec,
                           seconds=r.seconds.get("total", 0.0)))
     res = LevelsResult(out, nodes=nodes, node_size=node_size, topology=topology,
@@ -250,20 +281,23 @@ def levels_simulate(xs, node_size, *, codec=None, topology="ring", op="sum", see
     out = np.zeros(length, dtype=sums[0].dtype)
     wire = stats = 0
     rails, infos, name = [], [], ""
-    for l, (a, b) in enumerate(shards(length, node_size)):
-        if a == b:
+    for l, blocks in enumerate(rail_blocks(length, node_size)):
+        coords = rail_length(length, node_size, l)
+        if coords == 0:
             continue
         t1 = time.perf_counter()
-        outs, reps = simulate_allreduce([s[a:b] for s in sums], codec=codec, topology=rail_topo,
-                                        op="sum", seed=seed, counter=counter,
-                                        tile_bytes=tile_bytes, return_reports=True)
-        out[a:b] = outs[0]
+        outs, reps = simulate_allreduce([rail_gather(s, node_size, l) for s in sums],
+                                        codec=codec, topology=rail_topo, op="sum", seed=seed,
+                                        counter=counter, tile_bytes=tile_bytes,
+                                        return_reports=True)
+        rail_scatter(out, outs[0], node_size, l)
         rep = reps[0]
         wire += rep.wire_bytes_total
         stats += rep.stats_bytes_total
         name = name or rep.codec
         infos.append(rep.codec_info)
-        rails.append(dict(rail=l, start=a, stop=b, bits_per_coord=rep.bits_per_coord,
+        rails.append(dict(rail=l, blocks=int(blocks.shape[0]), coords=coords,
+                          bits_per_coord=rep.bits_per_coord,
                           wire_bytes_total=rep.wire_bytes_total, codec=rep.codec,
                           seconds=time.perf_counter() - t1))
     total = np.sum(np.stack([np.asarray(x, dtype=np.float64).reshape(-1) for x in xs]), axis=0)
