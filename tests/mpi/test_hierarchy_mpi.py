@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 
 import dynamiq_mpi as dq
-from helpers import digest, exact_sum, rank_inputs, shared_seed, vnmse
+from helpers import digest, exact_sum, magnitude_nmse, rank_inputs, shared_seed, vnmse
 
 comm = MPI.COMM_WORLD
 N = comm.size
@@ -21,6 +21,12 @@ BLOCK = 256
 CODECS = [dq.DynamiQ(small_input=0, bits=5), dq.Exact(), dq.BF16(), dq.MXFP("e4m3"),
           dq.THC(), dq.OmniReduce(0.5)]
 TOPOLOGIES = ["ring", "butterfly"]
+# Error against sum_r |x_r| (magnitude_nmse: these short heavy-tailed inputs
+# cancel), about twice the worst of 25 seeds x every shape of 2..8 ranks
+# measured with the reference below (2026-11-25): the bit-for-bit check is
+# the test; this only catches a gross loss (a rail dropped, a world of one).
+BOUNDS = {"exact": 1e-10, "bf16": 2e-5, "mxfp": 3e-3, "dynamiq": 0.25, "thc": 1.0,
+          "omnireduce": 0.7, "reduce_scatter": 0.9}
 
 
 def reference(xs, k, codec, topology, op, seed, counter):
@@ -80,8 +86,7 @@ def _check(colls, k, codec, topology, length, dtype=np.float32, op="sum"):
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: "-".join(map(str, c.signature()[:3])))
 def test_codecs_equal_the_reference(colls, k, codec, topology):
     out, xs, rep = _check(colls, k, codec, topology, 4099)
-    bound = 1e-10 if codec.name == "exact" else 0.5
-    assert vnmse(out, exact_sum(xs)) < bound
+    assert magnitude_nmse(out, xs) < BOUNDS[codec.name]
     nodes = N // k
     assert [lv["level"] for lv in rep.levels] == ["node reduce-scatter", "rails",
                                                    "node all-gather"]
@@ -205,8 +210,11 @@ def test_reduce_scatter_equals_the_reference(colls, k, op, codec):
     assert rep.hierarchy == "nodes" and out.shape == (1031,)
     ref = reference_rs(xs, k, codec, "ring", op, seed, 21)[comm.rank]
     assert np.array_equal(out, ref), seed
-    exact = exact_sum(xs)[comm.rank * 1031:(comm.rank + 1) * 1031] / (N if op == "mean" else 1)
-    assert vnmse(out, exact) < (1e-10 if codec.name == "exact" else 0.5)
+    mine = [x[comm.rank * 1031:(comm.rank + 1) * 1031] / (N if op == "mean" else 1) for x in xs]
+    if codec.name == "exact":
+        assert vnmse(out, exact_sum(mine)) < 1e-10
+    else:
+        assert magnitude_nmse(out, mine) < BOUNDS["reduce_scatter"]
 
 
 @pytest.mark.mpi(min_size=2)
