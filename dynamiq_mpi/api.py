@@ -16,8 +16,7 @@ from .paths import PathChooser, default_path, size_class
 from .transports import TRANSPORTS, explain_transport
 from .transports.ops import Agree, Route
 from .transports.simulate import SimulatedTransport
-from .graphs import CallGraph, SteadyCompressed, default_graphs, drive_agreed, graph_key
-from .rng import call_keys
+from .graphs import GraphCalls, SteadyCompressed, default_graphs
 from .settings import env_choice
 from .hierarchy import default_node_size
 from .workspace import FRESH, Workspace
@@ -32,7 +31,7 @@ def _check_transport(transport):
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
 
 
-class Collective:
+class Collective(GraphCalls):
     """A communicator's compressed all-reduce.
 
     ``comm``: an mpi4py communicator, a ``torch.distributed`` process group
@@ -265,83 +264,6 @@ class Collective:
         """The node layout the hierarchical call uses (collective on first use)."""
         with self._lock:
             return self._nodes().layout
-
-    # -- steady compressed calls as CUDA graphs (graphs.py) --------------------
-    def _graph_key(self, x, out, codec, topology, op, seed, transport, tile_bytes, nonfinite,
-                   requested):
-        """The graph key of a call on device arrays, or None (anything else,
-        or arguments the engine will refuse: it reports them to every rank)."""
-        if not type(x).__module__.startswith("cupy") or type(out) is not type(x):
-            return None
-        try:
-            import cupy
-            return graph_key(x, out, signature_of(codec), topology, op, seed, transport,
-                             tile_bytes, nonfinite, requested,
-                             cupy.cuda.get_current_stream().ptr)
-        except Exception:
-            return None
-
-    def _run_graph(self, entry, x, out, codec, topology, op, seed, counter, transport,
-                   tile_bytes, nonfinite) -> bool:
-        """Replay (or capture, on its second occurrence) a steady compressed
-        call (a failed capture runs it on the engine: the same messages in
-        the same order, so peers replaying their graphs still match).
-        Returns True: the call is done."""
-        if not entry.agree(self._plane, counter):
-            from .engine import _agree      # every rank raises, as on the engine's path
-            _agree(self._plane.allgather(dict(entry.record, counter=counter)))
-            raise InvalidInputError("ranks disagree on the call")
-        import cupy
-        stream = cupy.cuda.get_current_stream()
-        keys = call_keys(int(seed), counter)
-
-        def program(keys_at, workspace):      # (a replay needs none: only a capture or fallback)
-            spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
-                            path="compressed", nonfinite=nonfinite, layout=self.layout,
-                            keys_at=keys_at)
-            return (rank_program(self.rank, self.size, x, spec, out, workspace,
-                                 detailed_report=False),
-                    entry.metas(counter, self.size), self._route(entry.transport, x))
-        self._fence_stream()
-        try:
-            try:
-                if entry.graph is None:
-                    graph = CallGraph()
-                    try:
-                        run = program(graph.keys_at, graph.workspace)
-                        graph.capture(lambda: drive_agreed(*run), stream)
-                    except BaseException:
-                        graph.free()
-                        raise
-                    entry.graph = graph
-                entry.graph.launch(keys, stream)
-            except Exception as exc:
-                # Whatever failed after the agreement failed on this rank alone
-                # (a capture that met a host read, an allocation, a launch):
-                # run the agreed call on the engine with no second agreement,
-                # so that peers replaying their graphs meet the same messages
-                # in the same order, and never try a graph for it again.
-                entry.failed = f"graph failed: {type(exc).__name__}: {exc}"
-                if entry.graph is not None:
-                    entry.graph.free()
-                    entry.graph = None
-                drive_agreed(*program(0, self._workspace), capturing=False)
-        finally:
-            self._record_stream()
-        return True
-
-    def graph_stats(self) -> dict:
-        """{"captured": graphs made, "replays": their launches, "failed": [why, ...]}."""
-        with self._lock:
-            graphs = [e for e in self._graphs.values() if e.graph is not None]
-            return {"captured": len(graphs), "replays": sum(e.graph.replays for e in graphs),
-                    "failed": [e.failed for e in self._graphs.values() if e.failed]}
-
-    def _free_graphs(self):
-        for e in self._graphs.values():
-            if e.graph is not None:
-                e.graph.free()
-        self._graphs.clear()
 
     def _run_steady(self, steady, x, out, counter, op):
         on_device = steady.backend.name == "gpu"

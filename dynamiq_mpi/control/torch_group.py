@@ -81,6 +81,7 @@ class TorchPlane(ControlPlane):
             self.rank, self.size = self.group.rank(), self.group.size()
             self.timeout = group_timeout(self.group)
         self._pg = None
+        self._ring = None           # socket_ring.SocketRing, made with the gloo group
         self._lock = threading.Lock()
 
     # -- the private gloo group (made on the first operation: collective)
@@ -97,9 +98,30 @@ class TorchPlane(ControlPlane):
                 name = ",".join(map(str, key)) if len(key) <= 16 else \
                     f"{len(key)}:{hash(key) & 0xFFFFFFFF:08x}"
                 store = dist.PrefixStore(f"dynamiq_mpi/{name}/{index}/", _get_default_store())
-                self._pg = dist.ProcessGroupGloo(store, self.rank, self.size, self.timeout)
+                pg = dist.ProcessGroupGloo(store, self.rank, self.size, self.timeout)
                 _live.add(self)
+                self._ring = self._make_ring(pg, store)
+                self._pg = pg
             return self._pg
+
+    def _make_ring(self, pg, store):
+        """The socket ring for small exchanges (socket_ring.py), if every
+        member connected (agreed over gloo: all use it or none does)."""
+        from . import socket_ring
+        if self.size < 2 or not socket_ring.enabled():
+            return None
+        host = np.frombuffer(socket.gethostname().encode()[:64].ljust(64, b"\0"), np.uint8)
+        hosts = np.empty((self.size, 64), np.uint8)
+        self._gloo_allgather(pg, host, hosts)
+        same_host = bool((hosts == hosts[0]).all())
+        ring = socket_ring.SocketRing(store, self.rank, self.size,
+                                      self.timeout.total_seconds(), same_host)
+        flags = np.empty(self.size, np.uint8)
+        self._gloo_allgather(pg, np.array([ring.ok], np.uint8), flags)
+        if not flags.all():
+            ring.close()
+            return None
+        return ring
 
     # -- object collectives (pickled into uint8 tensors)
     def allgather(self, value) -> list:
@@ -139,8 +161,18 @@ class TorchPlane(ControlPlane):
         if self.size == 1:
             rows[0] = flat
             return
+        pg = self._gloo()
+        ring = self._ring
+        if ring is not None and rows.size <= ring_max_bytes():
+            for r, part in enumerate(ring.allgather(flat.tobytes())):
+                rows[r] = np.frombuffer(part, np.uint8)
+            return
+        self._gloo_allgather(pg, flat, rows)
+
+    def _gloo_allgather(self, pg, flat, rows):
+        rows = rows.view(np.uint8).reshape(self.size, -1)
         outs = [torch.from_numpy(rows[r]) for r in range(self.size)]
-        self._gloo().allgather([outs], [torch.from_numpy(_writable(flat))]).wait()
+        pg.allgather([outs], [torch.from_numpy(_writable(flat.view(np.uint8).reshape(-1)))]).wait()
 
     def allreduce_max(self, mine, out) -> None:
         self._allreduce(mine, out, dist.ReduceOp.MAX)
@@ -188,12 +220,20 @@ class TorchPlane(ControlPlane):
                                     self.timeout))
 
     def free(self) -> None:
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
         self._pg = None         # gloo closes its pairs when the group is collected
 
     def describe(self) -> str:
         return (f"torch plane (a gloo group of global ranks "
                 f"{self.ranks if self.size <= 8 else str(self.ranks[:8])[:-1] + ', ...]'}), "
                 f"rank {self.rank} of {self.size}")
+
+
+def ring_max_bytes() -> int:
+    from .socket_ring import MAX_BYTES
+    return MAX_BYTES
 
 
 def _writable(a):
