@@ -18,7 +18,7 @@ from .transports.ops import Agree, Route
 from .transports.simulate import SimulatedTransport
 from .graphs import GraphCalls, SteadyCompressed, default_graphs
 from .settings import env_choice
-from .hierarchy import default_node_size
+from .hierarchy import NodeCalls, default_node_size
 from .workspace import FRESH, Workspace
 
 
@@ -31,7 +31,7 @@ def _check_transport(transport):
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
 
 
-class Collective(GraphCalls):
+class Collective(GraphCalls, NodeCalls):
     """A communicator's compressed all-reduce.
 
     ``comm``: an mpi4py communicator, a ``torch.distributed`` process group
@@ -104,6 +104,8 @@ class Collective(GraphCalls):
         self.hierarchy = default_hierarchy(hierarchy)
         self.node_size = default_node_size(node_size)
         self._levels = None          # hierarchy.Levels, made by the first "nodes" call
+        self._layout = None          # the nodes found for hierarchy="auto"
+        self._auto = None            # whether "auto" may use nodes (decided once)
         self.nonfinite = nonfinite
         self.layout = default_layout()
         self.graphs = default_graphs(graphs)
@@ -140,6 +142,7 @@ class Collective(GraphCalls):
         self._last_stream = None     # (stream pointer, event at the end of the last call)
         self._done_event = None
         self._paths = PathChooser(self._plane)
+        self._hierarchies = PathChooser(self._plane, options=("nodes", "flat"))
         self._steady = {}            # steady native calls (native.SteadyNative) by their key
         self._graphs = {}            # steady compressed calls (graphs.SteadyCompressed) by graph_key
         self._last_metas = None
@@ -173,97 +176,87 @@ class Collective(GraphCalls):
         with self._lock:
             counter = self._counter
             self._counter += 1
-            if hierarchy == "nodes" and self.size > 1:
-                out, report = self._run_nodes(
-                    "allreduce", x, out, codec=codec, topology=topology, op=op, seed=seed,
-                    counter=counter, transport=transport, tile_bytes=tile_bytes, path=requested,
-                    nonfinite=nonfinite, return_report=return_report)
-                return (out, report) if return_report else out
-            steady_key = None
-            if requested != "compressed" and not (return_report or profile):
-                # a call like one agreed before on the native path (for "auto":
-                # its class decided native): no engine, no path choice
-                try:
-                    steady_key = native.steady_key(x, out, codec, topology, op, seed,
-                                                   transport, tile_bytes, nonfinite, requested)
-                    steady = self._steady.get(steady_key)
-                except Exception:   # not an array, unhashable arguments: the engine
-                    steady_key = steady = None      # reports them to every rank
-                if steady is not None:
-                    return self._run_steady(steady, x, out, counter, op)
-            graph_key = None
-            if self.graphs and out is not None and requested != "native" and not (
-                    return_report or profile):
-                graph_key = self._graph_key(x, out, codec, topology, op, seed, transport,
-                                            tile_bytes, nonfinite, requested)
-                entry = self._graphs.get(graph_key) if graph_key is not None else None
-                if entry is not None and not entry.failed and self._run_graph(
-                        entry, x, out, codec, topology, op, seed, counter, transport,
-                        tile_bytes, nonfinite):
-                    return out
-            key, chosen, why, timed = self._choose_path(x, codec, topology, op, transport,
-                                                        requested)
-            spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
-                            path=chosen, nonfinite=nonfinite, layout=self.layout)
-            if chosen != "native" or timed or nonfinite == "raise":
-                steady_key = None       # (a steady native call checks no NaN)
-            program = rank_program(self.rank, self.size, x, spec, out, self._workspace,
-                                   detailed_report=return_report)
+            call = dict(codec=codec, topology=topology, op=op, seed=seed, counter=counter,
+                        transport=transport, tile_bytes=tile_bytes, path=requested,
+                        nonfinite=nonfinite)
+            key, why, timed = None, "", False
+            if hierarchy == "auto":
+                hierarchy, key, why, timed = self._choose_hierarchy(x, call)
+            want = return_report or timed
             if timed:
                 _sync(x)
                 t0 = time.perf_counter()
-            out, report = self._drive(program, x, profile, return_report or timed)
+            if hierarchy == "nodes" and self.size > 1:
+                out, report = self._run_nodes("allreduce", x, out, return_report=want, **call)
+            else:
+                out, report = self._allreduce_flat(x, out, want, profile, **call)
             if timed:
                 _sync(x)
                 if not report.nonfinite:
-                    self._paths.record(key, chosen, time.perf_counter() - t0, report.path,
-                                       report.path_reason)
-            if not report.path_reason:
-                report.path_reason = why
-            if steady_key is not None and report.path == "native" and self._last_metas:
-                if len(self._steady) > 64:
-                    self._steady.clear()
-                self._steady[steady_key] = native.SteadyNative(
-                    self._last_metas[self.rank], codec, report.transport,
-                    report.codec_info["wire"], backend_for(x))
-            if (graph_key is not None and not timed and report.path == "compressed"
-                    and report.sync_free and report.transport == "nccl" and self._last_metas
-                    and graph_key not in self._graphs):
-                if len(self._graphs) >= 64:
-                    self._free_graphs()
-                self._graphs[graph_key] = SteadyCompressed(self._last_metas[self.rank], "nccl")
+                    self._hierarchies.record(key, hierarchy, time.perf_counter() - t0,
+                                             hierarchy)
+            if report is not None and why:
+                report.hierarchy_reason = why
         return (out, report) if return_report else out
 
-    def _run_nodes(self, collective, x, out, **call):
-        """A hierarchical call: agreed first over the whole plane (a rank
-        making a flat call meets the same exchange and every rank raises),
-        then the node and rail planes, made once."""
-        from .hierarchy import agree_call
-        _check_nonfinite(call["nonfinite"])
-        return_report = call.pop("return_report")
-        agreed = agree_call(self, x, out, collective, **call)
-        levels = self._nodes()
-        if collective == "reduce_scatter":
-            call.pop("path")
-            return levels.reduce_scatter(self, x, out, agreed, return_report=return_report,
-                                         **call)
-        return levels.allreduce(self, x, out, agreed, return_report=return_report, **call)
-
-    def _nodes(self):
-        """The node and rail planes (made by the first hierarchical call,
-        collectively; the nodes found once)."""
-        if self._levels is None:
-            from .hierarchy import Levels, find_nodes
-            layout = find_nodes(self._plane, self.node_size)
-            self._levels = Levels(self._plane, layout, lambda plane: Collective(
-                plane, transport=self.transport, tile_bytes=self.tile_bytes, lanes=self.lanes,
-                path=self.path, nonfinite=self.nonfinite, graphs=self.graphs))
-        return self._levels
-
-    def nodes(self):
-        """The node layout the hierarchical call uses (collective on first use)."""
-        with self._lock:
-            return self._nodes().layout
+    def _allreduce_flat(self, x, out, return_report, profile, *, codec, topology, op, seed,
+                        counter, transport, tile_bytes, path, nonfinite):
+        """One flat call: (result, report or None)."""
+        requested = path
+        steady_key = None
+        if requested != "compressed" and not (return_report or profile):
+            # a call like one agreed before on the native path (for "auto":
+            # its class decided native): no engine, no path choice
+            try:
+                steady_key = native.steady_key(x, out, codec, topology, op, seed,
+                                               transport, tile_bytes, nonfinite, requested)
+                steady = self._steady.get(steady_key)
+            except Exception:   # not an array, unhashable arguments: the engine
+                steady_key = steady = None      # reports them to every rank
+            if steady is not None:
+                return self._run_steady(steady, x, out, counter, op), None
+        graph_key = None
+        if self.graphs and out is not None and requested != "native" and not (
+                return_report or profile):
+            graph_key = self._graph_key(x, out, codec, topology, op, seed, transport,
+                                        tile_bytes, nonfinite, requested)
+            entry = self._graphs.get(graph_key) if graph_key is not None else None
+            if entry is not None and not entry.failed and self._run_graph(
+                    entry, x, out, codec, topology, op, seed, counter, transport,
+                    tile_bytes, nonfinite):
+                return out, None
+        key, chosen, why, timed = self._choose_path(x, codec, topology, op, transport,
+                                                    requested)
+        spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
+                        path=chosen, nonfinite=nonfinite, layout=self.layout)
+        if chosen != "native" or timed or nonfinite == "raise":
+            steady_key = None       # (a steady native call checks no NaN)
+        program = rank_program(self.rank, self.size, x, spec, out, self._workspace,
+                               detailed_report=return_report)
+        if timed:
+            _sync(x)
+            t0 = time.perf_counter()
+        out, report = self._drive(program, x, profile, return_report or timed)
+        if timed:
+            _sync(x)
+            if not report.nonfinite:
+                self._paths.record(key, chosen, time.perf_counter() - t0, report.path,
+                                   report.path_reason)
+        if not report.path_reason:
+            report.path_reason = why
+        if steady_key is not None and report.path == "native" and self._last_metas:
+            if len(self._steady) > 64:
+                self._steady.clear()
+            self._steady[steady_key] = native.SteadyNative(
+                self._last_metas[self.rank], codec, report.transport,
+                report.codec_info["wire"], backend_for(x))
+        if (graph_key is not None and not timed and report.path == "compressed"
+                and report.sync_free and report.transport == "nccl" and self._last_metas
+                and graph_key not in self._graphs):
+            if len(self._graphs) >= 64:
+                self._free_graphs()
+            self._graphs[graph_key] = SteadyCompressed(self._last_metas[self.rank], "nccl")
+        return out, (report if return_report else None)
 
     def _run_steady(self, steady, x, out, counter, op):
         on_device = steady.backend.name == "gpu"

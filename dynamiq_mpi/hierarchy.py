@@ -41,10 +41,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from .backend import dtype_name
+from .codecs.base import signature_of
 from .errors import InvalidInputError, NonFiniteInputError
 
 BLOCK = 256          # the interleave's block: one DynamiQ super-group
-HIERARCHIES = ("flat", "nodes")
+HIERARCHIES = ("flat", "nodes", "auto")
 
 
 # ----------------------------------------------------------------- shards
@@ -457,3 +458,81 @@ class Levels:
              "topology": rail_topo, "ranks": lay.nodes, "rails": k,
              "bits_per_coord": report.bits_override, "seconds": t_rail}]
         return result, report
+
+
+class NodeCalls:
+    """The hierarchy route of :class:`~dynamiq_mpi.Collective` (a mixin: its
+    node layout, ``Levels`` and the "auto" choice between flat and nodes)."""
+
+    def _choose_hierarchy(self, x, call):
+        """(hierarchy, class key, why, timed) of a call with hierarchy="auto"
+        (hierarchy.py: flat or nodes per class of calls, measured as the path
+        choice measures, agreed by all ranks; both run compressed while
+        measured)."""
+        if self._auto_layout() is None:
+            return "flat", None, "auto: one node, nodes of one rank, or unequal nodes", False
+        from .paths import size_class
+        on_device = type(x).__module__.startswith("cupy")
+        key = ("gpu" if on_device else "cpu", str(getattr(x, "dtype", None)),
+               size_class(getattr(x, "size", 0)), signature_of(call["codec"]),
+               call["topology"], call["transport"], call["op"], call["path"])
+        choice, why, timed = self._hierarchies.choose(key, "auto", True, True)
+        if timed and call["path"] == "auto":
+            call["path"] = "compressed"
+        return choice, key, why, timed
+
+    def _auto_layout(self):
+        """The node layout hierarchy="auto" may use, or None where levels
+        cannot help (a single node, nodes of one rank, unequal nodes).  Found
+        once: from ``node_size`` alone, or (collective) after every rank
+        agreed that it asks."""
+        if self._auto is not None:
+            return self._auto or None
+        k, n = self.node_size, self.size
+        if k is not None:
+            self._auto = n % k == 0 and 1 < k < n
+            return self._auto or None
+        from .errors import InputMismatchError
+        from .transports.mpi_host import agree
+        asks = agree(self._plane, {"hierarchy": "auto", "discover_nodes": True})
+        if any(a != asks[0] for a in asks):
+            raise InputMismatchError("ranks disagree on hierarchy: some ask 'auto', others not")
+        try:
+            layout = find_nodes(self._plane, None)
+        except InvalidInputError:           # unequal nodes: flat (the same on every rank)
+            layout = None
+        self._auto = layout is not None and 1 < layout.node_size < n
+        if self._auto:
+            self._layout = layout
+        return self._auto or None
+
+    def _run_nodes(self, collective, x, out, **call):
+        """A hierarchical call: agreed first over the whole plane (a rank
+        making a flat call meets the same exchange and every rank raises),
+        then the node and rail planes, made once."""
+        from .engine import NONFINITE
+        if call["nonfinite"] not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {call['nonfinite']!r}")
+        return_report = call.pop("return_report")
+        agreed = agree_call(self, x, out, collective, **call)
+        levels = self._nodes()
+        if collective == "reduce_scatter":
+            call.pop("path")
+            return levels.reduce_scatter(self, x, out, agreed, return_report=return_report,
+                                         **call)
+        return levels.allreduce(self, x, out, agreed, return_report=return_report, **call)
+
+    def _nodes(self):
+        """The node and rail planes (made by the first hierarchical call,
+        collectively; the nodes found once)."""
+        if self._levels is None:
+            layout = self._layout or find_nodes(self._plane, self.node_size)
+            self._levels = Levels(self._plane, layout, lambda plane: type(self)(
+                plane, transport=self.transport, tile_bytes=self.tile_bytes, lanes=self.lanes,
+                path=self.path, nonfinite=self.nonfinite, graphs=self.graphs))
+        return self._levels
+
+    def nodes(self):
+        """The node layout the hierarchical call uses (collective on first use)."""
+        with self._lock:
+            return self._nodes().layout

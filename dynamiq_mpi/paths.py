@@ -17,7 +17,7 @@ and why.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,7 +41,7 @@ def size_class(length: int) -> int:
 
 @dataclass
 class _Class:
-    times: dict = field(default_factory=lambda: {"compressed": [], "native": []})
+    times: dict
     choice: str | None = None
     why: str = ""
 
@@ -51,7 +51,10 @@ class PathChooser:
     feeds it the same calls, so the decisions agree)."""
 
     def __init__(self, comm, warmup: int = WARMUP, samples: int = SAMPLES,
-                 margin: float = MARGIN):
+                 margin: float = MARGIN, options=("compressed", "native")):
+        """``options``: (the candidate, the baseline it must beat by
+        ``margin``): the paths, or the hierarchies ("nodes", "flat")."""
+        self.options = tuple(options)
         from .control import as_plane
         self.plane = as_plane(comm)     # the ranks' control plane (agreeing on timings)
         self.warmup, self.samples, self.margin = int(warmup), int(samples), float(margin)
@@ -67,13 +70,15 @@ class PathChooser:
             return "compressed", f"codec {codec_name} runs compressed unless path='native'", False
         if not can_native:
             return "compressed", "no native all-reduce for these arrays and transport", False
-        c = self._classes.setdefault(key, _Class())
+        first, second = self.options
+        c = self._classes.setdefault(key, _Class({first: [], second: []}))
         if c.choice is not None:
             return c.choice, c.why, False
-        nc, nn = len(c.times["compressed"]), len(c.times["native"])
-        path = "compressed" if nc <= nn else "native"
+        nc, nn = len(c.times[first]), len(c.times[second])
+        path = first if nc <= nn else second
         total = 2 * (self.warmup + self.samples)
-        return path, f"auto: measuring both paths (call {nc + nn + 1} of {total})", True
+        return path, f"auto: measuring both {first} and {second} (call {nc + nn + 1} of " \
+                     f"{total})", True
 
     def record(self, key, path: str, seconds: float, ran: str, ran_why: str = "") -> None:
         """The time of a measuring call of ``key`` that asked for ``path`` and
@@ -88,13 +93,14 @@ class PathChooser:
         need = self.warmup + self.samples
         if any(len(t) < need for t in c.times.values()):
             return
-        mine = np.array([statistics.median(c.times[p][self.warmup:])
-                         for p in ("compressed", "native")], dtype=np.float64)
+        first, second = self.options
+        mine = np.array([statistics.median(c.times[p][self.warmup:]) for p in self.options],
+                        dtype=np.float64)
         worst = np.empty_like(mine)
         self.plane.allreduce_max(mine, worst)
         tc, tn = float(worst[0]), float(worst[1])
-        c.choice = "compressed" if tc * self.margin < tn else "native"
-        c.why = (f"auto: measured compressed {tc * 1e3:.3f} ms, native {tn * 1e3:.3f} ms "
+        c.choice = first if tc * self.margin < tn else second
+        c.why = (f"auto: measured {first} {tc * 1e3:.3f} ms, {second} {tn * 1e3:.3f} ms "
                  f"(slowest rank, median of {self.samples}) for 2^{key[2]}+ elements")
 
     def decisions(self) -> dict:

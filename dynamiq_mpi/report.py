@@ -32,6 +32,7 @@ class Report:
     collective: str = "allreduce"  # or "reduce_scatter"
     control_plane: str = ""       # what carried rank, size and agreement: "mpi" or "torch"
     hierarchy: str = "flat"       # "flat" (one ring/butterfly) or "nodes" (hierarchy.py)
+    hierarchy_reason: str = ""    # why, for hierarchy="auto"
     levels: list = field(default_factory=list)   # per level: path, codec, bytes, seconds
     # "nodes": the rail level's compressed wire bytes over the input's coordinates
     bits_override: float | None = None

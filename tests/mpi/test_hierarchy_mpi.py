@@ -224,3 +224,43 @@ def test_flat_and_nodes_calls_on_different_ranks_raise():
     with pytest.raises(dq.InputMismatchError, match="hierarchy"):
         coll.allreduce(x, hierarchy="nodes" if comm.rank == 0 else "flat")
     coll.free()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_auto_measures_then_keeps_one_hierarchy_per_class():
+    k = next(k for k in NODE_SIZES if 1 < k < N)
+    coll = dq.Collective(comm, node_size=k, hierarchy="auto")
+    seed = shared_seed(comm)
+    x = rank_inputs(seed, N, 5000)[comm.rank]
+    seen = []
+    for _ in range(8):
+        out, rep = coll.allreduce(x, codec=dq.DynamiQ(small_input=0), seed=seed,
+                                  return_report=True)
+        assert len(set(comm.allgather(digest(out)))) == 1
+        seen.append((rep.hierarchy, rep.hierarchy_reason))
+    # the first calls measure both hierarchies in turn, then one is kept, alike on every rank
+    assert {h for h, _ in seen[:6]} == {"flat", "nodes"}
+    assert all("measuring" in why for _, why in seen[:6])
+    kept = seen[6:]
+    assert kept[0][0] == kept[1][0] and kept[0][1].startswith("auto: measured")
+    assert len(set(comm.allgather(kept[0][0]))) == 1
+    coll.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_is_flat_where_levels_cannot_help():
+    for node_size in (1, N, None):       # None: found by MPI_Comm_split_type: one host
+        coll = dq.Collective(comm, node_size=node_size, hierarchy="auto")
+        out, rep = coll.allreduce(np.ones(300, np.float32), return_report=True)
+        assert rep.hierarchy == "flat" and "one node" in rep.hierarchy_reason
+        assert np.array_equal(out, np.full(300, N, np.float32))
+        coll.free()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_auto_on_some_ranks_only_raises_everywhere():
+    k = next(k for k in NODE_SIZES if 1 < k < N)
+    coll = dq.Collective(comm, node_size=k)
+    with pytest.raises(dq.InputMismatchError):
+        coll.allreduce(np.ones(300, np.float32), hierarchy="auto" if comm.rank else "flat")
+    coll.free()
