@@ -6,7 +6,8 @@ own all-reduce.
 
     mpiexec -n 2 python tools/host_floor.py --json floor.json
 
-Rows: MPI_Allreduce alone; ``path="native"`` (a steady call: one digest
+Rows: MPI_Allreduce alone; the control plane's digest exchange alone (the
+agreement of a steady call); ``path="native"`` (a steady call: one digest
 exchange and the all-reduce); the default ``path="auto"`` (its class decided
 native); ``path="compressed"`` with DynamiQ at 5 bits (small_input=0: the
 codec's CPU kernels included).  Median of --rounds rounds of --calls calls.
@@ -100,6 +101,9 @@ def main(argv=None):
             coll = dq.Collective(comm)
         colls.append(coll)
         tag = f" [{plane}]"
+        digest, digests = np.ones(1, np.uint64), np.empty(comm.size, np.uint64)
+        cases.append(("agreement: 8-byte digest all-gather" + tag,
+                      lambda p=coll._plane: p.allgather_array(digest, digests)))
         cases += [
             ("dq path=native (steady)" + tag, lambda c=coll: c.allreduce(x, out=out,
                                                                          path="native")),

@@ -185,9 +185,23 @@ class TorchPlane(ControlPlane):
             np.copyto(recv, send)
         if self.size == 1:
             return
+        pg = self._gloo()
+        if self._ring is not None and recv.nbytes * self.size <= ring_max_bytes():
+            # small: every rank's array over the ring, combined in rank order
+            # (the same bits on every rank) on the calling thread
+            everyone = np.empty((self.size,) + recv.shape, recv.dtype)
+            self.allgather_array(np.ascontiguousarray(recv), everyone)
+            acc = everyone[0].copy()
+            for r in range(1, self.size):
+                if op == dist.ReduceOp.MAX:
+                    np.maximum(acc, everyone[r], out=acc)
+                else:
+                    np.add(acc, everyone[r], out=acc)
+            recv[...] = acc
+            return
         opts = dist.AllreduceOptions()
         opts.reduceOp = op
-        self._gloo().allreduce([torch.from_numpy(recv)], opts).wait()
+        pg.allreduce([torch.from_numpy(recv)], opts).wait()
 
     # -- host payload, point to point
     def sendrecv(self, send, dest, recv, source) -> None:
