@@ -257,6 +257,11 @@ if __name__ == "__main__":
     # once in a few hundred runs ("terminate called without an active
     # exception", in torch's or MPI's exit handlers, after every result was
     # written), which would fail the launcher instead of a check.
+    # (Open MPI's launcher wants MPI_Finalize from every process that
+    # initialised MPI: done here, since the teardown that would is skipped.)
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.Finalize()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
