@@ -203,6 +203,23 @@ def rail_topology(topology: str, nodes: int) -> str:
 
 
 # ----------------------------------------------------------------- the call
+def _mean(a, n: int):
+    """One division of the float32 value by n, then the dtype's rounding."""
+    return (a.astype(np.float32) / np.float32(n)).astype(a.dtype)
+
+
+def _deliver(result_host, flat_out, out, backend, on_device):
+    """The host result into the caller's ``out`` (then returned), or as a
+    new array of the input's kind (flat)."""
+    if flat_out is not None:
+        if on_device:
+            flat_out.set(result_host)
+        else:
+            flat_out[...] = result_host
+        return out
+    return backend.xp.asarray(result_host) if on_device else result_host
+
+
 def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, transport,
                tile_bytes, path, nonfinite):
     """The first exchange of a hierarchical call, before the node and rail
@@ -294,6 +311,19 @@ class Levels:
             np.add(acc, got[j], out=acc)
         return acc
 
+    def _rail_call(self, method, shard, on_device, counter, **call):
+        """The rail level's ``method`` (its collective's) on the node sums'
+        shard, on the device for device arrays: (host result, report, seconds)."""
+        t1 = time.perf_counter()
+        rail_in = shard
+        if on_device:
+            import cupy
+            rail_in = cupy.asarray(shard)
+        self.rail.counter = counter         # the call's generator keys on every rail
+        res, rep = getattr(self.rail, method)(rail_in, op="sum", return_report=True, **call)
+        res = res.get() if on_device else np.asarray(res)
+        return res, rep, time.perf_counter() - t1
+
     def allreduce(self, coll, x, out, agreed, *, codec, topology, op, seed, counter, transport,
                   tile_bytes, path, nonfinite, return_report):
         """One hierarchical call after :func:`agree_call` (every rank of the
@@ -317,17 +347,9 @@ class Levels:
         t_rs = time.perf_counter() - t1
 
         # 2. the rail: local rank l of every node, compressed
-        t1 = time.perf_counter()
-        rail_in = shard
-        if on_device:
-            import cupy
-            rail_in = cupy.asarray(shard)
-        self.rail.counter = counter
-        reduced, rail_rep = self.rail.allreduce(
-            rail_in, codec=codec, topology=rail_topo, op="sum", seed=seed, transport=transport,
-            tile_bytes=tile_bytes, return_report=True, path=path, nonfinite=nonfinite)
-        reduced = reduced.get() if on_device else reduced
-        t_rail = time.perf_counter() - t1
+        reduced, rail_rep, t_rail = self._rail_call(
+            "allreduce", shard, on_device, counter, codec=codec, topology=rail_topo, seed=seed,
+            transport=transport, tile_bytes=tile_bytes, path=path, nonfinite=nonfinite)
 
         # 3. in-node all-gather of the rails' results
         t1 = time.perf_counter()
@@ -337,18 +359,12 @@ class Levels:
         got[lay.local] = reduced
         for j, part in got.items():
             rail_scatter(result_host, part, k, j)
-        if op == "mean":      # one division of the float32 value, then the dtype's rounding
-            result_host = (result_host.astype(np.float32) / np.float32(n)).astype(dtype)
+        if op == "mean":
+            result_host = _mean(result_host, n)
         t_ag = time.perf_counter() - t1
-        if flat_out is not None:
-            if on_device:
-                flat_out.set(result_host)
-            else:
-                flat_out[...] = result_host
-            shaped = out
-        else:
-            res = backend.xp.asarray(result_host) if on_device else result_host
-            shaped = res.reshape(x.shape)
+        shaped = _deliver(result_host, flat_out, out, backend, on_device)
+        if flat_out is None:
+            shaped = shaped.reshape(x.shape)
         if not return_report:
             return shaped, None
 
@@ -416,27 +432,12 @@ class Levels:
         t1 = time.perf_counter()
         shard = self._in_node_sum(host, chunks_of, lay.nodes * m)
         t_rs = time.perf_counter() - t1
-        t1 = time.perf_counter()
-        rail_in = shard
-        if on_device:
-            import cupy
-            rail_in = cupy.asarray(shard)
-        self.rail.counter = counter
-        mine, rail_rep = self.rail.reduce_scatter(
-            rail_in, codec=codec, topology=rail_topo, op="sum", seed=seed, transport=transport,
-            tile_bytes=tile_bytes, return_report=True, nonfinite=nonfinite)
-        mine = mine.get() if on_device else np.asarray(mine)
+        mine, rail_rep, t_rail = self._rail_call(
+            "reduce_scatter", shard, on_device, counter, codec=codec, topology=rail_topo,
+            seed=seed, transport=transport, tile_bytes=tile_bytes, nonfinite=nonfinite)
         if op == "mean":
-            mine = (mine.astype(np.float32) / np.float32(n)).astype(dtype)
-        t_rail = time.perf_counter() - t1
-        if flat_out is not None:
-            if on_device:
-                flat_out.set(mine)
-            else:
-                flat_out[...] = mine
-            result = out
-        else:
-            result = backend.xp.asarray(mine) if on_device else mine
+            mine = _mean(mine, n)
+        result = _deliver(mine, flat_out, out, backend, on_device)
         if not return_report:
             return result, None
         rails = self.node.allgather((lay.local, rail_rep.wire_bytes_total))

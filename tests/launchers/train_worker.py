@@ -99,20 +99,9 @@ def train_ddp(args, rank, group):
                    "hook_size": state.plane.size}
 
 
-def train_fsdp(args, rank, group):
-    from torch.distributed.fsdp import fully_shard
-    model = make_model()
-    exact = exact_mean_grads(model, rank, group)
-    # the default codec: FSDP2's reduce-scatters here are 2-3k elements, which
-    # DynamiQ sends as BF16 (small_input); forced 5-bit codes on such tiny
-    # per-rank chunks err far more (the ranks' values cancel)
-    rs = dqt.ReduceScatter(codec=dq.DynamiQ(bits=5), path="compressed", seed=7)
-    for layer in (model[0], model[2], model[4]):
-        fully_shard(layer)
-    fully_shard(model)
-    for m in model.modules():
-        if hasattr(m, "set_custom_reduce_scatter"):
-            m.set_custom_reduce_scatter(rs)
+def _train_sharded(model, rank, exact, state):
+    """STEPS steps of a model FSDP2 has sharded: (full parameters, the first
+    step's full-gradient vNMSE against ``exact``)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     err = None
     for step in range(STEPS):
@@ -125,8 +114,29 @@ def train_fsdp(args, rank, group):
         opt.zero_grad()
     params = make_model()
     params.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
-    return params, {"vnmse_step0": err, "control_plane": rs.collective.control_plane,
-                    "hook_size": rs.plane.size}
+    return params, {"vnmse_step0": err, "control_plane": state.collective.control_plane,
+                    "hook_size": state.plane.size}
+
+
+def _shard(model, mesh=None):
+    from torch.distributed.fsdp import fully_shard
+    for layer in (model[0], model[2], model[4]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def train_fsdp(args, rank, group):
+    model = make_model()
+    exact = exact_mean_grads(model, rank, group)
+    # the default codec: FSDP2's reduce-scatters here are 2-3k elements, which
+    # DynamiQ sends as BF16 (small_input); forced 5-bit codes on such tiny
+    # per-rank chunks err far more (the ranks' values cancel)
+    rs = dqt.ReduceScatter(codec=dq.DynamiQ(bits=5), path="compressed", seed=7)
+    _shard(model)
+    for m in model.modules():
+        if hasattr(m, "set_custom_reduce_scatter"):
+            m.set_custom_reduce_scatter(rs)
+    return _train_sharded(model, rank, exact, rs)
 
 
 def train_hsdp(args, rank, group):
@@ -134,7 +144,6 @@ def train_hsdp(args, rank, group):
     all-reduce compressed by dqt.HSDP; the first step's full gradient
     against the exact mean over all four ranks."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2),
                             mesh_dim_names=("replicate", "shard"))
     model = make_model()
@@ -142,24 +151,10 @@ def train_hsdp(args, rank, group):
     # the default DynamiQ: these shards (170-2178 elements) go as BF16 (small_input)
     codec = dq.Exact() if args.codec == "exact" else dq.DynamiQ(bits=5)
     hsdp = dqt.HSDP(mesh, codec=codec, path="compressed", seed=7)
-    for layer in (model[0], model[2], model[4]):
-        fully_shard(layer, mesh=hsdp.shard_mesh)
-    fully_shard(model, mesh=hsdp.shard_mesh)
+    _shard(model, hsdp.shard_mesh)
     hooks = hsdp.attach(model)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    err = None
-    for step in range(STEPS):
-        x, y = batch(step, rank)
-        nn.functional.mse_loss(model(x), y).backward()
-        if step == 0:
-            full = torch.cat([p.grad.full_tensor().reshape(-1) for p in model.parameters()])
-            err = vnmse(full, exact)
-        opt.step()
-        opt.zero_grad()
-    params = make_model()
-    params.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
-    return params, {"vnmse_step0": err, "control_plane": hsdp.collective.control_plane,
-                    "hook_size": hsdp.plane.size, "hooks": hooks}
+    params, info = _train_sharded(model, rank, exact, hsdp)
+    return params, dict(info, hooks=hooks)
 
 
 def run_allreduce(args, rank):

@@ -264,3 +264,14 @@ def test_auto_on_some_ranks_only_raises_everywhere():
     with pytest.raises(dq.InputMismatchError):
         coll.allreduce(np.ones(300, np.float32), hierarchy="auto" if comm.rank else "flat")
     coll.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_out_is_returned_and_shapes_kept(colls):
+    k = NODE_SIZES[-1]
+    x = rank_inputs(shared_seed(comm), N, 6 * 37)[comm.rank].reshape(6, 37)
+    buf = np.empty_like(x)
+    res = colls[k].allreduce(x, out=buf)
+    assert res is buf
+    new = colls[k].allreduce(x)
+    assert new.shape == (6, 37) and np.array_equal(new, buf)
