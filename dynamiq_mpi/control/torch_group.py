@@ -70,6 +70,7 @@ def _check_member(group):
 class TorchPlane(ControlPlane):
     name = "torch"
     thread_safe = True
+    _slots_bytes = 64           # shm_slots.SLOT
 
     def __init__(self, group=None, *, _members=None):
         if _members is not None:        # a subset of another plane (split)
@@ -82,6 +83,7 @@ class TorchPlane(ControlPlane):
             self.timeout = group_timeout(self.group)
         self._pg = None
         self._ring = None           # socket_ring.SocketRing, made with the gloo group
+        self._slots = None          # shm_slots.SharedSlots (members on one host)
         self._lock = threading.Lock()
 
     # -- the private gloo group (made on the first operation: collective)
@@ -100,28 +102,38 @@ class TorchPlane(ControlPlane):
                 store = dist.PrefixStore(f"dynamiq_mpi/{name}/{index}/", _get_default_store())
                 pg = dist.ProcessGroupGloo(store, self.rank, self.size, self.timeout)
                 _live.add(self)
-                self._ring = self._make_ring(pg, store)
+                self._ring, self._slots = self._fast_paths(pg, store)
                 self._pg = pg
             return self._pg
 
-    def _make_ring(self, pg, store):
-        """The socket ring for small exchanges (socket_ring.py), if every
-        member connected (agreed over gloo: all use it or none does)."""
-        from . import socket_ring
+    def _fast_paths(self, pg, store):
+        """(socket ring, shared-memory slots) for small exchanges, each
+        kept only if every member has it (agreed over gloo: all use it or
+        none does).  Slots need every member on this host."""
+        from . import shm_slots, socket_ring
         if self.size < 2 or not socket_ring.enabled():
-            return None
+            return None, None
         host = np.frombuffer(socket.gethostname().encode()[:64].ljust(64, b"\0"), np.uint8)
         hosts = np.empty((self.size, 64), np.uint8)
         self._gloo_allgather(pg, host, hosts)
         same_host = bool((hosts == hosts[0]).all())
-        ring = socket_ring.SocketRing(store, self.rank, self.size,
-                                      self.timeout.total_seconds(), same_host)
-        flags = np.empty(self.size, np.uint8)
-        self._gloo_allgather(pg, np.array([ring.ok], np.uint8), flags)
-        if not flags.all():
+        seconds = self.timeout.total_seconds()
+        slots = (shm_slots.SharedSlots(store, self.rank, self.size, seconds)
+                 if same_host and shm_slots.supported() else None)
+        ring = socket_ring.SocketRing(store, self.rank, self.size, seconds, same_host)
+        flags = np.empty((self.size, 2), np.uint8)
+        self._gloo_allgather(pg, np.array([ring.ok, slots is not None and slots.ok], np.uint8),
+                             flags)
+        if not flags[:, 0].all():
             ring.close()
-            return None
-        return ring
+            ring = None
+        if slots is not None:
+            if flags[:, 1].all():
+                slots.release_name()      # every member attached (they did before the flags)
+            else:
+                slots.close()
+                slots = None
+        return ring, slots
 
     # -- object collectives (pickled into uint8 tensors)
     def allgather(self, value) -> list:
@@ -162,6 +174,10 @@ class TorchPlane(ControlPlane):
             rows[0] = flat
             return
         pg = self._gloo()
+        if self._slots is not None and rows.shape[1] <= self._slots_bytes:
+            for r, part in enumerate(self._slots.allgather(flat.tobytes())):
+                rows[r] = np.frombuffer(part, np.uint8)
+            return
         ring = self._ring
         if ring is not None and rows.size <= ring_max_bytes():
             for r, part in enumerate(ring.allgather(flat.tobytes())):
@@ -237,6 +253,9 @@ class TorchPlane(ControlPlane):
         if self._ring is not None:
             self._ring.close()
             self._ring = None
+        if self._slots is not None:
+            self._slots.close()
+            self._slots = None
         self._pg = None         # gloo closes its pairs when the group is collected
 
     def describe(self) -> str:

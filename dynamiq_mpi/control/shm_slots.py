@@ -1,0 +1,109 @@
+"""Shared-memory slots for a torch plane whose members share one host: the
+per-call digests and other all-gathers of a few bytes, as MPI moves them
+there (a store to memory and a poll), with no socket and no thread.
+
+One segment per plane: per rank two slots (the call's parity) of a sequence
+number and ``SLOT`` bytes.  An all-gather writes this rank's bytes into the
+slot of its parity, then the sequence number, then polls until every rank's
+number of that parity has reached the call's; a rank cannot lap another,
+since it finishes call c+1 only after every rank has posted c+1, which each
+does after reading call c.  The store-then-flag order relies on x86's total
+store order, so other processors use the socket ring instead.
+
+Rank 0 creates the segment and publishes its name in the job's store; the
+others attach (and leave its removal to rank 0: Python's resource tracker
+would otherwise remove it when the first of them exits); once every member
+has attached, rank 0 removes the name, so nothing is left behind in /dev/shm
+whatever happens to the processes.
+"""
+from __future__ import annotations
+
+import platform
+import time
+
+import numpy as np
+
+SLOT = 64                  # bytes a rank may contribute to one all-gather
+SPIN_S = 200e-6            # poll this long, then yield the processor between polls
+
+
+def supported() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+class SharedSlots:
+    def __init__(self, store, rank: int, size: int, timeout_s: float):
+        from multiprocessing import shared_memory
+        self.rank, self.size, self.timeout_s = rank, size, timeout_s
+        self.ok, self.why, self._shm, self._owner = False, "", None, rank == 0
+        self.count = 0
+        nbytes = size * 2 * (8 + SLOT)
+        try:
+            if self._owner:
+                self._shm = shared_memory.SharedMemory(create=True, size=nbytes)
+                store.set("shm", self._shm.name)
+            else:
+                name = store.get("shm").decode()
+                self._shm = shared_memory.SharedMemory(name=name)
+                _untrack(self._shm)
+            buf = self._shm.buf
+            self.seq = np.ndarray((size, 2), np.uint64, buf, 0)
+            self.data = np.ndarray((size, 2, SLOT), np.uint8, buf, size * 2 * 8)
+            if self._owner:
+                self.seq[...] = 0
+            self.ok = True
+        except Exception as exc:      # no slots on this rank: the caller agrees on it
+            self.why = f"{type(exc).__name__}: {exc}"
+            self.close()
+
+    def allgather(self, mine: bytes) -> list:
+        k = len(mine)
+        self.count += 1
+        p = self.count & 1
+        self.data[self.rank, p, :k] = np.frombuffer(mine, np.uint8)
+        self.seq[self.rank, p] = self.count          # after the bytes (x86: in order)
+        column = self.seq[:, p]
+        start = time.perf_counter()
+        while (column < self.count).any():
+            waited = time.perf_counter() - start
+            if waited > SPIN_S:
+                if waited > self.timeout_s:
+                    late = [r for r in range(self.size) if column[r] < self.count]
+                    raise TimeoutError(f"dynamiq_mpi: ranks {late} of the plane did not "
+                                       f"arrive within {self.timeout_s:.0f} s")
+                time.sleep(0)
+        return [self.data[r, p, :k].tobytes() for r in range(self.size)]
+
+    def release_name(self):
+        """Once every member has attached: remove the segment's name, so that
+        nothing is left in /dev/shm even if a process dies (the mappings stay)."""
+        if self._owner and self._shm is not None:
+            try:
+                self._shm.unlink()
+            except Exception:
+                pass
+            self._owner = False
+
+    def close(self):
+        shm, self._shm = self._shm, None
+        self.ok = False
+        if shm is None:
+            return
+        self.seq = self.data = None
+        try:
+            shm.close()
+            if self._owner:
+                shm.unlink()
+        except Exception:
+            pass
+
+
+def _untrack(shm):
+    """Leave the segment's removal to its creator (Python < 3.13 registers
+    every attachment with the resource tracker, which removes the segment
+    when the attaching process exits)."""
+    try:
+        from multiprocessing import resource_tracker
+        resource_tracker.unregister(shm._name, "shared_memory")
+    except Exception:
+        pass
