@@ -52,9 +52,20 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _killed_from_outside(proc) -> bool:
+    """A launch whose processes were killed by a signal with no Python error
+    (seen once on a loaded 2-core machine: SIGKILL, no traceback): not a
+    failure of the code under test."""
+    signalled = proc.returncode < 0 or proc.returncode in (9, 137)
+    return signalled and "Killed (signal 9)" in proc.stdout and "Traceback" not in proc.stdout
+
+
 def _run(cmd, what):
-    proc = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+    for attempt in range(2):        # one more launch only for a kill from outside
+        proc = subprocess.run(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, timeout=TIMEOUT, stdin=subprocess.DEVNULL)
+        if proc.returncode == 0 or not (attempt == 0 and _killed_from_outside(proc)):
+            break
     if proc.returncode != 0:
         pytest.fail(f"{what} failed (exit {proc.returncode}):\n{proc.stdout[-6000:]}")
     return proc.stdout
