@@ -11,7 +11,7 @@ from .codecs.dynamiq import DynamiQ
 from . import native
 from .backend import backend_for
 from .errors import InvalidInputError
-from .engine import LAYOUT_CHOICES, NONFINITE, CallSpec, rank_program
+from .engine import LAYOUT_CHOICES, CallSpec, check_nonfinite, rank_program
 from .paths import PathChooser, default_path, size_class
 from .transports import TRANSPORTS, explain_transport
 from .transports.ops import Agree, Route
@@ -99,7 +99,7 @@ class Collective(GraphCalls, NodeCalls):
         if comm is None:
             comm = default_comm()
         _check_transport(transport)
-        _check_nonfinite(nonfinite)
+        check_nonfinite(nonfinite)
         self.path = default_path(path)
         self.hierarchy = default_hierarchy(hierarchy)
         self.node_size = default_node_size(node_size)
@@ -455,11 +455,6 @@ def default_layout(value=None) -> str:
     stream's layout, engine.CallSpec: "fixed" for device arrays, so no call
     reads its plan back; "exact" / "fixed" force one, for A/B runs)."""
     return env_choice(value, "DYNAMIQ_LAYOUT", LAYOUT_CHOICES, "layout")
-
-
-def _check_nonfinite(nonfinite):
-    if nonfinite not in NONFINITE:
-        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
 
 
 def _sync(x):

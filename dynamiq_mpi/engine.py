@@ -105,8 +105,7 @@ def _check_local(x, out, spec: CallSpec, n: int):
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {spec.transport!r}")
     if spec.path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {spec.path!r}")
-    if spec.nonfinite not in NONFINITE:
-        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {spec.nonfinite!r}")
+    check_nonfinite(spec.nonfinite)
     if spec.layout not in LAYOUT_CHOICES:
         raise ValueError(f"layout must be one of {LAYOUT_CHOICES}, got {spec.layout!r}")
     schedules.check_topology(spec.topology, n)
@@ -129,6 +128,11 @@ def _check_local(x, out, spec: CallSpec, n: int):
             raise ValueError(f"out is on device {out.device.id}, the input on {x.device.id}")
         flat_out = out.reshape(-1)
     return x.reshape(-1), flat_out, backend
+
+
+def check_nonfinite(nonfinite) -> None:
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
 
 
 # what a flat all-reduce's record leaves out (other collectives say it)

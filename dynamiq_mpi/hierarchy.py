@@ -287,9 +287,10 @@ class Levels:
         return got
 
     @staticmethod
-    def _nonfinite_check(coll, agreed, nonfinite):
-        """NaN/Inf with nonfinite="raise": every rank raises before any data
-        byte moves."""
+    def _start(coll, agreed, nonfinite):
+        """After the agreement: NaN/Inf with nonfinite="raise" (every rank
+        raises before any data byte moves), then (flat, flat out, backend,
+        the input on the host, on the device?)."""
         from .engine import _holds_nonfinite
         from .transports.mpi_host import agree
         flat, flat_out, backend = agreed
@@ -298,7 +299,8 @@ class Levels:
             bad = [r for r, f in enumerate(flags) if f]
             if bad:
                 raise NonFiniteInputError(f"NaN or Inf in the input of ranks {bad}")
-        return agreed
+        on_device = backend.name == "gpu"
+        return flat, flat_out, backend, flat.get() if on_device else flat, on_device
 
     def _in_node_sum(self, host, shard_for, size):
         """In-node reduce-scatter: every local rank's ``shard_for(me)``,
@@ -334,11 +336,8 @@ class Levels:
         lay = self.layout
         n, k = lay.nodes * lay.node_size, lay.node_size
         rail_topo = rail_topology(topology, lay.nodes)
-        flat, flat_out, backend = self._nonfinite_check(coll, agreed, nonfinite)
-        length = int(flat.shape[0])
-        on_device = backend.name == "gpu"
-        host = flat.get() if on_device else flat
-        dtype = host.dtype
+        flat, flat_out, backend, host, on_device = self._start(coll, agreed, nonfinite)
+        length, dtype = int(flat.shape[0]), host.dtype
 
         # 1. in-node reduce-scatter: my rail's shard from every local rank
         t1 = time.perf_counter()
@@ -419,12 +418,9 @@ class Levels:
         lay = self.layout
         n, k = lay.nodes * lay.node_size, lay.node_size
         rail_topo = rail_topology(topology, lay.nodes)
-        flat, flat_out, backend = self._nonfinite_check(coll, agreed, nonfinite)
-        length = int(flat.shape[0])
+        flat, flat_out, backend, host, on_device = self._start(coll, agreed, nonfinite)
+        length, dtype = int(flat.shape[0]), host.dtype
         m = length // n
-        on_device = backend.name == "gpu"
-        host = flat.get() if on_device else flat
-        dtype = host.dtype
 
         def chunks_of(local):       # the chunks of the ranks of local index ``local``
             return np.concatenate([host[lay.rank_of(j, local) * m:(lay.rank_of(j, local) + 1)
@@ -511,9 +507,8 @@ class NodeCalls:
         """A hierarchical call: agreed first over the whole plane (a rank
         making a flat call meets the same exchange and every rank raises),
         then the node and rail planes, made once."""
-        from .engine import NONFINITE
-        if call["nonfinite"] not in NONFINITE:
-            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {call['nonfinite']!r}")
+        from .engine import check_nonfinite
+        check_nonfinite(call["nonfinite"])
         return_report = call.pop("return_report")
         agreed = agree_call(self, x, out, collective, **call)
         levels = self._nodes()

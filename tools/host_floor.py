@@ -48,9 +48,6 @@ class _TorchWorld:
         self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX)
         return float(t[0])
 
-    def Allreduce(self, x, out):
-        out[...] = x
-
 
 def _world():
     if "WORLD_SIZE" in os.environ and not any(v in os.environ for v in (

@@ -170,12 +170,3 @@ def default_comm(environ=None):
             "mpiexec; refusing to all-reduce over a world of one")
     from mpi4py import MPI
     return MPI.COMM_WORLD
-
-
-def launcher_world_size(environ=None) -> tuple:
-    """(size, variable) the launcher's environment gives (1, None if none)."""
-    env = os.environ if environ is None else environ
-    size, var = _env_size(_MPI_SIZE_VARS, env)
-    if size > 1:
-        return size, var
-    return _env_size(_OTHER_SIZE_VARS, env)

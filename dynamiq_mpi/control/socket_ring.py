@@ -12,7 +12,8 @@ Set up once per plane, over the job's store (each rank publishes the address
 it listens on); the members then agree over gloo that every rank connected,
 so either all use the ring or none does (a host whose address peers cannot
 reach falls back to gloo for the job, alike on every rank).  Timeouts are
-the group's.  ``DYNAMIQ_SOCKET_RING=0`` turns it off.
+the group's.  ``DYNAMIQ_SOCKET_RING=0`` turns it off (and the shared-memory
+slots, shm_slots.py: gloo alone).
 """
 from __future__ import annotations
 

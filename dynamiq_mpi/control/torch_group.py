@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InvalidInputError
-from . import ControlPlane
+from . import ControlPlane, shm_slots, socket_ring
 
 _TAG = 0x5D17
 _made = {}                   # global ranks -> private groups made by this process
@@ -70,7 +70,6 @@ def _check_member(group):
 class TorchPlane(ControlPlane):
     name = "torch"
     thread_safe = True
-    _slots_bytes = 64           # shm_slots.SLOT
 
     def __init__(self, group=None, *, _members=None):
         if _members is not None:        # a subset of another plane (split)
@@ -110,7 +109,6 @@ class TorchPlane(ControlPlane):
         """(socket ring, shared-memory slots) for small exchanges, each
         kept only if every member has it (agreed over gloo: all use it or
         none does).  Slots need every member on this host."""
-        from . import shm_slots, socket_ring
         if self.size < 2 or not socket_ring.enabled():
             return None, None
         host = np.frombuffer(socket.gethostname().encode()[:64].ljust(64, b"\0"), np.uint8)
@@ -174,12 +172,12 @@ class TorchPlane(ControlPlane):
             rows[0] = flat
             return
         pg = self._gloo()
-        if self._slots is not None and rows.shape[1] <= self._slots_bytes:
+        if self._slots is not None and rows.shape[1] <= shm_slots.SLOT:
             for r, part in enumerate(self._slots.allgather(flat.tobytes())):
                 rows[r] = np.frombuffer(part, np.uint8)
             return
         ring = self._ring
-        if ring is not None and rows.size <= ring_max_bytes():
+        if ring is not None and rows.size <= socket_ring.MAX_BYTES:
             for r, part in enumerate(ring.allgather(flat.tobytes())):
                 rows[r] = np.frombuffer(part, np.uint8)
             return
@@ -202,7 +200,7 @@ class TorchPlane(ControlPlane):
         if self.size == 1:
             return
         pg = self._gloo()
-        if self._ring is not None and recv.nbytes * self.size <= ring_max_bytes():
+        if self._ring is not None and recv.nbytes * self.size <= socket_ring.MAX_BYTES:
             # small: every rank's array over the ring, combined in rank order
             # (the same bits on every rank) on the calling thread
             everyone = np.empty((self.size,) + recv.shape, recv.dtype)
@@ -262,11 +260,6 @@ class TorchPlane(ControlPlane):
         return (f"torch plane (a gloo group of global ranks "
                 f"{self.ranks if self.size <= 8 else str(self.ranks[:8])[:-1] + ', ...]'}), "
                 f"rank {self.rank} of {self.size}")
-
-
-def ring_max_bytes() -> int:
-    from .socket_ring import MAX_BYTES
-    return MAX_BYTES
 
 
 def _writable(a):
