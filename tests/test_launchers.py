@@ -197,8 +197,9 @@ def test_torchrun_on_device_arrays(tmp_path):
 
 @pytest.mark.parametrize("codec", ["exact", "dynamiq"])
 def test_hsdp_replicate_all_reduce_counts_every_gradient_once(tmp_path, codec):
-    """2 replicas x 2 shards under torchrun: FSDP2's reduce-scatter inside a
-    shard group, dqt.HSDP's all-reduce across replicas; the gradient is the
+    """2 replicas x 2 shards under torchrun: dqt.ReduceScatter inside a shard
+    group (FSDP2 calls it with that group), dqt.HSDP's all-reduce across
+    replicas; the gradient is the
     mean over all four ranks (Exact: to float32 rounding, so none is dropped
     or counted twice)."""
     _run(torchrun(4, WORKER, "--mode", "hsdp", "--codec", codec, "--out", tmp_path), "torchrun")
@@ -207,4 +208,5 @@ def test_hsdp_replicate_all_reduce_counts_every_gradient_once(tmp_path, codec):
         assert np.array_equal(r["params"], ranks[0]["params"]), "replicas diverged"
         info = r["info"]
         assert info["hook_size"] == 2 and info["hooks"] == 4
+        assert info["rs_size"] == 2 and info["rs_plane"] == "torch"   # the shard group
         assert info["vnmse_step0"] < (1e-12 if codec == "exact" else VNMSE_BOUND), info

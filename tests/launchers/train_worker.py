@@ -153,8 +153,15 @@ def train_hsdp(args, rank, group):
     hsdp = dqt.HSDP(mesh, codec=codec, path="compressed", seed=7)
     _shard(model, hsdp.shard_mesh)
     hooks = hsdp.attach(model)
+    # the shard group's reduce-scatter through dqt.ReduceScatter too: it must
+    # take the group FSDP2 calls it with (HSDP's shard group, not the world)
+    rs = dqt.ReduceScatter(codec=codec, path="compressed", seed=11)
+    for m in model.modules():
+        if hasattr(m, "set_custom_reduce_scatter"):
+            m.set_custom_reduce_scatter(rs)
     params, info = _train_sharded(model, rank, exact, hsdp)
-    return params, dict(info, hooks=hooks)
+    return params, dict(info, hooks=hooks, rs_size=rs.plane.size,
+                        rs_plane=rs.collective.control_plane)
 
 
 def run_allreduce(args, rank):
