@@ -25,11 +25,12 @@ run the ring and the report says so.  A node count of one is an exact
 all-reduce inside the node; a node size of one is the flat call.  Nodes of
 unequal size are refused (every rail needs one rank of every node).
 
-In-node traffic goes over the control plane's point-to-point (MPI, or gloo
-over a torch group); device arrays are staged through host memory for the
-in-node levels (NCCL's own reduce-scatter and all-gather inside a node of
-several GPUs is the next step: docs/design.md), and the rail level runs the
-collective's GPU path.  ``studies/scale_levels.py`` simulates the same
+The in-node level (transports/node_level.py) is NCCL's own reduce-scatter
+and all-gather for device arrays where every rank drives a GPU of its own
+(in the input's dtype, NCCL's order of summation), else the control plane's
+point-to-point (MPI, or gloo over a torch group) with a left-to-right sum,
+device arrays staged through host memory; the rail level runs the
+collective's GPU path for device arrays.  ``studies/scale_levels.py`` simulates the same
 definition at thousands of ranks.
 """
 from __future__ import annotations
@@ -203,21 +204,50 @@ def rail_topology(topology: str, nodes: int) -> str:
 
 
 # ----------------------------------------------------------------- the call
+def rails_rows(x, node_size: int, block: int = BLOCK):
+    """The vector ``x`` (NumPy or CuPy, 1-D) as ``(node_size, segment)`` rows:
+    row ``l`` is rail ``l``'s shard (:func:`rail_gather`) followed by zeros,
+    every row ``ceil(blocks / node_size)`` blocks long, so that an in-node
+    reduce-scatter of equal parts hands local rank ``l`` its rail's sums."""
+    xp, length = _module_of(x), x.shape[0]
+    per_rail = -(-(-(-length // block)) // node_size)
+    total = per_rail * node_size * block
+    padded = x
+    if total != length:
+        padded = xp.zeros(total, dtype=x.dtype)
+        padded[:length] = x
+    rows = padded.reshape(per_rail, node_size, block).transpose(1, 0, 2)
+    return xp.ascontiguousarray(rows).reshape(node_size, per_rail * block)
+
+
+def vector_of_rows(rows, length: int, block: int = BLOCK):
+    """The inverse of :func:`rails_rows`: the vector of ``length`` elements."""
+    xp = _module_of(rows)
+    k, seg = rows.shape
+    vec = xp.ascontiguousarray(rows.reshape(k, seg // block, block).transpose(1, 0, 2))
+    return vec.reshape(-1)[:length]
+
+
 def _mean(a, n: int):
     """One division of the float32 value by n, then the dtype's rounding."""
-    return (a.astype(np.float32) / np.float32(n)).astype(a.dtype)
+    from .backend import BFLOAT16, as_float32, float32_to_bf16
+    if isinstance(a, np.ndarray):
+        return (a.astype(np.float32) / np.float32(n)).astype(a.dtype)
+    value = as_float32(a) / np.float32(n)                   # CuPy: integer-op BF16 rounding
+    return float32_to_bf16(value) if a.dtype == BFLOAT16 else value.astype(a.dtype)
 
 
-def _deliver(result_host, flat_out, out, backend, on_device):
-    """The host result into the caller's ``out`` (then returned), or as a
-    new array of the input's kind (flat)."""
+def _deliver(result, flat_out, out, backend, on_device):
+    """The result (host or device) into the caller's ``out`` (then
+    returned), or as a new array of the input's kind (flat)."""
+    staged = on_device and isinstance(result, np.ndarray)
     if flat_out is not None:
-        if on_device:
-            flat_out.set(result_host)
+        if staged:
+            flat_out.set(result)
         else:
-            flat_out[...] = result_host
+            flat_out[...] = result
         return out
-    return backend.xp.asarray(result_host) if on_device else result_host
+    return backend.xp.asarray(result) if staged else result
 
 
 def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, transport,
@@ -257,40 +287,45 @@ def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, 
 
 
 class Levels:
-    """The node and rail planes of one Collective and node layout, and the
-    rail's own Collective (made once, collectively)."""
+    """The node and rail planes of one Collective and node layout, the
+    rail's own Collective (made once, collectively) and the in-node level
+    (transports/node_level.py: over the control plane for host arrays; NCCL
+    for device arrays where every rank has a GPU of its own)."""
 
     def __init__(self, plane, layout: NodeLayout, make_collective):
+        from .transports.node_level import StagedNodeLevel
         self.layout = layout
+        self._plane = plane
         self.node = plane.split(layout.node, layout.local)        # my node's ranks
         self._rail_plane = plane.split(layout.local, layout.node)  # local rank l of every node
         self.rail = make_collective(self._rail_plane)
+        self._staged = StagedNodeLevel(self.node, layout.local, layout.node_size)
+        self._device_levels = {}     # device id -> (in-node level, why), decided once
 
     def free(self):
+        for level, _ in self._device_levels.values():
+            level.free()
+        self._device_levels.clear()
         self.rail.free()
         self._rail_plane.free()
         self.node.free()
 
-    # -- in-node exchanges: every local rank with every other, in K-1 shifted steps
-    def _exchange_all(self, payload_for, size_from, dtype, xp):
-        """{local rank: array received from it} after sending ``payload_for(j)``
-        to every other local rank j (host arrays)."""
-        k, me = self.layout.node_size, self.layout.local
-        got = {}
-        for s in range(1, k):
-            dest, source = (me + s) % k, (me - s) % k
-            send = np.ascontiguousarray(payload_for(dest))
-            recv = np.empty(size_from(source), dtype=dtype)
-            self.node.sendrecv(send.view(np.uint8) if send.size else None, dest,
-                               recv.view(np.uint8) if recv.size else None, source)
-            got[source] = recv
-        return got
+    def _node_level(self, on_device, flat):
+        """(in-node level, why) of this call (collective on a device's first call)."""
+        if not on_device:
+            return self._staged, "in-node level over the control plane (host arrays)"
+        device = flat.device.id
+        if device not in self._device_levels:
+            from .transports.node_level import node_level_for
+            self._device_levels[device] = node_level_for(self._plane, self.node, device,
+                                                         self._staged)
+        return self._device_levels[device]
 
-    @staticmethod
-    def _start(coll, agreed, nonfinite):
+    def _start(self, coll, agreed, nonfinite):
         """After the agreement: NaN/Inf with nonfinite="raise" (every rank
         raises before any data byte moves), then (flat, flat out, backend,
-        the input on the host, on the device?)."""
+        on the device?, in-node level, why, the input where that level
+        works: on the device or staged to the host)."""
         from .engine import _holds_nonfinite
         from .transports.mpi_host import agree
         flat, flat_out, backend = agreed
@@ -300,30 +335,24 @@ class Levels:
             if bad:
                 raise NonFiniteInputError(f"NaN or Inf in the input of ranks {bad}")
         on_device = backend.name == "gpu"
-        return flat, flat_out, backend, flat.get() if on_device else flat, on_device
+        level, why = self._node_level(on_device, flat)
+        src = flat.get() if on_device and not level.device_arrays else flat
+        return flat, flat_out, backend, on_device, level, why, src
 
-    def _in_node_sum(self, host, shard_for, size):
-        """In-node reduce-scatter: every local rank's ``shard_for(me)``,
-        summed left to right in local-rank order in the input's dtype."""
-        k, me = self.layout.node_size, self.layout.local
-        got = self._exchange_all(shard_for, lambda j: size, host.dtype, np)
-        got[me] = shard_for(me)
-        acc = np.array(got[0], copy=True)
-        for j in range(1, k):
-            np.add(acc, got[j], out=acc)
-        return acc
-
-    def _rail_call(self, method, shard, on_device, counter, **call):
+    def _rail_call(self, method, shard, stage, counter, **call):
         """The rail level's ``method`` (its collective's) on the node sums'
-        shard, on the device for device arrays: (host result, report, seconds)."""
+        shard; ``stage``: the shard was staged to the host from device arrays,
+        so the rail runs on the device and its result comes back.
+        (result, report, seconds)."""
         t1 = time.perf_counter()
         rail_in = shard
-        if on_device:
+        if stage:
             import cupy
             rail_in = cupy.asarray(shard)
         self.rail.counter = counter         # the call's generator keys on every rail
         res, rep = getattr(self.rail, method)(rail_in, op="sum", return_report=True, **call)
-        res = res.get() if on_device else np.asarray(res)
+        if stage:
+            res = res.get()
         return res, rep, time.perf_counter() - t1
 
     def allreduce(self, coll, x, out, agreed, *, codec, topology, op, seed, counter, transport,
@@ -336,48 +365,48 @@ class Levels:
         lay = self.layout
         n, k = lay.nodes * lay.node_size, lay.node_size
         rail_topo = rail_topology(topology, lay.nodes)
-        flat, flat_out, backend, host, on_device = self._start(coll, agreed, nonfinite)
-        length, dtype = int(flat.shape[0]), host.dtype
+        flat, flat_out, backend, on_device, level, level_why, src = self._start(
+            coll, agreed, nonfinite)
+        xp = _module_of(src)
+        length, dtype = int(flat.shape[0]), np.dtype(flat.dtype)
 
-        # 1. in-node reduce-scatter: my rail's shard from every local rank
+        # 1. in-node reduce-scatter: my rail's shard, summed over the node
         t1 = time.perf_counter()
-        shard = self._in_node_sum(host, lambda j: rail_gather(host, k, j),
-                                  rail_length(length, k, lay.local))
+        node_sums = level.reduce_scatter(rails_rows(src, k))
+        mine = rail_length(length, k, lay.local)
+        shard = node_sums[:mine]
         t_rs = time.perf_counter() - t1
 
         # 2. the rail: local rank l of every node, compressed
         reduced, rail_rep, t_rail = self._rail_call(
-            "allreduce", shard, on_device, counter, codec=codec, topology=rail_topo, seed=seed,
-            transport=transport, tile_bytes=tile_bytes, path=path, nonfinite=nonfinite)
+            "allreduce", shard, on_device and not level.device_arrays, counter, codec=codec,
+            topology=rail_topo, seed=seed, transport=transport, tile_bytes=tile_bytes,
+            path=path, nonfinite=nonfinite)
 
         # 3. in-node all-gather of the rails' results
         t1 = time.perf_counter()
-        result_host = np.empty(length, dtype=dtype)
-        got = self._exchange_all(lambda j: reduced, lambda j: rail_length(length, k, j),
-                                 dtype, np)
-        got[lay.local] = reduced
-        for j, part in got.items():
-            rail_scatter(result_host, part, k, j)
+        part = xp.zeros(node_sums.shape[0], dtype=dtype)
+        part[:mine] = reduced
+        result = vector_of_rows(level.all_gather(part), length)
         if op == "mean":
-            result_host = _mean(result_host, n)
+            result = _mean(result, n)
         t_ag = time.perf_counter() - t1
-        shaped = _deliver(result_host, flat_out, out, backend, on_device)
+        shaped = _deliver(result, flat_out, out, backend, on_device)
         if flat_out is None:
             shaped = shaped.reshape(x.shape)
         if not return_report:
             return shaped, None
 
-        rails = self.node.allgather((lay.local, rail_length(length, k, lay.local),
-                                     rail_rep.wire_bytes_total, rail_rep.bits_per_coord,
-                                     rail_rep.path, rail_rep.transport))
+        rails = self.node.allgather((lay.local, mine, rail_rep.wire_bytes_total,
+                                     rail_rep.bits_per_coord, rail_rep.path,
+                                     rail_rep.transport))
         wire = sum(r[2] for r in rails)
-        itemsize = dtype.itemsize
-        node_bytes = 2 * (k - 1) * length * itemsize // k        # per rank, both phases
+        node_bytes = 2 * (k - 1) * length * dtype.itemsize // k        # per rank, both phases
         report = Report(codec=rail_rep.codec, topology=topology, world_size=n, length=length,
                         dtype=dtype_name(dtype), op=op, seed=int(seed), call_counter=counter,
                         transport=rail_rep.transport, path=rail_rep.path,
-                        path_reason=rail_rep.path_reason, nonfinite=_holds_nonfinite(
-                            np, result_host) if length else False,
+                        path_reason=rail_rep.path_reason,
+                        nonfinite=bool(_holds_nonfinite(xp, result)) if length else False,
                         wire_bytes_total=wire,
                         stats_bytes_total=rail_rep.stats_bytes_total,
                         bytes_sent=rail_rep.bytes_sent + node_bytes,
@@ -387,9 +416,11 @@ class Levels:
         report.transport_reason = rail_rep.transport_reason
         report.bits_override = (wire * 8.0 / (2.0 * (lay.nodes - 1) * length)
                                 if lay.nodes > 1 and length else 0.0)
+        node = {"path": "uncompressed", "codec": dtype_name(dtype), "ranks": k,
+                "transport": level.name, "transport_reason": level_why,
+                "bytes_sent": node_bytes // 2}
         report.levels = [
-            {"level": "node reduce-scatter", "path": "uncompressed", "codec": dtype_name(dtype),
-             "ranks": k, "bytes_sent": node_bytes // 2, "seconds": t_rs},
+            dict(node, level="node reduce-scatter", seconds=t_rs),
             {"level": "rails", "path": rail_rep.path, "codec": rail_rep.codec,
              "topology": rail_topo, "ranks": lay.nodes, "rails": k,
              "bits_per_coord": report.bits_override,
@@ -397,8 +428,7 @@ class Levels:
                            "bits_per_coord": r[3], "path": r[4], "transport": r[5]}
                           for r in sorted(rails)],
              "bytes_sent": rail_rep.bytes_sent, "seconds": t_rail},
-            {"level": "node all-gather", "path": "uncompressed", "codec": dtype_name(dtype),
-             "ranks": k, "bytes_sent": node_bytes // 2, "seconds": t_ag},
+            dict(node, level="node all-gather", seconds=t_ag),
         ]
         if rail_topo != topology:
             report.levels[1]["note"] = (f"butterfly needs a power-of-two node count "
@@ -418,19 +448,22 @@ class Levels:
         lay = self.layout
         n, k = lay.nodes * lay.node_size, lay.node_size
         rail_topo = rail_topology(topology, lay.nodes)
-        flat, flat_out, backend, host, on_device = self._start(coll, agreed, nonfinite)
-        length, dtype = int(flat.shape[0]), host.dtype
+        flat, flat_out, backend, on_device, level, level_why, src = self._start(
+            coll, agreed, nonfinite)
+        xp = _module_of(src)
+        length, dtype = int(flat.shape[0]), np.dtype(flat.dtype)
         m = length // n
 
-        def chunks_of(local):       # the chunks of the ranks of local index ``local``
-            return np.concatenate([host[lay.rank_of(j, local) * m:(lay.rank_of(j, local) + 1)
-                                        * m] for j in range(lay.nodes)])
+        # row l: the chunks of the ranks of local index l, in node order
+        order = xp.asarray([lay.rank_of(j, l) for l in range(k) for j in range(lay.nodes)],
+                           dtype=np.int64)
         t1 = time.perf_counter()
-        shard = self._in_node_sum(host, chunks_of, lay.nodes * m)
+        shard = level.reduce_scatter(src.reshape(n, m)[order].reshape(k, lay.nodes * m))
         t_rs = time.perf_counter() - t1
         mine, rail_rep, t_rail = self._rail_call(
-            "reduce_scatter", shard, on_device, counter, codec=codec, topology=rail_topo,
-            seed=seed, transport=transport, tile_bytes=tile_bytes, nonfinite=nonfinite)
+            "reduce_scatter", shard, on_device and not level.device_arrays, counter,
+            codec=codec, topology=rail_topo, seed=seed, transport=transport,
+            tile_bytes=tile_bytes, nonfinite=nonfinite)
         if op == "mean":
             mine = _mean(mine, n)
         result = _deliver(mine, flat_out, out, backend, on_device)
@@ -450,7 +483,8 @@ class Levels:
                                 if lay.nodes > 1 and length else 0.0)
         report.levels = [
             {"level": "node reduce-scatter", "path": "uncompressed", "codec": dtype_name(dtype),
-             "ranks": k, "seconds": t_rs},
+             "ranks": k, "transport": level.name, "transport_reason": level_why,
+             "seconds": t_rs},
             {"level": "rails", "path": "compressed", "codec": rail_rep.codec,
              "topology": rail_topo, "ranks": lay.nodes, "rails": k,
              "bits_per_coord": report.bits_override, "seconds": t_rail}]

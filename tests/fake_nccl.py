@@ -11,6 +11,7 @@ import ctypes
 import itertools
 from types import SimpleNamespace
 
+import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
@@ -59,11 +60,19 @@ cuda = SimpleNamespace(Stream=_Stream, Event=_Event, Device=_Device,
 cupy = SimpleNamespace(cuda=cuda, empty=np.empty, uint8=np.uint8)
 
 
-class _Nccl:
-    """The module-level API: a group collects operations until groupEnd."""
-    NCCL_UINT8 = 7
+_DTYPES = {7: np.uint8, 6: np.float16, 8: np.float32, 9: np.float64,
+           10: np.dtype(ml_dtypes.bfloat16)}
 
-    def __init__(self):
+
+class _Nccl:
+    """The module-level API: a group collects operations until groupEnd.
+    ``base``: the MPI communicator the fake communicators duplicate (a
+    node's, for the in-node level), COMM_WORLD by default."""
+    NCCL_UINT8, NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 7, 6, 8, 9, 10
+    NCCL_SUM = 0
+
+    def __init__(self, base=None):
+        self.base = base
         self._group = None
         self.calls = []          # (op, peer, count) of every operation, for the tests
 
@@ -108,7 +117,7 @@ class _Nccl:
 class _Comm:
     def __init__(self, module, ndev, rank):
         self.module = module
-        self.mpi = MPI.COMM_WORLD.Dup()
+        self.mpi = (module.base or MPI.COMM_WORLD).Dup()
         assert self.mpi.size == ndev and self.mpi.rank == rank
         self.keep = []
 
@@ -120,15 +129,33 @@ class _Comm:
 
     def allGather(self, src, dst, count, dtype, stream):
         self.module.calls.append(("allgather", -1, count))
-        mine = np.frombuffer(ctypes.string_at(src, count), dtype=np.uint8)
-        everyone = np.empty(count * self.mpi.size, dtype=np.uint8)
+        nbytes = count * np.dtype(_DTYPES[dtype]).itemsize
+        mine = np.frombuffer(ctypes.string_at(src, nbytes), dtype=np.uint8)
+        everyone = np.empty(nbytes * self.mpi.size, dtype=np.uint8)
         self.mpi.Allgather(mine, everyone)
         ctypes.memmove(dst, everyone.ctypes.data, everyone.size)
+
+    def reduceScatter(self, src, dst, count, dtype, op, stream):
+        """Sum of every rank's part ``rank`` (``count`` elements each),
+        added in reverse rank order: an order unlike the staged level's, as
+        NCCL's own is."""
+        assert op == _Nccl.NCCL_SUM
+        self.module.calls.append(("reducescatter", -1, count))
+        dt = np.dtype(_DTYPES[dtype])
+        size = self.mpi.size
+        mine = np.frombuffer(ctypes.string_at(src, count * size * dt.itemsize), dtype=dt)
+        everyone = np.empty((size, count * size), dtype=dt)
+        self.mpi.Allgather(mine.view(np.uint8), everyone.view(np.uint8))
+        parts = everyone[:, self.mpi.rank * count:(self.mpi.rank + 1) * count]
+        acc = parts[size - 1].copy()
+        for r in range(size - 2, -1, -1):
+            acc = (acc + parts[r]).astype(dt)
+        ctypes.memmove(dst, acc.ctypes.data, acc.nbytes)
 
     def destroy(self):
         self.mpi.Free()
 
 
-def modules():
-    """A fresh (cupy, nccl) pair."""
-    return cupy, _Nccl()
+def modules(base=None):
+    """A fresh (cupy, nccl) pair (``base``: see :class:`_Nccl`)."""
+    return cupy, _Nccl(base)

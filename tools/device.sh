@@ -16,6 +16,8 @@
 # two GPUs, one host (tools/device/links.sh; each stage says what it runs):
 #   tests profile ncu timeline nvlink shm sockets probe tune hostid lanes mx agprobe
 #   pairab sockset shm1 chunks p2p ab paths ddp fsdp defaults
+# four GPUs, one host (tools/device/nodes.sh):
+#   tests4 hier sockets4 flat4
 # training (tools/device/train.sh):
 #   train         mpi_examples/train_lm.py, BF16 against DynamiQ (STEPS, SEEDS_*, CODECS_DQ, TRAIN_ARGS)
 # CUDA-aware MPI (tools/device/mpi_cuda.sh; carry .whl with the sources):
@@ -27,7 +29,7 @@
 #
 # Consecutive stages of one family run in one invocation of its script.
 set -o pipefail
-[ $# -gt 0 ] || { sed -n '2,28p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
 OUT=${OUT:-device_out}; mkdir -p "$OUT"; export OUT
 PY=${PYTHON:-python3}
 HERE=$(dirname "${BASH_SOURCE[0]}")
@@ -38,6 +40,7 @@ family_of() {
     gpu-tests|gpu-mpi|kernels|ncu-kernels|sanitize) echo kernels ;;
     suites) echo suites ;;
     tests|profile|ncu|timeline|nvlink|shm|sockets|probe|tune|hostid|lanes|mx|agprobe|pairab|sockset|shm1|chunks|p2p|ab|paths|ddp|fsdp|defaults) echo links ;;
+    tests4|hier|sockets4|flat4) echo nodes ;;
     train) echo train ;;
     mpi-cuda-build|mpi-cuda-ext|mpi-cuda-probe|mpi-cuda-tests|mpi-cuda-bench) echo mpi_cuda ;;
     package-ab) echo package_ab ;;
@@ -53,7 +56,7 @@ run_family() {   # family, its stages
       echo "== build"; local t0=$(date +%s)
       $PY setup.py build_ext --inplace > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; return 1; }
       echo "build took $(( $(date +%s) - t0 )) s" ;;
-    kernels|links) bash "$HERE/device/$fam.sh" "$@" ;;
+    kernels|links|nodes) bash "$HERE/device/$fam.sh" "$@" ;;
     suites) bash "$HERE/device/suites.sh" ${NP_LIST:-2 4} ;;
     train) SKIP_BUILD=1 bash "$HERE/device/train.sh" ;;
     mpi_cuda) bash "$HERE/device/mpi_cuda.sh" "${@#mpi-cuda-}" ;;

@@ -137,9 +137,10 @@ class _Device:
         return float(self.xp.sum(d * d)) / norm if norm > 0 else 0.0
 
 
-def _codec_call(coll, x, codec, topo, seed, out, path):
+def _codec_call(coll, x, codec, topo, seed, out, path, hierarchy):
     def call():
-        coll.allreduce(x, codec=codec, topology=topo, seed=seed, out=out, path=path)
+        coll.allreduce(x, codec=codec, topology=topo, seed=seed, out=out, path=path,
+                       hierarchy=hierarchy)
     return call
 
 
@@ -182,15 +183,19 @@ def run(args) -> list:
     codecs = [(s, codec_mod.codec_from_string(s)) for s in args.codec.split(",") if s]
     topologies = [t for t in args.topology.split(",") if t]
     paths = [p for p in args.paths.split(",") if p]
+    hierarchies = [h for h in args.hierarchy.split(",") if h]
+    bad = [h for h in hierarchies if h not in ("flat", "nodes", "auto")]
+    if bad:
+        raise SystemExit(f"--hierarchy takes flat, nodes, auto; got {bad}")
     bad = [p for p in paths if p not in ("auto", "compressed", "native")]
     if bad:
         raise SystemExit(f"--paths takes auto, compressed, native; got {bad}")
     tile_bytes = parse_size(args.tile_bytes) if args.tile_bytes else DEFAULT_TILE_BYTES
     coll = Collective(comm, transport=args.transport, tile_bytes=tile_bytes,
-                      lanes=args.lanes)
+                      lanes=args.lanes, node_size=args.node_size)
     sizes = sizes_from(args)
     total = len(sizes) * (sum(len(_row_paths(c, paths)) for _, c in codecs) * len(topologies)
-                          + (0 if args.no_reference else 1))
+                          * len(hierarchies) + (0 if args.no_reference else 1))
     done = 0
     rows = []
     ref_name = "nccl" if use_gpu else "mpi"
@@ -208,15 +213,17 @@ def run(args) -> list:
         for label, codec in codecs:
             for topo in topologies:
                 for path in _row_paths(codec, paths):
-                    if topo == "butterfly" and n & (n - 1):
-                        done += 1
-                        continue
-                    runs.append(((label, topo, path),
-                                 _codec_call(coll, x, codec, topo, args.seed, out, path)))
+                    for hier in hierarchies:
+                        if topo == "butterfly" and n & (n - 1) and hier == "flat":
+                            done += 1
+                            continue
+                        runs.append(((label, topo, path, hier), _codec_call(
+                            coll, x, codec, topo, args.seed, out, path, hier)))
         times = {key: 0.0 for key, _ in runs}
         for key, fn in runs:
             # path="auto" measures both paths on its first calls: warm it up past them
-            for _ in range(max(args.warmup, AUTO_CALLS if key[-1] == "auto" else 0)):
+            auto = key != "ref" and "auto" in key[2:]
+            for _ in range(max(args.warmup, AUTO_CALLS if auto else 0)):
                 fn()
         for _ in range(args.rounds):
             for key, fn in runs:
@@ -233,14 +240,17 @@ def run(args) -> list:
             _progress(rank, f"[{done}/{total}] {count} {args.dtype} {ref_name} all-reduce: "
                             f"{ref_time * 1e6:.1f} us")
         for label, codec in codecs:
-            for topo, path in [(t, p) for t in topologies for p in _row_paths(codec, paths)]:
-                if (label, topo, path) not in times:
+            for topo, path, hier in [(t, p, h) for t in topologies
+                                     for p in _row_paths(codec, paths) for h in hierarchies]:
+                if (label, topo, path, hier) not in times:
                     continue
-                t = times[(label, topo, path)]
+                t = times[(label, topo, path, hier)]
                 _, rep = coll.allreduce(x, codec=codec, topology=topo, seed=args.seed, out=out,
-                                        return_report=True, profile=args.breakdown, path=path)
+                                        return_report=True, path=path, hierarchy=hier,
+                                        profile=args.breakdown and hier == "flat")
                 dev.sync()
                 row = dict(base, codec=label, bits=rep.bits_per_coord, topology=topo,
+                           hierarchy=rep.hierarchy, levels=rep.levels,
                            path=path, ran=rep.path, path_reason=rep.path_reason,
                            transport=rep.transport, time_us=t * 1e6,
                            vnmse=dev.vnmse(out, exact, norm), wrong=dev.count_wrong(out),
@@ -250,14 +260,15 @@ def run(args) -> list:
                            widths=rep.codec_info.get("widths"),
                            array_code=bool(use_gpu and not codec.fused_gpu),
                            transport_reason=rep.transport_reason)
-                if args.breakdown:
+                if args.breakdown and rep.phases:
                     row["phases_us"] = {k: v * 1e6 for k, v in rep.phases.items()
                                         if k != "timeline"}
                     if "timeline" in rep.phases:
                         row["timeline_ms"] = rep.phases["timeline"]
                 rows.append(row)
                 done += 1
-                _progress(rank, f"[{done}/{total}] {count} {args.dtype} {label} {topo} {path}"
+                _progress(rank, f"[{done}/{total}] {count} {args.dtype} {label} {topo} "
+                                f"{rep.hierarchy} {path}"
                                 f"{'->' + rep.path if path == 'auto' else ''} "
                                 f"{rep.transport}: {t * 1e6:.1f} us, {rep.bits_per_coord:.3f} bits")
         del x, exact, out
@@ -298,7 +309,7 @@ def print_table(rows, n, device, args):
           f"{args.iters} timed calls after {args.warmup} warm-up, slowest rank")
     if env:
         print("# NCCL environment: " + " ".join(f"{k}={v}" for k, v in sorted(env.items())))
-    print(f"#{'size':>11s} {'count':>11s} {'type':>5s} {'codec':>18s} {'bits':>6s} {'topo':>9s} "
+    print(f"#{'size':>11s} {'count':>11s} {'type':>5s} {'codec':>18s} {'bits':>6s} {'topo':>15s} "
           f"{'path':>17s} {'transport':>9s} {'time(us)':>10s} {'algbw':>7s} {'busbw':>7s} "
           f"{'vNMSE':>9s} {'#wrong':>6s} {'speedup':>7s}")
     for r in rows:
@@ -309,8 +320,9 @@ def print_table(rows, n, device, args):
         path = r.get("path", "-")
         if path == "auto":
             path = f"auto->{r.get('ran')}"
+        topo = r["topology"] + ("/nodes" if r.get("hierarchy") == "nodes" else "")
         print(f" {r['size']:>11d} {r['count']:>11d} {r['dtype']:>5s} {r['codec']:>18s} "
-              f"{r['bits']:6.2f} {r['topology']:>9s} {path:>17s} {r['transport']:>9s} "
+              f"{r['bits']:6.2f} {topo:>15s} {path:>17s} {r['transport']:>9s} "
               f"{r['time_us']:10.1f} {r['algbw']:7.2f} {r['busbw']:7.2f} {r['vnmse']:9.2e} "
               f"{r['wrong']:>6d} {sp:>7s}{note}")
     wrong = sum(r["wrong"] for r in rows)
@@ -369,6 +381,12 @@ def add_arguments(p):
     p.add_argument("--lanes", default=None,
                    help="NCCL communicators per message: a count or auto (default: "
                         "$DYNAMIQ_NCCL_LANES, else auto)")
+    p.add_argument("--hierarchy", default="flat",
+                   help="flat,nodes,auto: rows per hierarchy (nodes: uncompressed inside a "
+                        "node, --transport and the codec on the rails; docs/design.md)")
+    p.add_argument("--node-size", type=int, default=None,
+                   help="consecutive ranks form nodes of this size (default: "
+                        "$DYNAMIQ_NODE_SIZE, else the ranks sharing a host)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-reference", action="store_true", help="skip the uncompressed reference row")
     p.add_argument("--breakdown", action="store_true", help="time per phase (one profiled call per row)")

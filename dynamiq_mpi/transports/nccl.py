@@ -40,6 +40,9 @@ LANE_ALIGN = 256
 # from 1.9-2.3x to 2.1-2.6x NCCL's all-reduce, while slicing the 2.6 MB
 # messages of 2^23 cost a third; 4 MiB slices leave those whole).
 SHM_LANES, SHM_LANE_BYTES = 4, 4 << 20
+# The NCCL data type of each input dtype its own collectives sum.
+NCCL_TYPES = {"bfloat16": "NCCL_BFLOAT16", "float16": "NCCL_FLOAT16",
+              "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64"}
 
 
 def _env_on(value) -> bool:
@@ -164,8 +167,9 @@ class _Scratch:
 
 def _ptr(array) -> int:
     """Address of an array's first byte (CuPy; NumPy for the CPU tests' fake)."""
-    data = array.data
-    return data.ptr if hasattr(data, "ptr") else array.ctypes.data
+    if type(array).__module__ == "numpy":
+        return array.ctypes.data
+    return array.data.ptr
 
 
 def _union(intervals):
@@ -324,9 +328,6 @@ class NCCLTransport(RequestAnswers):
         done = [self._record(self.streams[i], timing=False) for i in range(len(recvs))]
         return Received(req.recv, done)
 
-    _NCCL_TYPES = {"bfloat16": "NCCL_BFLOAT16", "float16": "NCCL_FLOAT16",
-                   "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64"}
-
     def _native_allreduce(self, send, recv):
         """NCCL's own all-reduce (sum) of ``buffer`` in place, on the caller's
         stream.  A communicator of its own, so that it never shares one with
@@ -342,7 +343,7 @@ class NCCLTransport(RequestAnswers):
         wire = self._native_types.get(recv.dtype)
         if wire is None:
             wire = self._native_types[recv.dtype] = getattr(
-                nccl, self._NCCL_TYPES[dtype_name(recv.dtype)])
+                nccl, NCCL_TYPES[dtype_name(recv.dtype)])
         self._native.allReduce(_ptr(send), _ptr(recv), recv.size, wire, nccl.NCCL_SUM,
                                compute.ptr)
         return recv

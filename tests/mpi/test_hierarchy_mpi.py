@@ -29,16 +29,21 @@ BOUNDS = {"exact": 1e-10, "bf16": 2e-5, "mxfp": 3e-3, "dynamiq": 0.25, "thc": 1.
           "omnireduce": 0.7, "reduce_scatter": 0.9}
 
 
-def reference(xs, k, codec, topology, op, seed, counter):
+def node_sum(parts, dtype, reverse=False):
+    """The in-node sum in ``dtype``: left to right in local-rank order (the
+    staged level), or right to left (tests/fake_nccl.py's NCCL stand-in)."""
+    parts = parts[::-1] if reverse else parts
+    acc = parts[0].copy()
+    for x in parts[1:]:
+        acc = (acc + x).astype(dtype)
+    return acc
+
+
+def reference(xs, k, codec, topology, op, seed, counter, reverse=False):
     """The definition, step by step, written apart from the library's."""
     n, length, dtype = len(xs), xs[0].shape[0], xs[0].dtype
     nodes = n // k
-    sums = []
-    for j in range(nodes):
-        acc = xs[j * k].copy()
-        for x in xs[j * k + 1:(j + 1) * k]:
-            acc = (acc + x).astype(dtype)
-        sums.append(acc)
+    sums = [node_sum(xs[j * k:(j + 1) * k], dtype, reverse) for j in range(nodes)]
     out = np.zeros(length, dtype)
     rail_topology = "ring" if topology == "butterfly" and nodes & (nodes - 1) else topology
     blocks = [np.arange(b * BLOCK, min(length, (b + 1) * BLOCK))
@@ -150,6 +155,15 @@ def test_found_nodes_without_node_size():
     coll.free()
 
 
+def _on_grid(x, k):
+    """Inputs whose in-node sums are exact in float32 when a node has more
+    than two ranks (multiples of 2^-12 below 2^11): NCCL's order of summation
+    then gives the staged level's bits; two addends commute exactly anyway."""
+    if k <= 2:
+        return x
+    return (np.round(np.clip(x, -2000, 2000) * 4096) / 4096).astype(np.float32)
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.gpu
 @pytest.mark.skipif(not dq.has_cuda(), reason="needs the CUDA kernels and a GPU")
@@ -157,19 +171,50 @@ def test_found_nodes_without_node_size():
 @pytest.mark.parametrize("codec", [dq.DynamiQ(small_input=0, bits=5), dq.MXFP("e4m3"),
                                    dq.BF16()], ids=lambda c: c.name)
 def test_device_arrays_equal_the_cpu_path(colls, k, codec):
+    """Device arrays give the CPU path's bits: the in-node level is NCCL's
+    where every rank has a GPU of its own (else staged through the host),
+    the rail runs the GPU kernels."""
     import cupy
-    cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount()).use()
+    gpus = cupy.cuda.runtime.getDeviceCount()
+    cupy.cuda.Device(comm.rank % gpus).use()
     seed = shared_seed(comm)
-    x = rank_inputs(seed, N, 70001)[comm.rank]
+    x = _on_grid(rank_inputs(seed, N, 70001)[comm.rank], k)
     outs = []
     for arr in (x, cupy.asarray(x)):
         colls[k].counter = 9
-        out = colls[k].allreduce(arr, codec=codec, seed=seed)
+        out, rep = colls[k].allreduce(arr, codec=codec, seed=seed, return_report=True)
         outs.append(out.get() if hasattr(out, "get") else out)
     assert np.array_equal(outs[0], outs[1]), seed
+    assert rep.levels[0]["transport"] == ("nccl" if gpus >= N else "staged"), rep.levels[0]
 
 
-def reference_rs(xs, k, codec, topology, op, seed, counter):
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.gpu
+@pytest.mark.skipif(not dq.has_cuda(), reason="needs the CUDA kernels and a GPU")
+@pytest.mark.parametrize("k", [k for k in NODE_SIZES if k > 1])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16],
+                         ids=["float32", "float16", "bfloat16"])
+def test_device_reduce_scatter_and_dtypes_equal_the_cpu_path(colls, k, dtype):
+    """The reduce-scatter and 16-bit inputs on device arrays (the NCCL
+    in-node level where it runs), small integers so every in-node sum is
+    exact in every dtype: the CPU path's bits, mean included."""
+    import cupy
+    cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount()).use()
+    seed = shared_seed(comm)
+    rng = np.random.default_rng(seed + comm.rank)
+    x = rng.integers(-8, 9, 517 * N).astype(dtype)
+    codec = dq.DynamiQ(small_input=0, bits=5)
+    for method in ("allreduce", "reduce_scatter"):
+        got = []
+        for arr in (x, cupy.asarray(x)):
+            colls[k].counter = 3
+            out = getattr(colls[k], method)(arr, codec=codec, seed=seed, op="mean")
+            got.append(out.get() if hasattr(out, "get") else out)
+        assert got[0].dtype == got[1].dtype == np.dtype(dtype)
+        assert np.array_equal(got[0].view(np.uint8), got[1].view(np.uint8)), (method, seed)
+
+
+def reference_rs(xs, k, codec, topology, op, seed, counter, reverse=False):
     """Rank r's chunk of the hierarchical reduce-scatter, step by step."""
     n, length, dtype = len(xs), xs[0].shape[0], xs[0].dtype
     nodes, m = n // k, length // n
@@ -181,10 +226,7 @@ def reference_rs(xs, k, codec, topology, op, seed, counter):
         for j in range(nodes):
             members = [np.concatenate([xs[j * k + l][r * m:(r + 1) * m] for r in ranks])
                        for l in range(k)]
-            acc = members[0].copy()
-            for part in members[1:]:
-                acc = (acc + part).astype(dtype)
-            shards.append(acc)
+            shards.append(node_sum(members, dtype, reverse))
         outs = dq.simulate_reduce_scatter(shards, codec=codec, topology=rail_topology,
                                           op="sum", seed=seed, counter=counter)
         for j, r in enumerate(ranks):
@@ -275,3 +317,70 @@ def test_out_is_returned_and_shapes_kept(colls):
     assert res is buf
     new = colls[k].allreduce(x)
     assert new.shape == (6, 37) and np.array_equal(new, buf)
+
+
+def _nccl_inside(coll):
+    """Make ``coll``'s hierarchical calls on host arrays take the NCCL
+    in-node level, driven by tests/fake_nccl.py over the node's MPI
+    communicator (it sums right to left, as NCCL sums in an order of its own)."""
+    from fake_nccl import modules as fake_modules
+    from dynamiq_mpi.transports.node_level import NCCLNodeLevel, node_level_for
+    levels = coll._nodes()
+    fake = fake_modules(base=levels.node.mpi_comm)
+    level, why = node_level_for(coll._plane, levels.node, 0, levels._staged, modules=fake)
+    assert isinstance(level, NCCLNodeLevel), why
+    levels._node_level = lambda on_device, flat: (level, why)
+    return level, fake[1]
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("k", [k for k in NODE_SIZES if k > 1])
+def test_nccl_in_node_level_feeds_the_rails_its_sums(k):
+    """The NCCL in-node level (its padding, row layout, all-gather and
+    unlayout) on every node shape: equal bit for bit to the reference built
+    from the same in-node sums, for the all-reduce and the reduce-scatter,
+    at awkward lengths and in every dtype it sums."""
+    coll = dq.Collective(comm, node_size=k, hierarchy="nodes", path="compressed")
+    level, nccl = _nccl_inside(coll)
+    seed = shared_seed(comm)
+    codec = dq.DynamiQ(small_input=0, bits=5)
+    for length, dtype, op in [(0, np.float32, "sum"), (1, np.float32, "sum"),
+                              (255, np.float32, "mean"), (4099, np.float32, "sum"),
+                              (256 * k * 3, np.float32, "sum"),
+                              (1000, np.float16, "mean"), (1000, ml_dtypes.bfloat16, "sum")]:
+        xs = [x.astype(dtype) for x in rank_inputs(seed + length, N, length)]
+        coll.counter = 5
+        out, rep = coll.allreduce(xs[comm.rank], codec=codec, op=op, seed=seed,
+                                  return_report=True)
+        ref = reference(xs, k, codec, "ring", op, seed, 5, reverse=True)
+        assert np.array_equal(out.view(np.uint8), ref.view(np.uint8)), (seed, k, length, dtype)
+        assert rep.levels[0]["transport"] == rep.levels[2]["transport"] == "nccl"
+    assert any(c[0] == "reducescatter" for c in nccl.calls)
+    assert any(c[0] == "allgather" for c in nccl.calls)
+    xs = rank_inputs(seed, N, 1031 * N)
+    coll.counter = 21
+    out, rep = coll.reduce_scatter(xs[comm.rank], codec=codec, seed=seed, return_report=True)
+    assert np.array_equal(out, reference_rs(xs, k, codec, "ring", "sum", seed, 21,
+                                            reverse=True)[comm.rank]), seed
+    assert rep.levels[0]["transport"] == "nccl"
+    coll.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_node_level_choice_is_alike_everywhere(monkeypatch):
+    """NCCL inside a node only where every rank can run it; the staged level
+    with the reason otherwise (here: the switch off on one rank only)."""
+    from fake_nccl import modules as fake_modules
+    from dynamiq_mpi.transports.node_level import node_level_for
+    coll = dq.Collective(comm, node_size=NODE_SIZES[-1], hierarchy="nodes")
+    levels = coll._nodes()
+    if comm.rank == N - 1:
+        monkeypatch.setenv("DYNAMIQ_NODE_NCCL", "0")
+    level, why = node_level_for(coll._plane, levels.node, 0, levels._staged,
+                                modules=fake_modules(base=levels.node.mpi_comm))
+    assert level is levels._staged and "DYNAMIQ_NODE_NCCL=0" in why
+    assert len(set(comm.allgather(why))) == 1
+    out, rep = coll.allreduce(np.ones(300, np.float32), return_report=True)
+    assert rep.levels[0]["transport"] == "staged" and "host arrays" in rep.levels[0][
+        "transport_reason"]
+    coll.free()

@@ -1,0 +1,63 @@
+#!/bin/bash
+# The four-GPU stages of tools/device.sh (device kind nvidia-h100-x4), one call:
+#   bash tools/device/nodes.sh [STAGES]   STAGES: any of build tests4 hier flat4 sockets4
+# build: the extension in place; tests4: the MPI GPU suites at 4 ranks, a GPU
+# each (hierarchy on emulated nodes 2x2 and 1x4 with NCCL inside a node,
+# NCCL transport, paths, reduce-scatter); hier: the hierarchical call on
+# emulated nodes of 2 (NCCL over NVLink inside a node) with the rails over
+# host-staged Open MPI forced onto TCP (the emulated slow link between nodes),
+# DynamiQ 5 bits against BF16 on the same rails; sockets4: NCCL's own
+# all-reduce and our flat and hierarchical calls with the whole job on NCCL's
+# sockets; flat4: the defaults (path auto) at 4 ranks on NVLink against NCCL.
+# Needs .whl/pytest_mpi*.whl (make wheels) carried along.  Output under $OUT.
+set -o pipefail
+OUT=${OUT:-device_out}; mkdir -p "$OUT"
+STAGES=${*:-build tests4 hier sockets4 flat4}
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
+       OMPI_MCA_hwloc_base_binding_policy=none
+export NCCL_NVLS_ENABLE=0                       # the machine's rule: no NVLink multicast
+PY=python3
+BENCH="$PY -m dynamiq_mpi bench --dtype bf16 -w 2 -n ${BENCH_ITERS:-4} --rounds 2"
+SOCKETS="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
+TUNED="NCCL_NSOCKS_PERTHREAD=2 NCCL_SOCKET_NTHREADS=2 NCCL_MIN_NCHANNELS=8 NCCL_P2P_NET_CHUNKSIZE=2097152 NCCL_NCHANNELS_PER_NET_PEER=4"
+# Open MPI between the emulated nodes: TCP only (no shared memory, no CUDA IPC)
+TCP="OMPI_MCA_btl=self,tcp OMPI_MCA_pml=ob1"
+{ date -u; nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -6
+  $PY -c "import cupy, mpi4py, numpy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version(), 'mpi4py', mpi4py.__version__, 'numpy', numpy.__version__)"
+  git log --oneline -1 2>/dev/null; } 2>&1 | tee "$OUT/env.txt"
+
+if has build; then
+  echo "== build"; t0=$(date +%s)
+  $PY setup.py build_ext --inplace > /tmp/build.log 2>&1 || { tail -40 /tmp/build.log; exit 1; }
+  echo "build took $(( $(date +%s) - t0 )) s"
+fi
+
+if has tests4; then
+  echo "== tests4"; t0=$(date +%s)
+  SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_hierarchy_mpi.py tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_reduce_scatter_gpu_mpi.py tests/mpi/test_paths_gpu_mpi.py tests/mpi/test_transports_mpi.py" \
+    MPI_TIMEOUT=240 timeout 270 tools/run_tests.sh $PY 4 2>&1 | tail -14 | tee "$OUT/tests4.txt"
+  echo "tests4 took $(( $(date +%s) - t0 )) s"
+fi
+
+if has hier; then
+  echo "== hier: 2 nodes x 2, NCCL inside, rails over Open MPI TCP"
+  env $TCP timeout 200 mpiexec -n 4 $BENCH --codec dynamiq:5,bf16 --topology ring --paths compressed \
+    --transport mpi --hierarchy nodes --node-size 2 --sizes ${HIER_SIZES:-32M,128M,512M} \
+    --json "$OUT/hier_tcp.json" 2>&1 | grep -v '^\[' | tee "$OUT/hier.txt"
+fi
+
+if has sockets4; then
+  echo "== sockets4: the whole job on NCCL's sockets"
+  env $SOCKETS $TUNED timeout 200 mpiexec -n 4 $BENCH --codec dynamiq:5 --topology ring \
+    --paths compressed --hierarchy flat,nodes --node-size 2 --sizes ${HIER_SIZES:-32M,128M,512M} \
+    --json "$OUT/sockets4.json" 2>&1 | grep -v '^\[' | tee "$OUT/sockets4.txt"
+fi
+
+if has flat4; then
+  echo "== flat4: defaults at 4 ranks on NVLink"
+  timeout 150 mpiexec -n 4 $BENCH --codec dynamiq:5 --topology ring,butterfly --paths auto,compressed \
+    --sizes ${FLAT_SIZES:-2M,32M,512M} --json "$OUT/flat4_nvlink.json" 2>&1 | grep -v '^\[' \
+    | tee "$OUT/flat4.txt"
+fi
