@@ -17,7 +17,7 @@
 #   tests profile ncu timeline nvlink shm sockets probe tune hostid lanes mx agprobe
 #   pairab sockset shm1 chunks p2p ab paths ddp fsdp defaults
 # four GPUs, one host (tools/device/nodes.sh):
-#   tests4 hier sockets4 flat4
+#   tests4 hier sockets4 flat4 torch4 ddp4
 # training (tools/device/train.sh):
 #   train         mpi_examples/train_lm.py, BF16 against DynamiQ (STEPS, SEEDS_*, CODECS_DQ, TRAIN_ARGS)
 # CUDA-aware MPI (tools/device/mpi_cuda.sh; carry .whl with the sources):
@@ -40,7 +40,7 @@ family_of() {
     gpu-tests|gpu-mpi|kernels|ncu-kernels|sanitize) echo kernels ;;
     suites) echo suites ;;
     tests|profile|ncu|timeline|nvlink|shm|sockets|probe|tune|hostid|lanes|mx|agprobe|pairab|sockset|shm1|chunks|p2p|ab|paths|ddp|fsdp|defaults) echo links ;;
-    tests4|hier|sockets4|flat4) echo nodes ;;
+    tests4|hier|sockets4|flat4|torch4|ddp4) echo nodes ;;
     train) echo train ;;
     mpi-cuda-build|mpi-cuda-ext|mpi-cuda-probe|mpi-cuda-tests|mpi-cuda-bench) echo mpi_cuda ;;
     package-ab) echo package_ab ;;

@@ -1,6 +1,7 @@
 #!/bin/bash
 # The four-GPU stages of tools/device.sh (device kind nvidia-h100-x4), one call:
 #   bash tools/device/nodes.sh [STAGES]   STAGES: any of build tests4 hier flat4 sockets4
+#                                            torch4 ddp4
 # build: the extension in place; tests4: the MPI GPU suites at 4 ranks, a GPU
 # each (hierarchy on emulated nodes 2x2 and 1x4 with NCCL inside a node,
 # NCCL transport, paths, reduce-scatter); hier: the hierarchical call on
@@ -8,7 +9,10 @@
 # host-staged Open MPI forced onto TCP (the emulated slow link between nodes),
 # DynamiQ 5 bits against BF16 on the same rails; sockets4: NCCL's own
 # all-reduce and our flat and hierarchical calls with the whole job on NCCL's
-# sockets; flat4: the defaults (path auto) at 4 ranks on NVLink against NCCL.
+# sockets; flat4: the defaults (path auto) at 4 ranks on NVLink against NCCL;
+# torch4: the graph, torch-adapter, FSDP and control-plane MPI suites at 4
+# ranks and the torchrun GPU launcher test; ddp4: mpi_examples/ddp_bench.py
+# at 4 ranks on NVLink and on sockets, and FSDP2 on NVLink.
 # Needs .whl/pytest_mpi*.whl (make wheels) carried along.  Output under $OUT.
 set -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
@@ -60,4 +64,24 @@ if has flat4; then
   timeout 150 mpiexec -n 4 $BENCH --codec dynamiq:5 --topology ring,butterfly --paths auto,compressed \
     --sizes ${FLAT_SIZES:-2M,32M,512M} --json "$OUT/flat4_nvlink.json" 2>&1 | grep -v '^\[' \
     | tee "$OUT/flat4.txt"
+fi
+
+if has torch4; then
+  echo "== torch4"; t0=$(date +%s)
+  SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_graphs_gpu_mpi.py tests/mpi/test_torch_gpu_mpi.py tests/mpi/test_fsdp_mpi.py tests/mpi/test_control_planes_mpi.py" \
+    MPI_TIMEOUT=200 timeout 230 tools/run_tests.sh $PY 4 2>&1 | tail -8 | tee "$OUT/torch4.txt"
+  timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_launchers.py -m gpu 2>&1 | tail -3 | tee -a "$OUT/torch4.txt"
+  echo "torch4 took $(( $(date +%s) - t0 )) s"
+fi
+
+if has ddp4; then
+  DDP="$PY mpi_examples/ddp_bench.py --params 268M --bucket-mb 25 --steps ${DDP_STEPS:-12} --warmup 8"
+  echo "== ddp4 nvlink"
+  timeout 150 mpiexec -n 4 $DDP --json "$OUT/ddp4_nvlink.json" 2>&1 | grep -v '^\[' | tail -12
+  echo "== ddp4 sockets"
+  env $SOCKETS $TUNED timeout 200 mpiexec -n 4 $DDP --modes plain,bf16,dynamiq,dynamiq-compressed \
+    --json "$OUT/ddp4_sockets.json" 2>&1 | grep -v '^\[' | tail -12
+  echo "== fsdp4 nvlink"
+  timeout 120 mpiexec -n 4 $DDP --fsdp --modes plain,bf16,dynamiq --json "$OUT/fsdp4_nvlink.json" \
+    2>&1 | grep -v '^\[' | tail -10
 fi
