@@ -189,6 +189,23 @@ class GraphCalls:
         except Exception:
             return None
 
+    def _capture_stream(self, stream):
+        """The stream a capture records on: the caller's, except CuPy's
+        default (legacy) stream, which CUDA refuses to capture
+        (cudaErrorStreamCaptureUnsupported, seen on 4 H100s over NCCL,
+        2026-11-26): then a private stream of this collective.  The graph is
+        launched on the caller's stream either way."""
+        if stream.ptr:
+            return stream
+        private = getattr(self, "_capture_streams", None)
+        if private is None:
+            private = self._capture_streams = {}
+        import cupy
+        device = cupy.cuda.Device().id
+        if device not in private:
+            private[device] = cupy.cuda.Stream(non_blocking=True)
+        return private[device]
+
     def _run_graph(self, entry, x, out, codec, topology, op, seed, counter, transport,
                    tile_bytes, nonfinite) -> bool:
         """Replay (or capture, on its second occurrence) a steady compressed
@@ -219,7 +236,9 @@ class GraphCalls:
                     graph = CallGraph()
                     try:
                         run = program(graph.keys_at, graph.workspace)
-                        graph.capture(lambda: drive_agreed(*run), stream)
+                        on = self._capture_stream(stream)
+                        with on:                # the body enqueues on the current stream
+                            graph.capture(lambda: drive_agreed(*run), on)
                     except BaseException:
                         graph.free()
                         raise
