@@ -18,19 +18,10 @@ set -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 STAGES=${*:-build tests4 hier sockets4 flat4}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
-       OMPI_MCA_hwloc_base_binding_policy=none
-export NCCL_NVLS_ENABLE=0                       # the machine's rule: no NVLink multicast
-PY=python3
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 BENCH="$PY -m dynamiq_mpi bench --dtype bf16 -w 2 -n ${BENCH_ITERS:-4} --rounds 2"
-SOCKETS="NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1"
-TUNED="NCCL_NSOCKS_PERTHREAD=2 NCCL_SOCKET_NTHREADS=2 NCCL_MIN_NCHANNELS=8 NCCL_P2P_NET_CHUNKSIZE=2097152 NCCL_NCHANNELS_PER_NET_PEER=4"
 # Open MPI between the emulated nodes: TCP only (no shared memory, no CUDA IPC)
 TCP="OMPI_MCA_btl=self,tcp OMPI_MCA_pml=ob1"
-{ date -u; nvidia-smi -L; nvidia-smi topo -m 2>/dev/null | head -6
-  $PY -c "import cupy, mpi4py, numpy; from cupy.cuda import nccl; print('cupy', cupy.__version__, 'nccl', nccl.get_version(), 'mpi4py', mpi4py.__version__, 'numpy', numpy.__version__)"
-  git log --oneline -1 2>/dev/null; } 2>&1 | tee "$OUT/env.txt"
 
 if has build; then
   echo "== build"; t0=$(date +%s)
