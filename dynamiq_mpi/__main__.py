@@ -1,4 +1,4 @@
-"""Command line: ``python -m dynamiq_mpi {demo,bench,vnmse,model,kernels,schedule}``.
+"""Command line: ``python -m dynamiq_mpi {demo,bench,vnmse,model,kernels,schedule,train-sim}``.
 
 Run under ``mpiexec -n N`` for the MPI commands.  An exception on any rank
 prints its traceback and aborts the whole job (no rank is left hanging).
@@ -108,6 +108,10 @@ def main(argv=None):
     if argv[:1] == ["kernels"]:   # the GPU kernel benchmark keeps its own options
         from .bench.kernels import main as bench_main
         return bench_main(argv[1:])
+    if argv[:1] == ["train-sim"]:  # training with simulated ranks (studies/train_sim.py)
+        from .studies.train_sim import main as train_sim_main
+        train_sim_main(argv[1:])
+        return None
     parser = argparse.ArgumentParser(prog="python -m dynamiq_mpi", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="all-reduce gradient-like data with every codec (mpiexec)")

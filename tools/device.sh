@@ -20,6 +20,7 @@
 #   tests4 hier sockets4 flat4 torch4 ddp4
 # training (tools/device/train.sh):
 #   train         mpi_examples/train_lm.py, BF16 against DynamiQ (STEPS, SEEDS_*, CODECS_DQ, TRAIN_ARGS)
+#   train-sim     simulated ranks on one GPU (tools/device/train_sim.sh: RUNS, STEPS, DEADLINE)
 # CUDA-aware MPI (tools/device/mpi_cuda.sh; carry .whl with the sources):
 #   mpi-cuda-build mpi-cuda-ext mpi-cuda-probe mpi-cuda-tests mpi-cuda-bench
 # A/B of two package versions, alternating (tools/device/package_ab.sh):
@@ -42,6 +43,7 @@ family_of() {
     tests|profile|ncu|timeline|nvlink|shm|sockets|probe|tune|hostid|lanes|mx|agprobe|pairab|sockset|shm1|chunks|p2p|ab|paths|ddp|fsdp|defaults) echo links ;;
     tests4|hier|sockets4|flat4|torch4|ddp4) echo nodes ;;
     train) echo train ;;
+    train-sim) echo train_sim ;;
     mpi-cuda-build|mpi-cuda-ext|mpi-cuda-probe|mpi-cuda-tests|mpi-cuda-bench) echo mpi_cuda ;;
     package-ab) echo package_ab ;;
     kernels-ab) echo kernels_ab ;;
@@ -59,6 +61,7 @@ run_family() {   # family, its stages
     kernels|links|nodes) bash "$HERE/device/$fam.sh" "$@" ;;
     suites) bash "$HERE/device/suites.sh" ${NP_LIST:-2 4} ;;
     train) SKIP_BUILD=1 bash "$HERE/device/train.sh" ;;
+    train_sim) bash "$HERE/device/train_sim.sh" ;;
     mpi_cuda) bash "$HERE/device/mpi_cuda.sh" "${@#mpi-cuda-}" ;;
     package_ab) bash "$HERE/device/package_ab.sh" "${OLD_DIR:?OLD_DIR: the old package directory}" ${AB_ROUNDS:-2} ;;
     kernels_ab) bash "$HERE/device/kernels_ab.sh" "${OLD_DIR:?OLD_DIR: the old source directory}" ${AB_ROUNDS:-2} ;;

@@ -508,6 +508,31 @@ def ddp_comm_hook(state: "HookState", bucket) -> torch.futures.Future[torch.Tens
 
 
 # --------------------------------------------------------------------- plain loops
+def gradient_buckets(grads, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> list:
+    """The buckets of :func:`allreduce_gradients` (and of the training
+    simulator, studies/train_sim.py, which must cut alike): lists of indices
+    into ``grads``, grouped by device and dtype in order of first appearance,
+    coalesced up to ``bucket_cap_mb`` MiB (a larger tensor is a bucket of
+    its own)."""
+    groups = {}
+    for i, g in enumerate(grads):
+        groups.setdefault((g.device, g.dtype), []).append(i)
+    cap = max(1, int(bucket_cap_mb * 2 ** 20))
+    buckets = []
+    for members in groups.values():
+        current, size = [], 0
+        for i in members:
+            nbytes = grads[i].numel() * grads[i].element_size()
+            if current and size + nbytes > cap:
+                buckets.append(current)
+                current, size = [], 0
+            current.append(i)
+            size += nbytes
+        if current:
+            buckets.append(current)
+    return buckets
+
+
 def allreduce_gradients(parameters, state: "HookState", *,
                         bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB, group=None) -> int:
     """Average the ``.grad`` of ``parameters`` over the ranks, in place.
@@ -533,22 +558,7 @@ def allreduce_gradients(parameters, state: "HookState", *,
         if g.is_sparse or g.layout != torch.strided:
             raise TypeError("allreduce_gradients: sparse gradients are not supported")
         grads.append(g)
-    groups = {}
-    for g in grads:
-        groups.setdefault((g.device, g.dtype), []).append(g)
-    cap = max(1, int(bucket_cap_mb * 2 ** 20))
-    buckets = []
-    for gs in groups.values():
-        current, size = [], 0
-        for g in gs:
-            nbytes = g.numel() * g.element_size()
-            if current and size + nbytes > cap:
-                buckets.append(current)
-                current, size = [], 0
-            current.append(g)
-            size += nbytes
-        if current:
-            buckets.append(current)
+    buckets = [[grads[i] for i in b] for b in gradient_buckets(grads, bucket_cap_mb)]
 
     # One small exchange first: a rank with a different gradient list would
     # otherwise make a different number of calls and leave the others waiting.

@@ -1,0 +1,409 @@
+"""``python -m dynamiq_mpi train-sim``: data-parallel training with N ranks
+simulated in one process, on one device.
+
+    python -m dynamiq_mpi train-sim --ranks 32 --codec dynamiq:5 --topology ring \\
+        --steps 300 --seed 0 --json run.json
+    python -m dynamiq_mpi train-sim table docs/results/train_sim/*.json --png curves.png
+
+Every rank's micro-batch gradient is computed by its own backward pass of the
+one model (data-parallel replicas hold the same parameters, so one model
+serves them all, rank after rank); the gradients are cut into the buckets of
+``dynamiq_mpi.torch.allreduce_gradients`` (``gradient_buckets``) and each
+bucket is all-reduced with every rank's input by the real codec:
+``simulate_allreduce`` (the engine of a real job, CuPy arrays on a GPU), or
+``levels_simulate`` for ``--node-size`` (the hierarchical call; on the host).
+The call counter advances per bucket as a real job's does, so at N = 2 the
+gradients equal a real two-rank job's bit for bit: ``--real`` runs that job
+(under ``mpiexec -n N``, ``allreduce_gradients`` with a ``HookState``), and
+tests/test_train_sim.py compares the two.
+
+Reductions: ``fp32`` the exact mean (float64 sum, rounded once); ``bf16``
+the semantics of torch's ``bf16_compress_hook`` (each rank's bucket to
+BF16, divided by N in BF16, summed, back to float32; the sum is taken in
+float32 and rounded once to BF16, where NCCL rounds per hop); anything else
+a codec spelt as for ``python -m dynamiq_mpi bench`` (``dynamiq:5``,
+``mxfp:e2m1``, ``thc``, ``omnireduce``, ...).  Each reduction's vNMSE
+against the exact mean is recorded along the run.
+
+Workload ``lm``: the byte-level causal LM of mpi_examples/train_lm.py
+(LLaMA-style, ``transformers`` built from a config, trained from scratch on
+the standard-library corpus of studies/corpus.py).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import sys
+import time
+
+PRESETS = {
+    # CPU tests: a few steps of a very small model
+    "tiny": dict(hidden=32, layers=1, heads=2, intermediate=64, seq_len=32, batch=2, steps=3,
+                 lr=3e-3, warmup=1, eval_every=0, val_windows=8),
+    # one cell of the table in minutes on one GPU at N = 128
+    "small": dict(hidden=128, layers=2, heads=4, intermediate=352, seq_len=128, batch=4,
+                  steps=300, lr=2e-3, warmup=30, eval_every=25, val_windows=64),
+}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m dynamiq_mpi train-sim",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=8, help="simulated data-parallel ranks N")
+    p.add_argument("--codec", default="dynamiq:5", help="fp32, bf16, dynamiq:B, mxfp:FMT, ...")
+    p.add_argument("--topology", default="ring", choices=["ring", "butterfly"])
+    p.add_argument("--node-size", type=int, default=1,
+                   help="K > 1: the hierarchical call, N/K nodes of K (rails compressed)")
+    p.add_argument("--seed", type=int, default=0, help="model init, data order, codec seed")
+    p.add_argument("--preset", default="small", choices=sorted(PRESETS))
+    for k, v in PRESETS["small"].items():
+        p.add_argument("--" + k.replace("_", "-"), type=type(v), default=None,
+                       help=f"preset's by default ({v} in 'small')")
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--real", action="store_true",
+                   help="run the real job instead (under mpiexec -n N: allreduce_gradients)")
+    p.add_argument("--dump", default=None, help="write the final parameters here (.npy)")
+    p.add_argument("--json", default=None)
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    for k, v in PRESETS[args.preset].items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if args.ranks < 1 or args.node_size < 1 or args.ranks % args.node_size:
+        p.error(f"--node-size {args.node_size} must divide --ranks {args.ranks}")
+    return args
+
+
+# --------------------------------------------------------------------- pieces
+def build_model(args, device):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(args.seed)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                      num_key_value_heads=args.heads, max_position_embeddings=args.seq_len,
+                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                      pad_token_id=None)
+    return LlamaForCausalLM(cfg).to(device)
+
+
+def rank_batch(step, rank, n, data, args):
+    """Rank ``rank``'s micro-batch of ``step``: a function of (seed, step, N,
+    batch) only, so the same for every codec and in the real job."""
+    import torch
+    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data) - args.seq_len - 1, (n * args.batch,), generator=gen)
+    mine = starts[rank * args.batch:(rank + 1) * args.batch]
+    return data[mine[:, None] + torch.arange(args.seq_len + 1)]
+
+
+def lm_loss(model, w, device, reduction="mean"):
+    import torch
+    w = w.to(device)
+    ctx = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
+           else torch.autocast("cpu", enabled=False))
+    with ctx:
+        logits = model(input_ids=w[:, :-1].long()).logits
+    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                             w[:, 1:].reshape(-1).long(), reduction=reduction)
+
+
+def evaluate(model, val, args, device):
+    """Mean validation loss (nats/byte) over the first ``val_windows``
+    consecutive windows."""
+    import torch
+    n = min(args.val_windows, (len(val) - 1) // args.seq_len)
+    total, count = 0.0, 0
+    model.eval()
+    with torch.no_grad():
+        for chunk in torch.arange(n).split(max(1, args.batch * 4)):
+            idx = chunk[:, None] * args.seq_len + torch.arange(args.seq_len + 1)
+            w = val[idx]
+            total += float(lm_loss(model, w, device, reduction="sum"))
+            count += w[:, 1:].numel()
+    model.train()
+    return total / max(1, count)
+
+
+def lr_at(step, args):
+    """Linear warm-up, then cosine decay to 10 % of the peak (train_lm.py's)."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+class Reducer:
+    """The mean of N ranks' flat float32 buckets, by ``spec``, with the
+    vNMSE of every call against the exact mean."""
+
+    def __init__(self, spec, n, seed, topology, node_size):
+        from ..codecs import codec_from_string
+        self.spec, self.n, self.seed = spec, n, seed
+        self.topology, self.node_size = topology, node_size
+        self.codec = None if spec in ("fp32", "bf16") else codec_from_string(spec)
+        self.counter = 0            # a real job's call counter: one per bucket
+        self.err = self.norm = 0.0
+        self.bits = self.coords = 0.0
+
+    def take_vnmse(self):
+        v = self.err / self.norm if self.norm > 0 else 0.0
+        self.err = self.norm = 0.0
+        return v
+
+    def __call__(self, xs):
+        import torch
+        exact64 = torch.zeros_like(xs[0], dtype=torch.float64)
+        for x in xs:
+            exact64 += x.double()
+        exact64 /= self.n
+        if self.spec == "fp32":
+            out = exact64.float()
+        elif self.spec == "bf16":
+            acc = torch.zeros_like(xs[0])
+            for x in xs:
+                acc += (x.to(torch.bfloat16) / self.n).to(torch.bfloat16).float()
+            out = acc.to(torch.bfloat16).float()
+        else:
+            out = self._codec(xs)
+        self.counter += 1
+        d = out.double() - exact64
+        self.err += float((d * d).sum())
+        self.norm += float((exact64 * exact64).sum())
+        return out
+
+    def _codec(self, xs):
+        import torch
+        from .. import simulate_allreduce
+        if self.node_size > 1:          # the hierarchical call, on the host
+            from .scale_levels import levels_simulate
+            res = levels_simulate([x.cpu().numpy() for x in xs], self.node_size,
+                                  codec=self.codec, topology=self.topology, op="mean",
+                                  seed=self.seed, counter=self.counter)
+            self._count(res.bits_per_coord, xs[0].numel())
+            return torch.from_numpy(res.out).to(xs[0].device)
+        if xs[0].is_cuda:
+            import cupy
+            arrays = [cupy.from_dlpack(x.detach()) for x in xs]
+        else:
+            arrays = [x.detach().numpy() for x in xs]
+        outs, reps = simulate_allreduce(arrays, codec=self.codec, topology=self.topology,
+                                        op="mean", seed=self.seed, counter=self.counter,
+                                        return_reports=True)
+        self._count(reps[0].bits_per_coord, xs[0].numel())
+        return torch.from_dlpack(outs[0]) if xs[0].is_cuda else torch.from_numpy(outs[0])
+
+    def _count(self, bits, coords):
+        self.bits += bits * coords
+        self.coords += coords
+
+
+def _grads(params):
+    return [p.grad for p in params]
+
+
+# --------------------------------------------------------------------- runs
+def run(args) -> dict:
+    import numpy as np
+    import torch
+
+    from ..torch.ddp import gradient_buckets
+    from .corpus import load_corpus
+
+    use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    comm = None
+    rank, n = 0, args.ranks
+    if args.real:
+        from mpi4py import MPI
+        comm = MPI.COMM_WORLD
+        rank, n = comm.rank, comm.size
+        if n != args.ranks:
+            raise SystemExit(f"--real under mpiexec -n {n}, but --ranks {args.ranks}")
+    device = torch.device("cuda", rank % torch.cuda.device_count()) if use_cuda \
+        else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+        import cupy
+        cupy.cuda.Device(device.index).use()
+    train_b, val_b, corpus = load_corpus()
+    train = torch.frombuffer(bytearray(train_b), dtype=torch.uint8)
+    val = torch.frombuffer(bytearray(val_b), dtype=torch.uint8)
+    model = build_model(args, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    reducer, state = None, None
+    if args.real:
+        import dynamiq_mpi.torch as dqt
+        from ..codecs import codec_from_string
+        state = dqt.HookState(codec=codec_from_string(args.codec), comm=comm, seed=args.seed,
+                              topology=args.topology, path="compressed", reports=False)
+    else:
+        reducer = Reducer(args.codec, n, args.seed, args.topology, args.node_size)
+    sync = torch.cuda.synchronize if use_cuda else (lambda: None)
+    record = {"config": dict(vars(args), n_params=sum(p.numel() for p in params),
+                             device=torch.cuda.get_device_name(device) if use_cuda else "cpu",
+                             torch=torch.__version__, workload="lm"),
+              "corpus": corpus, "steps": [], "evals": [], "vnmse": []}
+    buckets = None
+    progress = _progress(args.steps, args.quiet or rank != 0)
+    t0 = time.perf_counter()
+    for step in range(args.steps):
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, args)
+        losses = []
+        if args.real:
+            opt.zero_grad(set_to_none=True)
+            loss = lm_loss(model, rank_batch(step, rank, n, train, args), device)
+            loss.backward()
+            losses = comm.allgather(float(loss.detach()))
+            dqt.allreduce_gradients(params, state, bucket_cap_mb=args.bucket_mb)
+        else:
+            per_rank = []
+            for r in range(n):
+                opt.zero_grad(set_to_none=True)
+                loss = lm_loss(model, rank_batch(step, r, n, train, args), device)
+                loss.backward()
+                losses.append(float(loss.detach()))
+                if buckets is None:
+                    buckets = gradient_buckets(_grads(params), args.bucket_mb)
+                per_rank.append([torch.cat([params[i].grad.reshape(-1) for i in b])
+                                 for b in buckets])
+            for j, b in enumerate(buckets):
+                mean = reducer([per_rank[r][j] for r in range(n)])
+                offset = 0
+                for i in b:
+                    k = params[i].grad.numel()
+                    params[i].grad.copy_(mean[offset:offset + k].view_as(params[i].grad))
+                    offset += k
+            del per_rank
+            record["vnmse"].append([step, reducer.take_vnmse()])
+        opt.step()
+        record["steps"].append([step, sum(losses) / len(losses)])
+        if rank == 0 and args.eval_every and ((step + 1) % args.eval_every == 0
+                                              or step + 1 == args.steps):
+            sync()
+            record["evals"].append([step + 1, evaluate(model, val, args, device)])
+        progress(step, record)
+    sync()
+    record["seconds"] = time.perf_counter() - t0
+    if reducer is not None and reducer.coords:
+        record["bits_per_coord"] = reducer.bits / reducer.coords
+    if record["evals"]:
+        record["final_val_loss"] = record["evals"][-1][1]
+    record["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    if args.dump and rank == 0:
+        np.save(args.dump, torch.cat([p.detach().reshape(-1).float().cpu()
+                                      for p in params]).numpy())
+    if args.json and rank == 0:
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
+    return record
+
+
+def _progress(total, quiet):
+    """A tqdm bar on a terminal, a line every tenth of the run elsewhere."""
+    if quiet:
+        return lambda step, record: None
+    if sys.stderr.isatty():
+        from tqdm import tqdm
+        bar = tqdm(total=total, unit="step", leave=False)
+
+        def update(step, record):
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['steps'][-1][1]:.3f}")
+            if step + 1 == total:
+                bar.close()
+        return update
+
+    def line(step, record):
+        if (step + 1) % max(1, total // 10) == 0 or step + 1 == total:
+            ev = f", val {record['evals'][-1][1]:.4f}" if record["evals"] else ""
+            vn = f", vNMSE {record['vnmse'][-1][1]:.2e}" if record["vnmse"] else ""
+            print(f"step {step + 1}/{total}: loss {record['steps'][-1][1]:.4f}{ev}{vn}",
+                  file=sys.stderr, flush=True)
+    return line
+
+
+# --------------------------------------------------------------------- the table
+def _label(cfg):
+    hier = f" nodes of {cfg['node_size']}" if cfg.get("node_size", 1) > 1 else ""
+    topo = "" if cfg["codec"] in ("fp32", "bf16") else f" {cfg['topology']}"
+    return f"{cfg['codec']}{topo}{hier}"
+
+
+def table(paths, png=None) -> list:
+    """Rows per (N, reduction): mean final validation loss over seeds, its
+    ratio to BF16's mean at the same N, the seeds' spread, steps to reach
+    BF16's mean final loss, and the mean vNMSE along the run."""
+    import statistics
+    runs = [json.load(open(p)) for p in paths]
+    groups = {}
+    for r in runs:
+        cfg = r["config"]
+        groups.setdefault((cfg["ranks"], _label(cfg)), []).append(r)
+    rows = []
+    for (n, label), rs in sorted(groups.items()):
+        finals = [r["final_val_loss"] for r in rs if "final_val_loss" in r]
+        bf16 = [r["final_val_loss"] for (m, lab), g in groups.items() if m == n and lab == "bf16"
+                for r in g if "final_val_loss" in r]
+        target = statistics.mean(bf16) if bf16 else None
+        reach = []
+        for r in rs:
+            hit = next((s for s, v in r["evals"] if target is not None and v <= target), None)
+            reach.append(hit)
+        vn = [v for r in rs for _, v in r["vnmse"]]
+        rows.append(dict(ranks=n, reduction=label, seeds=len(finals),
+                         final=statistics.mean(finals) if finals else None,
+                         spread=(max(finals) - min(finals)) if len(finals) > 1 else 0.0,
+                         vs_bf16=(statistics.mean(finals) / target) if finals and target else None,
+                         steps_to_bf16=reach,
+                         vnmse=statistics.mean(vn) if vn else None,
+                         bits=statistics.mean([r.get("bits_per_coord", 0.0) for r in rs])))
+    print(f"{'N':>4s} {'reduction':>28s} {'seeds':>5s} {'final val':>10s} {'spread':>8s} "
+          f"{'/ BF16':>7s} {'steps to BF16':>14s} {'vNMSE':>9s} {'bits':>6s}")
+    for r in rows:
+        fin = f"{r['final']:.4f}" if r["final"] is not None else "-"
+        ratio = f"{r['vs_bf16']:.4f}" if r["vs_bf16"] else "-"
+        steps = ",".join("-" if s is None else str(s) for s in r["steps_to_bf16"])
+        vn = f"{r['vnmse']:.2e}" if r["vnmse"] else "-"
+        print(f"{r['ranks']:>4d} {r['reduction']:>28s} {r['seeds']:>5d} {fin:>10s} "
+              f"{r['spread']:8.4f} {ratio:>7s} {steps:>14s} {vn:>9s} {r['bits']:6.2f}")
+    if png:
+        _plot(groups, png)
+    return rows
+
+
+def _plot(groups, png):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ns = sorted({n for n, _ in groups})
+    fig, axes = plt.subplots(1, len(ns), figsize=(6 * len(ns), 4.5), squeeze=False)
+    for ax, n in zip(axes[0], ns):
+        for (m, label), rs in sorted(groups.items()):
+            if m != n:
+                continue
+            for i, r in enumerate(rs):
+                xs, ys = zip(*r["evals"]) if r["evals"] else ((), ())
+                ax.plot(xs, ys, label=label if i == 0 else None, alpha=0.8,
+                        color=f"C{sorted({lab for k, lab in groups if k == n}).index(label)}")
+        ax.set_title(f"N = {n} simulated ranks")
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation loss (nats/byte)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "table":
+        p = argparse.ArgumentParser(prog="python -m dynamiq_mpi train-sim table")
+        p.add_argument("runs", nargs="+")
+        p.add_argument("--png", default=None)
+        a = p.parse_args(argv[1:])
+        return table(a.runs, a.png)
+    return run(parse_args(argv))

@@ -1,0 +1,90 @@
+"""The training simulator (``python -m dynamiq_mpi train-sim``,
+studies/train_sim.py): N data-parallel ranks in one process.
+
+At N = 2 its gradients equal a real two-rank job's (``--real`` under
+mpiexec: each rank its own process, ``allreduce_gradients`` over MPI) bit
+for bit: the final parameters after three steps with DynamiQ at 5 bits on
+every bucket (``small_input=0``: quantized, not sent as BF16).  The BF16
+reduction follows ``bf16_compress_hook``; the table reads the runs' JSON.
+"""
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", exc_type=ImportError)
+pytest.importorskip("transformers", exc_type=ImportError)
+
+from dynamiq_mpi.studies import train_sim  # noqa: E402
+from helpers import vnmse  # noqa: E402
+from test_launchers import _run, mpiexec  # noqa: E402
+
+TINY = ["--preset", "tiny", "--steps", "3", "--quiet"]
+CODEC = "dynamiq:5:small_input=0"
+
+
+def _sim(tmp_path, name, *extra):
+    dump, out = tmp_path / f"{name}.npy", tmp_path / f"{name}.json"
+    torch.set_num_threads(1)
+    record = train_sim.main([*TINY, *extra, "--dump", str(dump), "--json", str(out)])
+    return np.load(dump), record
+
+
+def test_two_simulated_ranks_equal_the_real_two_rank_job(tmp_path):
+    seed = int(np.random.default_rng().integers(1000))
+    sim, record = _sim(tmp_path, "sim", "--ranks", "2", "--codec", CODEC, "--seed", str(seed))
+    _run(mpiexec(2, "-m", "dynamiq_mpi", "train-sim", *TINY, "--ranks", "2", "--codec", CODEC,
+                 "--seed", seed, "--real", "--dump", tmp_path / "real.npy",
+                 "--json", tmp_path / "real.json"), "the real two-rank job")
+    real = np.load(tmp_path / "real.npy")
+    assert np.array_equal(sim.view(np.uint32), real.view(np.uint32)), seed
+    assert record["steps"] == json.load(open(tmp_path / "real.json"))["steps"]
+    # the compression is real: DynamiQ's parameters differ from the exact mean's
+    exact, ex_record = _sim(tmp_path, "fp32", "--ranks", "2", "--codec", "fp32",
+                            "--seed", str(seed))
+    assert not np.array_equal(sim, exact)
+    assert max(v for _, v in record["vnmse"]) > 1e-4 > max(v for _, v in ex_record["vnmse"])
+    assert 4.0 < record["bits_per_coord"] < 5.5
+
+
+def test_bf16_reduction_is_the_bf16_compress_hook():
+    rng = np.random.default_rng()
+    n = 5
+    xs = [rng.standard_normal(1000).astype(np.float32) * 10 ** rng.uniform(-3, 3)
+          for _ in range(n)]
+    red = train_sim.Reducer("bf16", n, 0, "ring", 1)
+    got = red([torch.from_numpy(x) for x in xs]).numpy()
+    bf = ml_dtypes.bfloat16
+    parts = [(x.astype(bf) / bf(n)).astype(bf).astype(np.float32) for x in xs]
+    want = np.sum(np.stack(parts), axis=0, dtype=np.float32).astype(bf).astype(np.float32)
+    # (the sum's order: left to right in float32 in both)
+    acc = np.zeros(1000, np.float32)
+    for p in parts:
+        acc += p
+    want = acc.astype(bf).astype(np.float32)
+    assert np.array_equal(got, want)
+    exact = np.mean(np.stack(xs).astype(np.float64), axis=0)
+    assert 1e-7 < vnmse(got, exact) < 1e-4
+    assert red.take_vnmse() == pytest.approx(vnmse(got, exact), rel=1e-6)
+
+
+def test_hierarchical_reduction_and_the_table(tmp_path, capsys):
+    """Nodes of 2 at N = 4 (levels_simulate) train; the table's ratio is the
+    mean final loss over seeds against BF16's, read back from the JSON."""
+    paths = []
+    for codec, extra in (("bf16", []), (CODEC, ["--node-size", "2"])):
+        for seed in (0, 1):
+            out = tmp_path / f"{codec.split(':')[0]}{seed}.json"
+            train_sim.main([*TINY, "--ranks", "4", "--codec", codec, "--seed", str(seed),
+                            "--eval-every", "3", "--json", str(out), *extra])
+            paths.append(out)
+    rows = train_sim.table([str(p) for p in paths], png=str(tmp_path / "curves.png"))
+    finals = {p.name: json.load(open(p))["final_val_loss"] for p in paths}
+    bf16 = (finals["bf160.json"] + finals["bf161.json"]) / 2
+    dq = (finals["dynamiq0.json"] + finals["dynamiq1.json"]) / 2
+    row = next(r for r in rows if "nodes of 2" in r["reduction"])
+    assert row["seeds"] == 2 and row["vs_bf16"] == pytest.approx(dq / bf16)
+    assert 0 < row["vnmse"] < 0.5
+    assert (tmp_path / "curves.png").stat().st_size > 10_000
+    assert "nodes of 2" in capsys.readouterr().out
