@@ -84,7 +84,7 @@ def test_hierarchical_reduction_and_the_table(tmp_path, capsys):
     bf16 = (finals["bf160.json"] + finals["bf161.json"]) / 2
     dq = (finals["dynamiq0.json"] + finals["dynamiq1.json"]) / 2
     row = next(r for r in rows if "nodes of 2" in r["reduction"])
-    assert row["seeds"] == 2 and row["vs_bf16"] == pytest.approx(dq / bf16)
+    assert row["seeds"] == [0, 1] and row["paired"] and row["vs_bf16"] == pytest.approx(dq / bf16)
     assert 0 < row["vnmse"] < 0.5
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     assert "nodes of 2" in capsys.readouterr().out

@@ -162,7 +162,9 @@ class Reducer:
         exact64 /= self.n
         if self.spec == "fp32":
             out = exact64.float()
+            self._count(32.0, xs[0].numel())
         elif self.spec == "bf16":
+            self._count(16.0, xs[0].numel())
             acc = torch.zeros_like(xs[0])
             for x in xs:
                 acc += (x.to(torch.bfloat16) / self.n).to(torch.bfloat16).float()
@@ -334,43 +336,58 @@ def _label(cfg):
     return f"{cfg['codec']}{topo}{hier}"
 
 
+_PLAIN_BITS = {"fp32": 32.0, "bf16": 16.0}     # runs written before these were counted
+
+
 def table(paths, png=None) -> list:
-    """Rows per (N, reduction): mean final validation loss over seeds, its
-    ratio to BF16's mean at the same N, the seeds' spread, steps to reach
-    BF16's mean final loss, and the mean vNMSE along the run."""
+    """Rows per (N, reduction): mean final validation loss over seeds, the
+    seeds' spread, its ratio to BF16's mean over the *same seeds* at the
+    same N (all of BF16's where it lacks one of them), the step each run
+    first reached that BF16 mean, and the mean vNMSE along the run."""
     import statistics
-    runs = [json.load(open(p)) for p in paths]
+    runs = []
+    for p in paths:             # a run's JSON, or a collection {"runs": [...]}
+        with open(p) as f:
+            doc = json.load(f)
+        runs.extend(doc["runs"] if "runs" in doc else [doc])
     groups = {}
     for r in runs:
         cfg = r["config"]
         groups.setdefault((cfg["ranks"], _label(cfg)), []).append(r)
     rows = []
     for (n, label), rs in sorted(groups.items()):
-        finals = [r["final_val_loss"] for r in rs if "final_val_loss" in r]
-        bf16 = [r["final_val_loss"] for (m, lab), g in groups.items() if m == n and lab == "bf16"
-                for r in g if "final_val_loss" in r]
-        target = statistics.mean(bf16) if bf16 else None
-        reach = []
-        for r in rs:
-            hit = next((s for s, v in r["evals"] if target is not None and v <= target), None)
-            reach.append(hit)
+        done = [r for r in rs if "final_val_loss" in r]
+        finals = [r["final_val_loss"] for r in done]
+        bf16 = {r["config"]["seed"]: r["final_val_loss"] for r in groups.get((n, "bf16"), [])
+                if "final_val_loss" in r}
+        seeds = [r["config"]["seed"] for r in done]
+        paired = [bf16[s] for s in seeds if s in bf16]
+        target = (statistics.mean(paired) if len(paired) == len(seeds) and paired
+                  else statistics.mean(bf16.values()) if bf16 else None)
+        reach = [next((s for s, v in r["evals"] if target is not None and v <= target), None)
+                 for r in done]
         vn = [v for r in rs for _, v in r["vnmse"]]
-        rows.append(dict(ranks=n, reduction=label, seeds=len(finals),
+        rows.append(dict(ranks=n, reduction=label, seeds=sorted(seeds),
                          final=statistics.mean(finals) if finals else None,
                          spread=(max(finals) - min(finals)) if len(finals) > 1 else 0.0,
                          vs_bf16=(statistics.mean(finals) / target) if finals and target else None,
+                         paired=len(paired) == len(seeds) and bool(paired),
                          steps_to_bf16=reach,
                          vnmse=statistics.mean(vn) if vn else None,
-                         bits=statistics.mean([r.get("bits_per_coord", 0.0) for r in rs])))
-    print(f"{'N':>4s} {'reduction':>28s} {'seeds':>5s} {'final val':>10s} {'spread':>8s} "
-          f"{'/ BF16':>7s} {'steps to BF16':>14s} {'vNMSE':>9s} {'bits':>6s}")
+                         bits=statistics.mean([r.get("bits_per_coord") or _PLAIN_BITS.get(
+                             r["config"]["codec"], 0.0) for r in rs])))
+    print(f"{'N':>4s} {'reduction':>36s} {'seeds':>7s} {'final val':>10s} {'spread':>8s} "
+          f"{'/ BF16':>8s} {'steps to BF16':>14s} {'vNMSE':>9s} {'bits':>6s}")
     for r in rows:
         fin = f"{r['final']:.4f}" if r["final"] is not None else "-"
-        ratio = f"{r['vs_bf16']:.4f}" if r["vs_bf16"] else "-"
+        ratio = (f"{r['vs_bf16']:.4f}" + ("" if r["paired"] else "*")) if r["vs_bf16"] else "-"
         steps = ",".join("-" if s is None else str(s) for s in r["steps_to_bf16"])
         vn = f"{r['vnmse']:.2e}" if r["vnmse"] else "-"
-        print(f"{r['ranks']:>4d} {r['reduction']:>28s} {r['seeds']:>5d} {fin:>10s} "
-              f"{r['spread']:8.4f} {ratio:>7s} {steps:>14s} {vn:>9s} {r['bits']:6.2f}")
+        seeds = ",".join(map(str, r["seeds"]))
+        print(f"{r['ranks']:>4d} {r['reduction']:>36s} {seeds:>7s} {fin:>10s} "
+              f"{r['spread']:8.4f} {ratio:>8s} {steps:>14s} {vn:>9s} {r['bits']:6.2f}")
+    if any(not r["paired"] for r in rows if r["vs_bf16"]):
+        print("# *: against BF16's mean over other seeds (BF16 lacks one of the row's)")
     if png:
         _plot(groups, png)
     return rows
