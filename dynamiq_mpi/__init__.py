@@ -5,7 +5,7 @@
 """
 from .api import Collective, allreduce, collective_for, reduce_scatter, simulate_allreduce
 from .codecs import BF16, MXFP, THC, DynamiQ, Exact, OmniReduce
-from .engine_rs import simulate_reduce_scatter
+from .call.engine_rs import simulate_reduce_scatter
 from .errors import (DynamiQError, InputMismatchError, InvalidInputError, NonFiniteInputError,
                      SumOverflowError)
 from .report import Report

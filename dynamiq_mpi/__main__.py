@@ -126,13 +126,13 @@ def main(argv=None):
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     errorstudy.add_arguments(p)
     p.set_defaults(func=errorstudy.run, mpi=False)
-    from .studies import cost_model   # the cost model lives in studies/cost_model.py
+    from .studies import cost_model, cost_model_cli   # the model, and its command
     p = sub.add_parser("model", help="predicted time of NCCL's, our flat and our hierarchical "
                                      "all-reduce on a cluster (CPU only)",
                        description=cost_model.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    cost_model.add_arguments(p)
-    p.set_defaults(func=cost_model.run, mpi=False)
+    cost_model_cli.add_arguments(p)
+    p.set_defaults(func=cost_model_cli.run, mpi=False)
     p = sub.add_parser("bench", help="nccl-tests-style benchmark against the uncompressed "
                                      "all-reduce (mpiexec)")
     from .bench import add_arguments, run as bench_run

@@ -1,5 +1,6 @@
 """Deprecated module paths of modules that moved into subpackages
-(2026-11-24): ``import dynamiq_mpi.errorstudy`` and the like still work, with
+(2026-11-24, 2026-11-26): ``import dynamiq_mpi.errorstudy``,
+``dynamiq_mpi.engine`` and the like still work, with
 a DeprecationWarning, and hand out the module at its new path."""
 from __future__ import annotations
 
@@ -15,6 +16,14 @@ MOVED = {
     "dynamiq_mpi.gradients": "dynamiq_mpi.studies.gradients",
     "dynamiq_mpi.bench_kernels": "dynamiq_mpi.bench.kernels",
     "dynamiq_mpi.torch_fsdp": "dynamiq_mpi.torch.fsdp",
+    # 2026-11-26: the machinery of a call under dynamiq_mpi.call
+    "dynamiq_mpi.engine": "dynamiq_mpi.call.engine",
+    "dynamiq_mpi.engine_rs": "dynamiq_mpi.call.engine_rs",
+    "dynamiq_mpi.native": "dynamiq_mpi.call.native",
+    "dynamiq_mpi.graphs": "dynamiq_mpi.call.graphs",
+    "dynamiq_mpi.paths": "dynamiq_mpi.call.paths",
+    "dynamiq_mpi.workspace": "dynamiq_mpi.call.workspace",
+    "dynamiq_mpi.hierarchy": "dynamiq_mpi.call.hierarchy",
 }
 
 

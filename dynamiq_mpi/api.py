@@ -7,23 +7,22 @@ import threading
 import time
 
 from .codecs.base import DEFAULT_TILE_BYTES, signature_of
-from .codecs.dynamiq import DynamiQ
-from . import native
+from .codecs import DEFAULT_CODEC
+from .call import native
 from .backend import backend_for
 from .errors import InvalidInputError
-from .engine import LAYOUT_CHOICES, CallSpec, check_nonfinite, rank_program
-from .paths import PathChooser, default_path, size_class
+from .call.engine import CallSpec, check_nonfinite, default_layout, rank_program
+from .call.paths import PathChooser, default_path, size_class
 from .transports import TRANSPORTS, explain_transport
 from .transports.ops import Agree, Route
 from .transports.simulate import SimulatedTransport
-from .graphs import GraphCalls, SteadyCompressed, default_graphs
+from .call.graphs import GraphCalls, SteadyCompressed, default_graphs
 from .settings import env_choice
-from .hierarchy import NodeCalls, default_node_size
-from .workspace import FRESH, Workspace
+from .call.hierarchy import NodeCalls, default_node_size
+from .call.workspace import FRESH, Workspace
 
 
-# The codec of calls that name none (codecs are immutable: one serves them all).
-_DEFAULT_CODEC = DynamiQ()
+_DEFAULT_CODEC = DEFAULT_CODEC
 
 
 def _check_transport(transport):
@@ -275,7 +274,7 @@ class Collective(GraphCalls, NodeCalls):
         """Reduce-scatter ``x`` (see :func:`reduce_scatter`); always compressed
         (``path`` does not apply).  Shares the call counter with
         :meth:`allreduce`.  ``hierarchy="nodes"``: hierarchy.py."""
-        from .engine_rs import rank_program_rs
+        from .call.engine_rs import rank_program_rs
         codec = _DEFAULT_CODEC if codec is None else codec
         transport = self.transport if transport is None else transport
         nonfinite = self.nonfinite if nonfinite is None else nonfinite
@@ -446,15 +445,8 @@ class Collective(GraphCalls, NodeCalls):
 
 def default_hierarchy(value=None) -> str:
     """``value``, else ``$DYNAMIQ_HIERARCHY``, else "flat"."""
-    from .hierarchy import HIERARCHIES
+    from .call.hierarchy import HIERARCHIES
     return env_choice(value, "DYNAMIQ_HIERARCHY", HIERARCHIES, "hierarchy", default="flat")
-
-
-def default_layout(value=None) -> str:
-    """``value``, else ``$DYNAMIQ_LAYOUT``, else "auto" (the compressed
-    stream's layout, engine.CallSpec: "fixed" for device arrays, so no call
-    reads its plan back; "exact" / "fixed" force one, for A/B runs)."""
-    return env_choice(value, "DYNAMIQ_LAYOUT", LAYOUT_CHOICES, "layout")
 
 
 def _sync(x):

@@ -172,7 +172,7 @@ def test_report_without_detail_reads_nothing_back():
     xs = rank_inputs(fresh_seed(), 2, 5000)
     spec_outs = dq.simulate_allreduce(xs, codec=dq.DynamiQ(small_input=0), layout="fixed")
     assert np.array_equal(spec_outs[0], spec_outs[1])
-    from dynamiq_mpi.engine import CallSpec, rank_program
+    from dynamiq_mpi.call.engine import CallSpec, rank_program
     from dynamiq_mpi.transports.simulate import SimulatedTransport
     spec = CallSpec(dq.DynamiQ(small_input=0), "ring", "sum", 0, 0, layout="fixed")
     results = SimulatedTransport(2).run([rank_program(r, 2, xs[r], spec, detailed_report=False)
@@ -208,7 +208,7 @@ def test_nonfinite_input_gives_nan_everywhere(bad):
 
 
 def test_layout_is_agreed():
-    from dynamiq_mpi.engine import CallSpec, rank_program
+    from dynamiq_mpi.call.engine import CallSpec, rank_program
     from dynamiq_mpi.transports.simulate import SimulatedTransport
     xs = rank_inputs(fresh_seed(), 2, 3000)
     specs = [CallSpec(dq.DynamiQ(small_input=0), "ring", "sum", 0, 0, layout=lay)
@@ -228,7 +228,7 @@ def test_a_vector_shorter_than_its_chunks_has_empty_tiles():
     by a tile's element range: the empty chunks' ranges were negative."""
     from dynamiq_mpi.backend import backend_for
     from dynamiq_mpi.codecs.plain import ElementwisePlan
-    from dynamiq_mpi.workspace import FRESH
+    from dynamiq_mpi.call.workspace import FRESH
     x = np.arange(10, dtype=np.float32)
     plan = ElementwisePlan(x, 4, backend_for(x), FRESH)
     ranges = [plan._elems(t) for t in range(len(plan.tiling.units))]
@@ -245,7 +245,7 @@ def test_reduce_scatter_layouts_decode_the_same_bits(n, topology):
     layout too (one chunk each): the same chunks as the exact layout, bit for
     bit; NaN in one block turns every rank's chunk NaN, as the exact layout's
     refusal does, decided on the device."""
-    from dynamiq_mpi.engine_rs import simulate_reduce_scatter
+    from dynamiq_mpi.call.engine_rs import simulate_reduce_scatter
     seed = fresh_seed()
     for codec in (dq.DynamiQ(small_input=0), dq.DynamiQ(small_input=0, bits=3, bf16_class=False),
                   dq.DynamiQ()):                              # (small inputs: BF16)

@@ -247,8 +247,8 @@ def test_rail_mapping_is_the_interleave(length, k):
 
 
 def test_the_engine_uses_the_same_shards():
-    """dynamiq_mpi/hierarchy.py (the multi-process call) cuts the same rails."""
-    from dynamiq_mpi import hierarchy
+    """dynamiq_mpi/call/hierarchy.py (the multi-process call) cuts the same rails."""
+    from dynamiq_mpi.call import hierarchy
     for length in (0, 3, 256, 1000, 4 * B, 4099, 6 * B + 1, 10007):
         x = np.arange(length, dtype=np.float32)
         for k in (1, 2, 3, 4, 8):

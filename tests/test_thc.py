@@ -13,7 +13,7 @@ from dynamiq_mpi.codecs.thc import (THC, UNIT, aggregation_bits, fwht, hadamard_
                                     pack_codes, rotate, rotation_key, rotation_signs,
                                     rounding_uniforms, unpack_codes)
 from dynamiq_mpi.rng import call_keys
-from dynamiq_mpi.workspace import FRESH
+from dynamiq_mpi.call.workspace import FRESH
 from helpers import BF16, exact_sum, fresh_seed, magnitude_nmse, rank_inputs, vnmse
 
 CASES = [(n, "ring") for n in (2, 3, 4, 8)] + [(n, "butterfly") for n in (2, 4, 8)]

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from dynamiq_mpi.codecs.base import StreamLayout, tile_stream
-from dynamiq_mpi.workspace import FRESH, Workspace
+from dynamiq_mpi.call.workspace import FRESH, Workspace
 
 
 def test_take_reuses_views_until_the_buffer_grows():

@@ -44,11 +44,11 @@ def main(argv=None):
     import ml_dtypes
 
     import dynamiq_mpi as dq
-    from dynamiq_mpi.engine import CallSpec, rank_program
-    from dynamiq_mpi.graphs import CallGraph
+    from dynamiq_mpi.call.engine import CallSpec, rank_program
+    from dynamiq_mpi.call.graphs import CallGraph
     from dynamiq_mpi.rng import call_keys
     from dynamiq_mpi.transports.simulate import SimulatedTransport
-    from dynamiq_mpi.workspace import Workspace
+    from dynamiq_mpi.call.workspace import Workspace
 
     n = args.ranks
     codec = dq.DynamiQ()

@@ -25,7 +25,7 @@ import json
 import numpy as np
 
 import dynamiq_mpi as dq
-from dynamiq_mpi.engine_rs import simulate_reduce_scatter
+from dynamiq_mpi.call.engine_rs import simulate_reduce_scatter
 from dynamiq_mpi.studies.gradients import gradient_like, layer_layout
 
 

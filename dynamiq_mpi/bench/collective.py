@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from ..backend import BFLOAT16
-from ..paths import SAMPLES, WARMUP
+from ..call.paths import SAMPLES, WARMUP
 from ..codecs.base import DEFAULT_TILE_BYTES
 from ..transports import TRANSPORTS
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -602,42 +601,3 @@ def _write_json(doc, path, out):
         out.write(text + "\n")
     else:
         Path(path).write_text(text + "\n")
-
-
-def run(args, out=None):
-    out = out or sys.stdout
-    if args.check or args.map:
-        from . import cost_model_check
-        return cost_model_check.run(args, out)
-    rates = _rates_for(args)
-    if not args.sweep:
-        c, elements, bits, res = _predict_args(args, rates)
-        if args.json != "-":
-            out.write(_describe(c, elements, bits, args, rates) + "\n")
-            _table(res, out)
-        if args.json:
-            _write_json({"inputs": _inputs(c, elements, bits, args, rates), "prediction": res},
-                        args.json, out)
-        return res
-    param, _, values = args.sweep.partition("=")
-    if param not in _SWEEPABLE or not values:
-        raise SystemExit(f"--sweep {args.sweep!r}: write PARAM=v1,v2 with PARAM one of "
-                         f"{', '.join(_SWEEPABLE)}")
-    rows = []
-    for v in values.split(","):
-        c, elements, bits, res = _predict_args(args, rates, {_SWEEPABLE[param]: v.strip()})
-        rows.append({"value": v.strip(), **{k: {"seconds": r["seconds"], "speedup": r["speedup"]}
-                                          for k, r in res.items()}})
-    keys = [k for k in rows[0] if k != "value"]
-    if args.json != "-":
-        out.write(f"{param:>14s} " + " ".join(f"{k:>17s}" for k in keys) + "   (ms, speed-up)\n")
-        for r in rows:
-            out.write(f"{r['value']:>14s} " + " ".join(
-                f"{r[k]['seconds'] * 1e3:9.3f} {r[k]['speedup']:5.2f}x " for k in keys) + "\n")
-    if args.json:
-        _write_json({"inputs": _inputs(c, elements, bits, args, rates), "sweep": param,
-                     "rows": rows}, args.json, out)
-    if args.plot:
-        from .cost_model_check import plot_sweep
-        plot_sweep(rows, param, args.plot)
-    return rows

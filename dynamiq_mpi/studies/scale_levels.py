@@ -58,7 +58,7 @@ import numpy as np
 from ..codecs.base import DEFAULT_TILE_BYTES
 # the shards (step 2) and the rails' topology are the library's own, so the
 # simulation and the multi-process call (hierarchy.py) cut the same rails
-from ..hierarchy import (BLOCK, rail_blocks, rail_gather, rail_index,  # noqa: F401
+from ..call.hierarchy import (BLOCK, rail_blocks, rail_gather, rail_index,  # noqa: F401
                          rail_length, rail_scatter, rail_topology)
 from .scale_sim import ArraySource, LogNormalMixture, RankSource, _vnmse, scale_allreduce
 

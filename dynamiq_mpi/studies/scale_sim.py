@@ -59,7 +59,7 @@ from ..codecs.mxfp import MXFP, _padded_blocks
 from ..codecs.plain import BF16, ElementwisePlan, Exact
 from ..rng import call_keys, splitmix64
 from ..schedules import _trailing_ones
-from ..workspace import FRESH
+from ..call.workspace import FRESH
 
 SUPER = 256
 _M32 = np.uint64(0xFFFFFFFF)

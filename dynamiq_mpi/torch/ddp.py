@@ -27,7 +27,7 @@ import torch
 
 from .. import Collective, DynamiQ, InputMismatchError
 from ..control import as_plane, is_torch_group
-from ..paths import PathChooser, default_path, size_class
+from ..call.paths import PathChooser, default_path, size_class
 from .groups import _adopt_group, _native_group, init_process_group_from_mpi  # noqa: F401 (re-exported)
 from .overlap import BucketWorker
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..paths import PathChooser, size_class
+from ..call.paths import PathChooser, size_class
 from .ddp import HookState, _torch_stream, tensor_as_array
 from .groups import _adopt_group, _native_group
 

@@ -206,9 +206,9 @@ def test_a_fixed_layout_call_captures_into_a_graph():
     """No synchronisation and no device-to-host copy anywhere in a call: the
     whole simulated two-rank call (statistics, exchange, plan, pieces,
     encodes, messages, decodes, finish) is captured on one stream."""
-    from dynamiq_mpi.engine import CallSpec, rank_program
+    from dynamiq_mpi.call.engine import CallSpec, rank_program
     from dynamiq_mpi.transports.simulate import SimulatedTransport
-    from dynamiq_mpi.workspace import Workspace
+    from dynamiq_mpi.call.workspace import Workspace
     length = 256 * 4000 + 3
     xs = [cp.asarray(x) for x in rank_inputs(fresh_seed(), 2, length)]
     outs = [cp.empty_like(x) for x in xs]

@@ -39,11 +39,11 @@ def _inputs(rng, seed, n, length, dtype):
 @pytest.mark.parametrize("n,topology", [(2, "ring"), (3, "ring"), (4, "butterfly")])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_graph_replays_equal_the_cpu_call_after_call(n, topology, dtype):
-    from dynamiq_mpi.engine import CallSpec, rank_program
-    from dynamiq_mpi.graphs import CallGraph
+    from dynamiq_mpi.call.engine import CallSpec, rank_program
+    from dynamiq_mpi.call.graphs import CallGraph
     from dynamiq_mpi.rng import call_keys
     from dynamiq_mpi.transports.simulate import SimulatedTransport
-    from dynamiq_mpi.workspace import Workspace
+    from dynamiq_mpi.call.workspace import Workspace
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
     length = 256 * 2000 + 7
@@ -88,8 +88,8 @@ def test_a_host_read_fails_the_capture_cleanly():
     """A call that reads the device on the host (the exact layout reads its
     plan back) cannot be captured: the capture raises, the stream is left
     usable, and the same call then runs eagerly."""
-    from dynamiq_mpi.engine import CallSpec, rank_program
-    from dynamiq_mpi.graphs import CallGraph
+    from dynamiq_mpi.call.engine import CallSpec, rank_program
+    from dynamiq_mpi.call.graphs import CallGraph
     from dynamiq_mpi.transports.simulate import SimulatedTransport
     xs = [cp.asarray(x) for x in rank_inputs(fresh_seed(), 2, 256 * 100)]
     outs = [cp.zeros_like(x) for x in xs]

@@ -17,12 +17,12 @@ import pytest
 from mpi4py import MPI
 
 import dynamiq_mpi as dq
-from dynamiq_mpi.engine import CallSpec, rank_program
+from dynamiq_mpi.call.engine import CallSpec, rank_program
 from dynamiq_mpi.transports.cuda_aware import ENV, cuda_aware_mpi
 from dynamiq_mpi.transports.mpi_cuda import MPICudaTransport
 from dynamiq_mpi.transports.mpi_host import MPITransport
 from dynamiq_mpi.transports.ops import Route, drive
-from dynamiq_mpi.workspace import Workspace
+from dynamiq_mpi.call.workspace import Workspace
 from helpers import BF16, digest, rank_inputs, same_everywhere, shared_seed
 
 comm = MPI.COMM_WORLD

@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 import dynamiq_mpi as dq
 from dynamiq_mpi.backend import BFLOAT16
-from dynamiq_mpi.paths import SAMPLES, WARMUP
+from dynamiq_mpi.call.paths import SAMPLES, WARMUP
 
 from helpers import fresh_seed, shared_seed
 

@@ -10,10 +10,10 @@ import pytest
 from mpi4py import MPI
 
 import dynamiq_mpi as dq
-from dynamiq_mpi.engine import CallSpec, rank_program
+from dynamiq_mpi.call.engine import CallSpec, rank_program
 from dynamiq_mpi.transports.nccl import NCCLTransport
 from dynamiq_mpi.transports.ops import Route, drive
-from dynamiq_mpi.workspace import Workspace
+from dynamiq_mpi.call.workspace import Workspace
 from fake_nccl import modules as fake_modules
 from helpers import BF16, digest, exact_sum, rank_inputs, same_everywhere, shared_seed, vnmse
 

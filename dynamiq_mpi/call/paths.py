@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .settings import env_choice
+from ..settings import env_choice
 
 PATH_CHOICES = ("auto", "compressed", "native")
 WARMUP = 1          # untimed calls of each path per class
@@ -55,7 +55,7 @@ class PathChooser:
         """``options``: (the candidate, the baseline it must beat by
         ``margin``): the paths, or the hierarchies ("nodes", "flat")."""
         self.options = tuple(options)
-        from .control import as_plane
+        from ..control import as_plane
         self.plane = as_plane(comm)     # the ranks' control plane (agreeing on timings)
         self.warmup, self.samples, self.margin = int(warmup), int(samples), float(margin)
         self._classes: dict = {}

@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backend import dtype_name
-from .codecs.base import signature_of
-from .errors import InvalidInputError, NonFiniteInputError
+from ..backend import dtype_name
+from ..codecs.base import signature_of
+from ..errors import InvalidInputError, NonFiniteInputError
 
 BLOCK = 256          # the interleave's block: one DynamiQ super-group
 HIERARCHIES = ("flat", "nodes", "auto")
@@ -198,7 +198,7 @@ def find_nodes(plane, node_size=None) -> NodeLayout:
 def rail_topology(topology: str, nodes: int) -> str:
     """The butterfly needs a power-of-two node count; else the rails run the
     ring (never an error)."""
-    from . import schedules
+    from .. import schedules
     schedules.check_topology(topology, 1)          # the name only
     return "ring" if topology == "butterfly" and nodes & (nodes - 1) else topology
 
@@ -230,7 +230,7 @@ def vector_of_rows(rows, length: int, block: int = BLOCK):
 
 def _mean(a, n: int):
     """One division of the float32 value by n, then the dtype's rounding."""
-    from .backend import BFLOAT16, as_float32, float32_to_bf16
+    from ..backend import BFLOAT16, as_float32, float32_to_bf16
     if isinstance(a, np.ndarray):
         return (a.astype(np.float32) / np.float32(n)).astype(a.dtype)
     value = as_float32(a) / np.float32(n)                   # CuPy: integer-op BF16 rounding
@@ -256,10 +256,10 @@ def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, 
     planes are made (a rank that makes a flat call instead meets the same
     exchange and every rank raises).  Returns (flat input, flat out or None,
     backend)."""
-    from . import schedules
+    from .. import schedules
     from .engine import CallSpec, _agree, _check_local, agreement_record
     from .engine_rs import _check_out
-    from .transports.mpi_host import agree
+    from ..transports.mpi_host import agree
     n = coll.size
     spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
                     path="compressed" if path == "auto" else path, nonfinite=nonfinite,
@@ -293,7 +293,7 @@ class Levels:
     for device arrays where every rank has a GPU of its own)."""
 
     def __init__(self, plane, layout: NodeLayout, make_collective):
-        from .transports.node_level import StagedNodeLevel
+        from ..transports.node_level import StagedNodeLevel
         self.layout = layout
         self._plane = plane
         self.node = plane.split(layout.node, layout.local)        # my node's ranks
@@ -316,7 +316,7 @@ class Levels:
             return self._staged, "in-node level over the control plane (host arrays)"
         device = flat.device.id
         if device not in self._device_levels:
-            from .transports.node_level import node_level_for
+            from ..transports.node_level import node_level_for
             self._device_levels[device] = node_level_for(self._plane, self.node, device,
                                                          self._staged)
         return self._device_levels[device]
@@ -327,7 +327,7 @@ class Levels:
         on the device?, in-node level, why, the input where that level
         works: on the device or staged to the host)."""
         from .engine import _holds_nonfinite
-        from .transports.mpi_host import agree
+        from ..transports.mpi_host import agree
         flat, flat_out, backend = agreed
         if nonfinite == "raise":
             flags = agree(coll._plane, _holds_nonfinite(backend.xp, flat))
@@ -360,7 +360,7 @@ class Levels:
         """One hierarchical call after :func:`agree_call` (every rank of the
         collective makes it)."""
         from .engine import _holds_nonfinite
-        from .report import Report
+        from ..report import Report
         t0 = time.perf_counter()
         lay = self.layout
         n, k = lay.nodes * lay.node_size, lay.node_size
@@ -443,7 +443,7 @@ class Levels:
         the ranks of local index l, in node order; the in-node reduce-scatter
         sums it, and the rail's own (compressed) reduce-scatter over the
         nodes hands node j the chunk of its rank of local index l."""
-        from .report import Report
+        from ..report import Report
         t0 = time.perf_counter()
         lay = self.layout
         n, k = lay.nodes * lay.node_size, lay.node_size
@@ -523,8 +523,8 @@ class NodeCalls:
         if k is not None:
             self._auto = n % k == 0 and 1 < k < n
             return self._auto or None
-        from .errors import InputMismatchError
-        from .transports.mpi_host import agree
+        from ..errors import InputMismatchError
+        from ..transports.mpi_host import agree
         asks = agree(self._plane, {"hierarchy": "auto", "discover_nodes": True})
         if any(a != asks[0] for a in asks):
             raise InputMismatchError("ranks disagree on hierarchy: some ask 'auto', others not")

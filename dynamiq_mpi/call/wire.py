@@ -1,29 +1,11 @@
-"""The native path of a call: the transport's own uncompressed all-reduce
-(NCCL's for device arrays, MPI's for host arrays) instead of the codec's
-compressed ring, where compression does not pay (see :mod:`.paths`).
-
-The caller's dtype is kept: the input is cast to the wire dtype (BF16 for the
-lossy codecs on NCCL, float32 on MPI, which has no BF16 sum; the input's own
-dtype for ``Exact``), summed by the transport, and cast back, divided by n
-for a mean.  On the GPU each cast is one fused kernel (no temporaries).
-
-:class:`SteadyNative` is the same call without the engine, for a call whose
-every argument the ranks already agreed on once: it keeps the agreement
-record and its digest, so a steady call costs one 8-byte ``MPI_Allgather``
-(every rank's digest, the call counter folded in), the casts and the
-transport's all-reduce.  A rank whose call differs sends a different digest,
-and then every rank exchanges the full records and raises the engine's
-error, exactly as on the engine's path (the digests are the same function
-of the record, transports/mpi_host.py), so no rank is left waiting.
-"""
+"""The native path's wire: the dtype the transport's own all-reduce sums in,
+and the casts into and out of it (NumPy, or CuPy kernels for BF16 bits).
+Used by the engine's native path and by steady native calls (native.py)."""
 from __future__ import annotations
 
 import numpy as np
 
-from .backend import BFLOAT16, dtype_name
-from .codecs.base import signature_of
-from .errors import InputMismatchError
-from .transports.mpi_host import Digests, digest_with_counter, record_digest
+from ..backend import BFLOAT16, dtype_name
 
 _F32_LIKE = ("float32", "float16", "bfloat16")
 
@@ -118,43 +100,3 @@ def from_wire(backend, buf, divisor: int, result):
     else:
         wide = buf.astype(np.float32) if buf.dtype == BFLOAT16 else buf
         xp.copyto(result, wide / wide.dtype.type(divisor), casting="unsafe")
-
-
-def steady_key(x, out, codec, topology, op, seed, transport, tile_bytes, nonfinite, path):
-    """What must equal a steady call's for its agreement to carry over
-    (everything of the record but the counter, from local facts; ``path``:
-    the path asked for, "auto" or "native")."""
-    dev = getattr(getattr(x, "device", None), "id", None)
-    out_key = None if out is None else (
-        type(out), out.shape, out.dtype, out.flags.c_contiguous,
-        getattr(getattr(out, "device", None), "id", None), out is x)
-    return (type(x), x.shape, x.dtype, x.flags.c_contiguous, dev, out_key, signature_of(codec),
-            topology, op, seed, transport, tile_bytes, nonfinite, path)
-
-
-class SteadyNative:
-    """The native path of a call agreed before (see the module's doc)."""
-
-    def __init__(self, record: dict, codec, transport: str, wire: str, backend):
-        self.record = {k: v for k, v in record.items() if k != "counter"}
-        self.static = record_digest(self.record)
-        self.codec, self.transport, self.wire, self.backend = codec, transport, wire, backend
-        self._digests = None        # the digest exchange's buffers (made on first use)
-
-    def run(self, comm, route, x, out, counter, op, n, workspace):
-        """The result (``out`` or a new array of ``x``'s shape); raises the
-        agreement's error on every rank when some rank's call differs."""
-        if self._digests is None:
-            self._digests = Digests(comm)
-        if not self._digests.match(digest_with_counter(self.static, counter)):
-            from .engine import _agree      # (engine imports this module)
-            _agree(comm.allgather(dict(self.record, counter=counter)))
-            raise InputMismatchError("ranks disagree on the call")   # _agree raised already
-        transport = route(self.transport, x)
-        flat = x.reshape(-1)
-        result = out.reshape(-1) if out is not None else self.backend.empty(flat.shape[0],
-                                                                            flat.dtype)
-        send, recv = to_wire(self.backend, flat, self.wire, result, workspace)
-        transport._native_allreduce(send, recv)
-        from_wire(self.backend, recv, n if op == "mean" else 1, result)
-        return out if out is not None else result.reshape(x.shape)

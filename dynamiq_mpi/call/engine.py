@@ -43,16 +43,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import schedules
-from .backend import BFLOAT16, SUPPORTED_DTYPES, backend_for, dtype_name
-from .codecs.base import DEFAULT_TILE_BYTES, LAYOUTS, Codec, align_up, plan_layout, signature_of
-from .codecs.plain import ByteMaxPlan, ElementwisePlan, exact_sum_into
-from .errors import InputMismatchError, InvalidInputError, NonFiniteInputError, SumOverflowError
-from .report import Report
-from .rng import call_keys
-from .transports import TRANSPORTS, choose_transport, native_wires, transport_capabilities
-from .transports.ops import Agree, Claim, Exchange, Mark, NativeAllreduce, Route
-from . import native
+from .. import schedules
+from ..backend import BFLOAT16, SUPPORTED_DTYPES, backend_for, dtype_name
+from ..codecs.base import DEFAULT_TILE_BYTES, LAYOUTS, Codec, align_up, plan_layout, signature_of
+from ..codecs.plain import ByteMaxPlan, ElementwisePlan, exact_sum_into
+from ..errors import InputMismatchError, InvalidInputError, NonFiniteInputError, SumOverflowError
+from ..report import Report
+from ..rng import call_keys
+from ..settings import env_choice
+from ..transports import TRANSPORTS, choose_transport, native_wires, transport_capabilities
+from ..transports.ops import Agree, Claim, Exchange, Mark, NativeAllreduce, Route
+from .wire import from_wire, to_wire, wire_dtype
 from .workspace import FRESH
 
 OPS = ("sum", "mean")
@@ -386,7 +387,7 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
     if spec.path == "native":
         wires = native_wires(transport, backend.name)
         if wires:
-            wire = native.wire_dtype(spec.codec, dtype_name(flat.dtype), wires)
+            wire = wire_dtype(spec.codec, dtype_name(flat.dtype), wires)
             report.path = "native"
             if spec.nonfinite == "raise":
                 # the transport's all-reduce has no statistics phase to flag
@@ -396,13 +397,13 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
                 bad = [r for r, f in enumerate(flags) if f["nonfinite"]]
                 if bad:
                     raise NonFiniteInputError(f"NaN or Inf in the input of ranks {bad}")
-            send, recv = native.to_wire(backend, flat, wire, result, workspace)
+            send, recv = to_wire(backend, flat, wire, result, workspace)
             buf = yield NativeAllreduce(send, recv)
             if spec.nonfinite == "raise" and _holds_nonfinite(xp, buf):
                 # finite inputs (checked above), a sum past the wire's range:
                 # the same sum on every rank, so every rank raises
                 raise SumOverflowError(f"the sum leaves the {wire} range on the native path")
-            native.from_wire(backend, buf, divisor, result)
+            from_wire(backend, buf, divisor, result)
             if detailed_report:
                 report.nonfinite = _holds_nonfinite(xp, result)
             # a ring's bytes: what NCCL's and MPI's bandwidth-optimal algorithms send
@@ -461,3 +462,12 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
     report.codec_info = info
     report.seconds = time.perf_counter() - t0
     return shaped, report
+
+
+def default_layout(value=None) -> str:
+    """``value``, else ``$DYNAMIQ_LAYOUT``, else "auto" (the compressed
+    stream's layout, engine.CallSpec: "fixed" for device arrays, so no call
+    reads its plan back; "exact" / "fixed" force one, for A/B runs)."""
+    return env_choice(value, "DYNAMIQ_LAYOUT", LAYOUT_CHOICES, "layout")
+
+

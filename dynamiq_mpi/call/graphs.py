@@ -31,12 +31,12 @@ measured on two GPUs: graphs are off by default.)
 """
 from __future__ import annotations
 
-from .codecs.base import signature_of
-from .errors import InvalidInputError
-from .rng import call_keys
-from .settings import env_flag
-from .transports.mpi_host import Digests, digest_with_counter, record_digest
-from .transports.ops import Agree, Route
+from ..codecs.base import signature_of
+from ..errors import InvalidInputError
+from ..rng import call_keys
+from ..settings import env_flag
+from ..transports.mpi_host import Digests, digest_with_counter, record_digest
+from ..transports.ops import Agree, Route
 from .workspace import Workspace
 
 _RELAXED = 2        # cudaStreamCaptureModeRelaxed: the pool may grow during a capture
@@ -47,7 +47,7 @@ class CallGraph:
 
     def __init__(self):
         import cupy
-        from . import _gpu
+        from .. import _gpu
         self._cupy, self._gpu = cupy, _gpu
         self.pool = cupy.cuda.MemoryPool()
         self.workspace = Workspace()

@@ -43,17 +43,17 @@ from collections import defaultdict
 
 import numpy as np
 
-from . import schedules
-from .codecs.base import align_up, plan_chunks, plan_layout
+from .. import schedules
+from ..codecs.base import align_up, plan_chunks, plan_layout
 from .engine import (NATIVE_DTYPES, CallSpec, _agree, _check_local, _reduce_stats, _reduce_tile,
                      agreement_record, finish_into, propagate_nonfinite, raise_refusal,
                      report_plan, resolve_layout)
-from .backend import dtype_name
-from .errors import InvalidInputError, NonFiniteInputError, SumOverflowError
-from .report import Report
-from .rng import CallKeys, call_keys, splitmix64
-from .transports import choose_transport
-from .transports.ops import Agree, Exchange, Mark, Route
+from ..backend import dtype_name
+from ..errors import InvalidInputError, NonFiniteInputError, SumOverflowError
+from ..report import Report
+from ..rng import CallKeys, call_keys, splitmix64
+from ..transports import choose_transport
+from ..transports.ops import Agree, Exchange, Mark, Route
 from .workspace import FRESH
 
 BUDGETS = ("per-chunk", "global")
@@ -151,8 +151,8 @@ def _global_block_codecs(codec, blocks, reduced, backend):
     under the whole budget, then each block planned with exactly the bits that
     allocation gives it (its planner then finds that same allocation: the cost
     is monotone in the threshold).  For the design study (host work)."""
-    from .codecs.allocation import allocate, record_bits
-    from .codecs.dynamiq import SUPER
+    from ..codecs.allocation import allocate, record_bits
+    from ..codecs.dynamiq import SUPER
     if getattr(codec, "name", "") != "dynamiq" or not codec.variable_width \
             or codec.fixed_width is not None:
         raise ValueError("budget='global' is for DynamiQ with variable widths")
@@ -354,11 +354,11 @@ def simulate_reduce_scatter(xs, *, codec=None, topology="ring", op="sum", seed=0
                             budget="per-chunk", layout=None):
     """Run the reduce-scatter of ``len(xs)`` ranks in this process (rank r
     passes ``xs[r]``).  Returns every rank's chunk (and reports).
-    ``layout``: see :func:`~dynamiq_mpi.api.default_layout`."""
-    from .api import default_layout
-    from .api import _DEFAULT_CODEC
-    from .codecs.base import DEFAULT_TILE_BYTES
-    from .transports.simulate import SimulatedTransport
+    ``layout``: see :func:`~dynamiq_mpi.call.engine.default_layout`."""
+    from ..codecs import DEFAULT_CODEC as _DEFAULT_CODEC
+    from .engine import default_layout
+    from ..codecs.base import DEFAULT_TILE_BYTES
+    from ..transports.simulate import SimulatedTransport
     codec = _DEFAULT_CODEC if codec is None else codec
     n = len(xs)
     spec = CallSpec(codec, topology, op, seed, counter, "auto",

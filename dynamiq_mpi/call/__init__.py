@@ -1,0 +1,15 @@
+"""The machinery of a call, under the public face (``dynamiq_mpi.api``):
+
+* ``engine`` - one rank's program of the compressed all-reduce (agreement,
+  statistics, plan, reduce-scatter and all-gather over a schedule), and of
+  the native path; ``engine_rs`` - the same for the reduce-scatter;
+* ``wire`` - the native path's wire dtype and casts;
+* ``paths`` - the measured choice between the compressed and the native
+  path (and between flat and nodes);
+* ``native`` - steady native calls (one digest exchange, no engine);
+* ``graphs`` - steady compressed calls replayed as CUDA graphs;
+* ``hierarchy`` - the hierarchical call (nodes and rails);
+* ``workspace`` - reusable buffers.
+
+Data flows one way: api -> call -> (schedules, codecs, transports) -> kernels.
+"""
