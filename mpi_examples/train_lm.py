@@ -125,12 +125,10 @@ def lr_at(step, args):
 
 def batch_for(step, rank, world, data, args, torch):
     """Rank ``rank``'s share of the global batch of ``step``: a function of
-    (seed, step, world, batch) only, so identical for every codec."""
-    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    starts = torch.randint(0, len(data) - args.seq_len - 1, (world * args.batch,), generator=gen)
-    mine = starts[rank * args.batch:(rank + 1) * args.batch]
-    idx = mine[:, None] + torch.arange(args.seq_len + 1)
-    return data[idx]
+    (seed, step, world, batch) only, so identical for every codec (the
+    training simulator's rule, dynamiq_mpi/studies/train_sim.py)."""
+    from dynamiq_mpi.studies.train_sim import rank_batch
+    return rank_batch(step, rank, world, data, args)
 
 
 def evaluate(model, val, args, rank, world, device, torch):
@@ -183,12 +181,8 @@ def _compute_probe(ddp, opt, w, device, torch, sync):
 
 
 def _loss(model, w, device, torch, reduction="mean"):
-    ctx = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-           else torch.autocast("cpu", enabled=False))
-    with ctx:
-        logits = model(input_ids=w[:, :-1].long()).logits
-    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                             w[:, 1:].reshape(-1).long(), reduction=reduction)
+    from dynamiq_mpi.studies.train_sim import lm_loss    # one definition for both
+    return lm_loss(model, w, device, reduction)
 
 
 class _Progress:

@@ -171,9 +171,9 @@ def drive_agreed(program, metas, data, capturing=True):
 
 
 class GraphCalls:
-    """The graph route of :class:`~dynamiq_mpi.Collective` (a mixin: its
-    ``_graphs`` by graph key, agreed over its control plane, run on its
-    workspace and transports)."""
+    """The graph route of :class:`~dynamiq_mpi.Collective` (a mixin of the
+    runner: its planner's graph plans by graph key, agreed over its control
+    plane, run on its workspace and transports)."""
 
     def _graph_key(self, x, out, codec, topology, op, seed, transport, tile_bytes, nonfinite,
                    requested):
@@ -262,12 +262,12 @@ class GraphCalls:
     def graph_stats(self) -> dict:
         """{"captured": graphs made, "replays": their launches, "failed": [why, ...]}."""
         with self._lock:
-            graphs = [e for e in self._graphs.values() if e.graph is not None]
+            graphs = [e for e in self._planner.graphs.values() if e.graph is not None]
             return {"captured": len(graphs), "replays": sum(e.graph.replays for e in graphs),
-                    "failed": [e.failed for e in self._graphs.values() if e.failed]}
+                    "failed": [e.failed for e in self._planner.graphs.values() if e.failed]}
 
     def _free_graphs(self):
-        for e in self._graphs.values():
+        for e in self._planner.graphs.values():
             if e.graph is not None:
                 e.graph.free()
-        self._graphs.clear()
+        self._planner.graphs.clear()

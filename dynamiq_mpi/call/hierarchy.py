@@ -42,7 +42,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..backend import dtype_name
-from ..codecs.base import signature_of
 from ..errors import InvalidInputError, NonFiniteInputError
 
 BLOCK = 256          # the interleave's block: one DynamiQ super-group
@@ -321,13 +320,15 @@ class Levels:
                                                          self._staged)
         return self._device_levels[device]
 
-    def _start(self, coll, agreed, nonfinite):
+    def _start(self, coll, agreed, nonfinite, topology):
         """After the agreement: NaN/Inf with nonfinite="raise" (every rank
         raises before any data byte moves), then (flat, flat out, backend,
         on the device?, in-node level, why, the input where that level
-        works: on the device or staged to the host)."""
+        works: on the device or staged to the host, its array module, length,
+        dtype, ranks n, node size k, the rails' topology)."""
         from .engine import _holds_nonfinite
         from ..transports.mpi_host import agree
+        self._topology = topology
         flat, flat_out, backend = agreed
         if nonfinite == "raise":
             flags = agree(coll._plane, _holds_nonfinite(backend.xp, flat))
@@ -337,7 +338,10 @@ class Levels:
         on_device = backend.name == "gpu"
         level, why = self._node_level(on_device, flat)
         src = flat.get() if on_device and not level.device_arrays else flat
-        return flat, flat_out, backend, on_device, level, why, src
+        lay = self.layout
+        return (flat, flat_out, backend, on_device, level, why, src, _module_of(src),
+                int(flat.shape[0]), np.dtype(flat.dtype), lay.nodes * lay.node_size,
+                lay.node_size, rail_topology(self._topology, lay.nodes))
 
     def _rail_call(self, method, shard, stage, counter, **call):
         """The rail level's ``method`` (its collective's) on the node sums'
@@ -363,12 +367,8 @@ class Levels:
         from ..report import Report
         t0 = time.perf_counter()
         lay = self.layout
-        n, k = lay.nodes * lay.node_size, lay.node_size
-        rail_topo = rail_topology(topology, lay.nodes)
-        flat, flat_out, backend, on_device, level, level_why, src = self._start(
-            coll, agreed, nonfinite)
-        xp = _module_of(src)
-        length, dtype = int(flat.shape[0]), np.dtype(flat.dtype)
+        (flat, flat_out, backend, on_device, level, level_why, src, xp, length, dtype, n, k,
+         rail_topo) = self._start(coll, agreed, nonfinite, topology)
 
         # 1. in-node reduce-scatter: my rail's shard, summed over the node
         t1 = time.perf_counter()
@@ -446,12 +446,8 @@ class Levels:
         from ..report import Report
         t0 = time.perf_counter()
         lay = self.layout
-        n, k = lay.nodes * lay.node_size, lay.node_size
-        rail_topo = rail_topology(topology, lay.nodes)
-        flat, flat_out, backend, on_device, level, level_why, src = self._start(
-            coll, agreed, nonfinite)
-        xp = _module_of(src)
-        length, dtype = int(flat.shape[0]), np.dtype(flat.dtype)
+        (flat, flat_out, backend, on_device, level, level_why, src, xp, length, dtype, n, k,
+         rail_topo) = self._start(coll, agreed, nonfinite, topology)
         m = length // n
 
         # row l: the chunks of the ranks of local index l, in node order
@@ -492,25 +488,9 @@ class Levels:
 
 
 class NodeCalls:
-    """The hierarchy route of :class:`~dynamiq_mpi.Collective` (a mixin: its
-    node layout, ``Levels`` and the "auto" choice between flat and nodes)."""
-
-    def _choose_hierarchy(self, x, call):
-        """(hierarchy, class key, why, timed) of a call with hierarchy="auto"
-        (hierarchy.py: flat or nodes per class of calls, measured as the path
-        choice measures, agreed by all ranks; both run compressed while
-        measured)."""
-        if self._auto_layout() is None:
-            return "flat", None, "auto: one node, nodes of one rank, or unequal nodes", False
-        from .paths import size_class
-        on_device = type(x).__module__.startswith("cupy")
-        key = ("gpu" if on_device else "cpu", str(getattr(x, "dtype", None)),
-               size_class(getattr(x, "size", 0)), signature_of(call["codec"]),
-               call["topology"], call["transport"], call["op"], call["path"])
-        choice, why, timed = self._hierarchies.choose(key, "auto", True, True)
-        if timed and call["path"] == "auto":
-            call["path"] = "compressed"
-        return choice, key, why, timed
+    """The hierarchy route of :class:`~dynamiq_mpi.Collective` (a mixin of the
+    runner: its node layout and ``Levels``; the planner makes the "auto"
+    choice between flat and nodes)."""
 
     def _auto_layout(self):
         """The node layout hierarchy="auto" may use, or None where levels

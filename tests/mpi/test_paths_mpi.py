@@ -212,7 +212,7 @@ def test_steady_native_calls_are_correct_and_every_mismatch_raises_everywhere():
         want = exact_sum(x) / N
         assert np.max(np.abs(out - want)) <= 4 * N * 2.0 ** -23 * np.max(np.abs(want)) + 1e-30
         assert same_on_every_rank(out)
-    assert len(coll._steady) == 1
+    assert len(coll._planner.steady) == 1
     x = my_input(seed, 3001)
     longer = my_input(seed, 3002)
     with pytest.raises(dq.InputMismatchError, match="length") as info:
@@ -257,9 +257,9 @@ def test_auto_steady_calls_follow_the_decision_and_forget_paths():
         if path == "native":
             assert np.max(np.abs(out - want)) <= 4 * N * 2.0 ** -23 * np.max(np.abs(want)) + 1e-30
         assert same_on_every_rank(out)
-    assert len(coll._steady) == (1 if path == "native" else 0)
+    assert len(coll._planner.steady) == (1 if path == "native" else 0)
     coll.forget_paths()
-    assert not coll._steady and not coll.path_decisions()
+    assert not coll._planner.steady and not coll.path_decisions()
     _, rep = coll.allreduce(my_input(seed, 5000), codec=codec, out=out, op="sum",
                             return_report=True)
     assert "measuring" in rep.path_reason, rep.path_reason
@@ -281,4 +281,31 @@ def test_a_non_array_on_one_rank_raises_on_every_rank_on_every_path(path):
         coll.allreduce(bad, codec=dq.DynamiQ(bits=5), op="sum")
     assert len(set(comm.allgather(str(info.value)))) == 1, str(info.value)
     coll.allreduce(x, codec=dq.DynamiQ(bits=5), op="sum")     # still usable
+    coll.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_steady_signature_resolves_once_to_its_plan():
+    """call/planner.py: the first native call runs the engine and leaves a
+    steady plan; the same signature then resolves to it (no engine, no path
+    choice); a report, another length or a flat-vs-nodes hierarchy resolve
+    anew."""
+    coll = dq.Collective(comm, path="native", node_size=1)
+    routes = []
+    resolve = coll._planner.plan_allreduce
+
+    def spy(*args, **kwargs):
+        plan = resolve(*args, **kwargs)
+        routes.append(plan.route)
+        return plan
+    coll._planner.plan_allreduce = spy
+    x = np.arange(1000, dtype=np.float32) * (comm.rank + 1)
+    outs = [coll.allreduce(x) for _ in range(3)]
+    coll.allreduce(x, return_report=True)
+    coll.allreduce(x[:999].copy())
+    coll.allreduce(x, hierarchy="nodes")
+    assert routes == ["engine", "steady", "steady", "engine", "engine", "levels"]
+    want = np.arange(1000, dtype=np.float64) * (N * (N + 1) / 2)
+    for out in outs:
+        assert np.array_equal(out, want.astype(np.float32))
     coll.free()

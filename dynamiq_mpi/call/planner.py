@@ -1,0 +1,175 @@
+"""One call planner: every decision about how a call runs, in one place.
+
+A call's signature (its arguments, buffers and stream, less the counter)
+resolves to a :class:`Plan`:
+
+* ``hierarchy``: "flat" or "nodes" ("auto" measured per class of calls by
+  ``hierarchies``, agreed by all ranks);
+* ``route``: "levels" (the hierarchical call, hierarchy.py), "steady" (a
+  native call whose signature was agreed before: one digest exchange and
+  the transport's all-reduce, native.py), "graph" (a steady compressed call
+  replayed as a CUDA graph, graphs.py) or "engine" (the engine's program);
+* ``path`` for the engine: "compressed" or "native" (``paths``, measured
+  per class of calls), with its reason and whether this call is timed.
+
+Steady signatures keep their plan: a native call that ran on the engine is
+remembered as a steady plan, a sync-free compressed call over NCCL as a
+graph plan; the next call of that signature resolves to it without the
+path choice or the engine.  The planner decides and remembers; the runner
+(runner.py) carries the plan out; the API (api.py) is the public face.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..codecs.base import signature_of
+from . import native
+from .graphs import SteadyCompressed
+from .paths import PathChooser, size_class
+
+# Steady plans kept per kind before the oldest are dropped (a job has a few
+# bucket sizes; a leak of signatures must not grow without bound).
+MAX_STEADY = 64
+
+
+@dataclass
+class Plan:
+    hierarchy: str = "flat"
+    route: str = "engine"           # "levels" | "steady" | "graph" | "engine"
+    path: str = "compressed"        # the engine's path
+    why: str = ""                   # why that path
+    timed: bool = False             # the path choice times this call
+    key: tuple | None = None        # the path choice's class of calls
+    hierarchy_why: str = ""
+    hierarchy_key: tuple | None = None
+    hierarchy_timed: bool = False   # the hierarchy choice times this call
+    steady: object = None           # SteadyNative (route "steady"), SteadyCompressed ("graph")
+    steady_key: tuple | None = None  # remember a native engine call under this key
+    graph_key: tuple | None = None   # remember a compressed engine call as a graph
+
+
+class CallPlanner:
+    """Resolves calls to plans; keeps the path and hierarchy choices and the
+    plans of steady signatures (per Collective)."""
+
+    def __init__(self, plane, size: int):
+        self.size = size
+        self.paths = PathChooser(plane)
+        self.hierarchies = PathChooser(plane, options=("nodes", "flat"))
+        self.steady = {}            # native.SteadyNative by native.steady_key
+        self.graphs = {}            # graphs.SteadyCompressed by graphs.graph_key
+
+    # -- resolving
+    def plan_allreduce(self, coll, x, out, call, hierarchy, want_report, profile) -> Plan:
+        """The plan of an all-reduce (``call``: the normalised arguments;
+        ``coll``: the Collective, for its node layout and graph keys).
+        May set ``call["path"]`` to "compressed" while a hierarchy is timed."""
+        plan = Plan()
+        if hierarchy == "auto":
+            (hierarchy, plan.hierarchy_key, plan.hierarchy_why,
+             plan.hierarchy_timed) = self._choose_hierarchy(coll, x, call)
+        plan.hierarchy = hierarchy
+        if hierarchy == "nodes" and self.size > 1:
+            plan.route = "levels"
+            return plan
+        return self._plan_flat(coll, x, out, call, want_report or plan.hierarchy_timed,
+                               profile, plan)
+
+    def _plan_flat(self, coll, x, out, call, want_report, profile, plan):
+        requested = call["path"]
+        quiet = not (want_report or profile)
+        steady_key = None
+        if requested != "compressed" and quiet:
+            # a call like one agreed before on the native path: no engine
+            try:
+                steady_key = native.steady_key(x, out, call["codec"], call["topology"],
+                                               call["op"], call["seed"], call["transport"],
+                                               call["tile_bytes"], call["nonfinite"], requested)
+                steady = self.steady.get(steady_key)
+            except Exception:   # not an array, unhashable arguments: the engine
+                steady_key = steady = None      # reports them to every rank
+            if steady is not None:
+                plan.route, plan.steady, plan.path = "steady", steady, "native"
+                return plan
+        if coll.graphs and out is not None and requested != "native" and quiet:
+            plan.graph_key = coll._graph_key(
+                x, out, call["codec"], call["topology"], call["op"], call["seed"],
+                call["transport"], call["tile_bytes"], call["nonfinite"], requested)
+            entry = self.graphs.get(plan.graph_key) if plan.graph_key is not None else None
+            if entry is not None and not entry.failed:
+                plan.route, plan.steady = "graph", entry
+                return plan
+        plan.route = "engine"
+        plan.key, plan.path, plan.why, plan.timed = self._choose_path(x, call)
+        if plan.path == "native" and not plan.timed and call["nonfinite"] != "raise":
+            plan.steady_key = steady_key      # (a steady native call checks no NaN)
+        return plan
+
+    def _choose_path(self, x, call):
+        """(class key, path, why, timed) of a flat call, from local facts
+        only (every rank has the same ones when the call is valid; an invalid
+        one fails agreement on every rank whatever the path)."""
+        requested, transport, codec = call["path"], call["transport"], call["codec"]
+        if requested != "auto" or self.size == 1:
+            return None, requested if self.size > 1 else "compressed", "requested", False
+        module = type(x).__module__
+        on_device = module.startswith("cupy")
+        if on_device:
+            from ..transports.nccl import nccl_status
+            can_native = transport in ("auto", "nccl") and nccl_status()[0]
+        else:
+            can_native = transport in ("auto", "mpi") and module.startswith("numpy")
+        key = ("gpu" if on_device else "cpu", str(getattr(x, "dtype", None)),
+               size_class(getattr(x, "size", 0)), signature_of(codec), call["topology"],
+               transport, call["op"])
+        path, why, timed = self.paths.choose(key, requested, getattr(codec, "auto_path", False),
+                                             can_native, getattr(codec, "name", ""))
+        return key, path, why, timed
+
+    def _choose_hierarchy(self, coll, x, call):
+        """(hierarchy, class key, why, timed) of a call with hierarchy="auto":
+        flat or nodes per class of calls, measured as the path choice
+        measures, agreed by all ranks; both run compressed while measured."""
+        if coll._auto_layout() is None:
+            return "flat", None, "auto: one node, nodes of one rank, or unequal nodes", False
+        on_device = type(x).__module__.startswith("cupy")
+        key = ("gpu" if on_device else "cpu", str(getattr(x, "dtype", None)),
+               size_class(getattr(x, "size", 0)), signature_of(call["codec"]),
+               call["topology"], call["transport"], call["op"], call["path"])
+        choice, why, timed = self.hierarchies.choose(key, "auto", True, True)
+        if timed and call["path"] == "auto":
+            call["path"] = "compressed"
+        return choice, key, why, timed
+
+    # -- learning from a call that ran
+    def record_path(self, plan, seconds, report):
+        if plan.timed and not report.nonfinite:
+            self.paths.record(plan.key, plan.path, seconds, report.path, report.path_reason)
+
+    def record_hierarchy(self, plan, seconds, report):
+        if plan.hierarchy_timed and not report.nonfinite:
+            self.hierarchies.record(plan.hierarchy_key, plan.hierarchy, seconds, plan.hierarchy)
+
+    def remember(self, coll, plan, report, meta, codec, backend, timed):
+        """Keep the plan of an engine call whose signature may repeat: a
+        native call as a steady plan, a sync-free compressed call over NCCL
+        as a graph plan (captured on its next occurrence).  ``meta``: this
+        rank's agreement record of the call."""
+        if meta is None:
+            return
+        if plan.steady_key is not None and report.path == "native":
+            if len(self.steady) > MAX_STEADY:
+                self.steady.clear()
+            self.steady[plan.steady_key] = native.SteadyNative(
+                meta, codec, report.transport, report.codec_info["wire"], backend)
+        if (plan.graph_key is not None and not timed and report.path == "compressed"
+                and report.sync_free and report.transport == "nccl"
+                and plan.graph_key not in self.graphs):
+            if len(self.graphs) >= MAX_STEADY:
+                coll._free_graphs()
+            self.graphs[plan.graph_key] = SteadyCompressed(meta, "nccl")
+
+    def forget_paths(self):
+        self.paths.forget()
+        self.steady.clear()         # their path came from the choices just forgotten
+
