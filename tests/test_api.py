@@ -179,3 +179,28 @@ def test_moved_modules_keep_their_old_import_paths_with_a_warning():
         assert module is importlib.import_module(new)
         assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message)
                    for w in caught), (old, [str(w.message) for w in caught])
+
+
+def test_device_routes_reach_their_transports(monkeypatch):
+    """The runner's device routes (call/runner.py), on the CPU: NCCL asked
+    for ranks that share a GPU stages through host memory under "auto" and
+    is an error when asked by name; CUDA-aware MPI needs the MPI plane.
+    (Their import paths run here; the routes themselves run on the GPU.)"""
+    from types import SimpleNamespace
+
+    from dynamiq_mpi.transports import nccl
+    coll = dq.Collective(MPI.COMM_SELF)
+    monkeypatch.setattr(nccl, "ranks_sharing_a_gpu", lambda plane, dev: "ranks [0, 1] share GPU 0")
+    x = SimpleNamespace(device=SimpleNamespace(id=0))
+    assert coll._route("nccl", x) is coll._host
+    assert "staged through host memory" in coll._route_why
+    coll._gpu_sharing.clear()
+    coll._last_metas = [{"transport": "nccl"}]
+    with pytest.raises(dq.InvalidInputError, match="NCCL needs one GPU per rank"):
+        coll._route("nccl", x)
+    assert coll._route("mpi", x) is coll._host
+    coll._plane.mpi_comm, comm = None, coll._plane.mpi_comm
+    with pytest.raises(dq.InvalidInputError, match="needs the MPI control plane"):
+        coll._route("mpi-cuda", x)
+    coll._plane.mpi_comm = comm
+    coll.free()

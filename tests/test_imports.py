@@ -114,3 +114,19 @@ def test_top_level_is_small_and_the_call_machinery_is_below():
     for moved in ("engine.py", "engine_rs.py", "native.py", "graphs.py", "paths.py",
                   "workspace.py", "hierarchy.py"):
         assert moved not in top and (PACKAGE / "call" / moved).exists()
+
+
+def test_every_relative_import_names_a_module_that_exists():
+    """A lazy import inside a function runs only on its path (some only on a
+    GPU): check them all here.  Each ``from .x import y`` must name a module
+    or package of the installed package (compiled extensions included)."""
+    import importlib.util
+    missing = []
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = _resolve(node.module or "", node.level, name, path.name == "__init__.py")
+                if importlib.util.find_spec(base) is None:
+                    missing.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {base}")
+    assert not missing, missing

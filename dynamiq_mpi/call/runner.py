@@ -80,7 +80,6 @@ class CallRunner(GraphCalls, NodeCalls):
             if on_device:
                 self._record_stream()
 
-
     # -- driving one call ------------------------------------------------------
     def _drive(self, program, x, profile, want_report=True):
         on_device = type(x).__module__.startswith("cupy")
@@ -135,14 +134,14 @@ class CallRunner(GraphCalls, NodeCalls):
                     "transport='mpi-cuda' needs the MPI control plane; this collective runs "
                     "over a torch.distributed group (use transport='auto', 'nccl' or 'mpi')")
             if self._mpi_cuda is None:        # every rank gets here in the same call
-                from .transports.mpi_cuda import MPICudaTransport
+                from ..transports.mpi_cuda import MPICudaTransport
                 self._mpi_cuda = MPICudaTransport(self._plane.mpi_comm)
             return self._mpi_cuda
         if transport != "nccl":
             return self._host
         device = x.device.id
         if device not in self._nccl:          # every rank gets here in the same call
-            from .transports.nccl import NCCLTransport, ranks_sharing_a_gpu
+            from ..transports.nccl import NCCLTransport, ranks_sharing_a_gpu
             shared = self._gpu_sharing.get(device)
             if shared is None:
                 shared = self._gpu_sharing[device] = ranks_sharing_a_gpu(self._plane, device)
@@ -176,7 +175,6 @@ class CallRunner(GraphCalls, NodeCalls):
             self._done_event = cupy.cuda.Event(block=False, disable_timing=True)
         self._done_event.record(stream)
         self._last_stream = (stream.ptr, self._done_event)
-
 
     def _free_calls(self):
         """The transports, graphs, workspace and level planes (collective)."""
