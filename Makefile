@@ -10,11 +10,11 @@
 # Overridable: NP_LIST="2 3 4 6 8"  PYTHON=python3 (test-installed)  PYTHON_BOOT=python3
 #              (creates the venv)  MPI_TIMEOUT=600 (seconds per world size)  DEMO_NP=4
 #              PYTEST_ARGS="-k ring -x"  MPI_TESTS=tests/mpi  SERIAL_TESTS=tests
-# See tools/run_tests.sh for the rest.
+# See tools/testing/run_tests.sh for the rest.
 #
 # pytest-mpi on a machine without a package index (test-installed): run `make wheels`
 # where PyPI is reachable and carry .whl/ along; when $(PYTHON) cannot import
-# pytest_mpi, tools/run_tests.sh installs .whl/pytest_mpi*.whl with
+# pytest_mpi, tools/testing/run_tests.sh installs .whl/pytest_mpi*.whl with
 #   $(PYTHON) -m pip install --no-index --no-deps --target /tmp/site .whl/pytest_mpi*.whl
 # and puts /tmp/site on PYTHONPATH (PYTEST_MPI_SITE overrides the folder).
 
@@ -76,7 +76,7 @@ build: $(DEPS_STAMP)
 
 # ------------------------------------------------------------------ tests
 test: build
-	tools/run_tests.sh $(VPY) $(NP_LIST)
+	tools/testing/run_tests.sh $(VPY) $(NP_LIST)
 
 # On the GPU machine: no venv, no index.  Editable install if pip can do it
 # (it cannot on an externally managed system Python), else an in-place build.
@@ -86,7 +86,7 @@ build-installed:
 	       $(PYTHON) setup.py build_ext --inplace; }
 
 test-installed: build-installed
-	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} tools/run_tests.sh $(PYTHON) $(NP_LIST)
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} tools/testing/run_tests.sh $(PYTHON) $(NP_LIST)
 
 # ------------------------------------------------------------------ demo
 demo: build

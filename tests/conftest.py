@@ -12,7 +12,7 @@ run different test lists and their collectives would no longer line up.
 
 Nothing happens in a plain serial ``pytest`` run: the hooks only act when
 mpi4py is already imported, MPI is initialised and the world has more than
-one process.  Under tools/run_tests.sh each rank also touches the file named
+one process.  Under tools/testing/run_tests.sh each rank also touches the file named
 by ``MPI_TEST_STARTED`` when its first test starts, so that the runner can
 tell a job that died while starting (MPI, the launcher) from one in which a
 test failed.

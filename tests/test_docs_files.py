@@ -42,3 +42,30 @@ def test_every_result_file_is_named_by_a_document():
     # a device log is named by its folder where a document cites the folder
     unnamed = sorted(f for f in files if f not in named and os.path.dirname(f) not in folders)
     assert not unnamed, f"result files no document names: {unnamed}"
+
+
+TOOL = re.compile(r"(?<![\w/])(tools/[\w./-]*\w(?:\.py|\.sh)|tools/[\w-]+/)")
+# a line that tells where a tool was (a run's record): its old path stands
+HISTORY = re.compile(r"\b(was|now)\b")
+
+
+def test_every_tool_path_named_in_a_document_exists():
+    """Commands in README.md, docs/*.md, the Makefile and .ci/run name tools
+    where they are (tools/ is grouped by purpose: testing, device, profiling,
+    studies)."""
+    docs = ([os.path.join(ROOT, name) for name in ("README.md", "Makefile", ".ci/run")]
+            + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))))
+    missing = set()
+    for doc in docs:
+        for line in open(doc, encoding="utf-8"):
+            if HISTORY.search(line):        # "(was tools/x.sh)", "... now tools/device.sh ..."
+                continue
+            missing |= {(os.path.relpath(doc, ROOT), m.group(1)) for m in TOOL.finditer(line)
+                        if not os.path.exists(os.path.join(ROOT, m.group(1)))}
+    missing = sorted(missing)
+    assert not missing, f"documents name tools that are not there: {missing}"
+
+
+def test_tools_are_grouped():
+    """`ls tools` shows at most eight entries (issue 33)."""
+    assert len(os.listdir(os.path.join(ROOT, "tools"))) <= 8

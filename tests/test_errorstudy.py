@@ -1,5 +1,5 @@
 """The error study (``python -m dynamiq_mpi vnmse``, dynamiq_mpi/studies/errorstudy.py)
-and the gradient capture (tools/capture_gradients.py)."""
+and the gradient capture (tools/studies/capture_gradients.py)."""
 import argparse
 import importlib.util
 import json
@@ -145,7 +145,7 @@ def test_plot(tmp_path):
 
 def _capture_module():
     spec = importlib.util.spec_from_file_location(
-        "capture_gradients", os.path.join(ROOT, "tools", "capture_gradients.py"))
+        "capture_gradients", os.path.join(ROOT, "tools", "studies", "capture_gradients.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

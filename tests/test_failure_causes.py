@@ -1,11 +1,11 @@
-"""tools/failure_causes.py, which names in tools/run_tests.sh's summary why a
+"""tools/testing/failure_causes.py, which names in tools/testing/run_tests.sh's summary why a
 world size of the MPI suite failed."""
 import importlib.util
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("failure_causes", os.path.join(ROOT, "tools",
-                                                                            "failure_causes.py"))
+spec = importlib.util.spec_from_file_location(
+    "failure_causes", os.path.join(ROOT, "tools", "testing", "failure_causes.py"))
 failure_causes = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(failure_causes)
 

@@ -1,11 +1,11 @@
-"""tools/junit_counts.py, which tells tools/run_tests.sh whether every rank of
+"""tools/testing/junit_counts.py, which tells tools/testing/run_tests.sh whether every rank of
 a world size passed (a rank that aborted writes no report)."""
 import importlib.util
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-spec = importlib.util.spec_from_file_location("junit_counts", os.path.join(ROOT, "tools",
-                                                                          "junit_counts.py"))
+spec = importlib.util.spec_from_file_location(
+    "junit_counts", os.path.join(ROOT, "tools", "testing", "junit_counts.py"))
 junit_counts = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(junit_counts)
 

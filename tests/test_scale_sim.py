@@ -162,7 +162,7 @@ def test_progress_lines(capsys, monkeypatch):
 
 def test_detailed_report_gives_the_widths_of_simulate_allreduce():
     """scale_allreduce(detailed=True): the codec's detailed report, DynamiQ's
-    per-super-group widths included (tools/ring_class_share.py uses them)."""
+    per-super-group widths included (tools/studies/ring_class_share.py uses them)."""
     source = LogNormalMixture(40 * 256, seed=3)
     xs = [source.rank_vector(np, r) for r in range(4)]
     codec = dq.DynamiQ(bits=7, small_input=0)

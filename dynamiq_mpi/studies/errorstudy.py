@@ -29,7 +29,7 @@ Data sets (``--data``):
 
 * ``real``: gradients of a small LLaMA (transformers, word-level vocabulary
   built from Python's standard library, the corpus of
-  mpi_examples/train_lm.py), captured by tools/capture_gradients.py: rank
+  mpi_examples/train_lm.py), captured by tools/studies/capture_gradients.py: rank
   ``r`` = micro-batch ``r`` at one model step.  The embedding rows of words
   absent from every rank's micro-batch are exactly zero (the skew of the
   paper's fine-tuning gradients).  A contiguous slice of whole tensors (the
@@ -66,7 +66,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[2]     # the checkout (this file: dynamiq_mpi/studies/)
 DEFAULT_CACHE = REPO / ".cache" / "gradients"
-CAPTURE_SCRIPT = REPO / "tools" / "capture_gradients.py"
+CAPTURE_SCRIPT = REPO / "tools" / "studies" / "capture_gradients.py"
 REAL_NAME = "llama_words"
 
 # The default codec list; spellings that this installation's codec_from_string
@@ -145,7 +145,7 @@ def ablation_ladder(bits):
 # ----------------------------------------------------------------------------- data
 def real_gradients(cache=DEFAULT_CACHE, capture=True, quiet=False):
     """(gradients (ranks, length) float32, metadata) of the captured model;
-    runs tools/capture_gradients.py first when the capture is missing."""
+    runs tools/studies/capture_gradients.py first when the capture is missing."""
     cache = Path(cache)
     npy, meta_path = cache / f"{REAL_NAME}.npy", cache / f"{REAL_NAME}.json"
     if not (npy.exists() and meta_path.exists()):
@@ -154,7 +154,7 @@ def real_gradients(cache=DEFAULT_CACHE, capture=True, quiet=False):
         if not CAPTURE_SCRIPT.exists():
             raise FileNotFoundError(f"{npy} is missing and so is {CAPTURE_SCRIPT} to make it")
         if not quiet:
-            print(f"capturing real gradients into {cache} (tools/capture_gradients.py) ...",
+            print(f"capturing real gradients into {cache} (tools/studies/capture_gradients.py) ...",
                   file=sys.stderr, flush=True)
         subprocess.run([sys.executable, str(CAPTURE_SCRIPT), "--out", str(cache / REAL_NAME)],
                        check=True, stdout=sys.stderr)
@@ -174,7 +174,7 @@ class _Data:
             grads, meta = real_gradients(args.cache)
             if grads.shape[0] < max_ranks:
                 raise SystemExit(f"the capture has {grads.shape[0]} ranks, {max_ranks} asked "
-                                 f"for: re-run tools/capture_gradients.py --ranks {max_ranks}")
+                                 f"for: re-run tools/studies/capture_gradients.py --ranks {max_ranks}")
             start = meta["dense_start"] if name == "real-dense" else 0
             xs = np.asarray(grads[:max_ranks, start:], dtype=np.float32)
             self.source = ArraySource(xs)

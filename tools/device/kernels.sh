@@ -27,7 +27,7 @@ if has gpu-mpi; then
   echo "== MPI GPU suites, 2 ranks"; t0=$(date +%s)
   OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMPI_MCA_rmaps_base_oversubscribe=1 \
   SKIP_SERIAL=1 MPI_TESTS="${MPI_TESTS:-tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_reduce_scatter_gpu_mpi.py tests/mpi/test_paths_gpu_mpi.py tests/mpi/test_torch_gpu_mpi.py}" \
-    MPI_TIMEOUT=300 timeout 330 tools/run_tests.sh $PY 2 2>&1 | tail -25 | tee "$OUT/mpi_tests.txt"
+    MPI_TIMEOUT=300 timeout 330 tools/testing/run_tests.sh $PY 2 2>&1 | tail -25 | tee "$OUT/mpi_tests.txt"
   echo "mpi took $(( $(date +%s) - t0 )) s"
 fi
 if has kernels; then
@@ -40,15 +40,15 @@ if has ncu-kernels; then
   echo "== ncu"; t0=$(date +%s)
   timeout 180 ncu --clock-control none --kernel-name regex:'k_encode|k_decompress|k_stats' --launch-count 40 \
     --metrics smsp__inst_executed.sum,smsp__thread_inst_executed.sum,gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,smsp__issue_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,l1tex__data_pipe_lsu_wavefronts_mem_shared.sum,sm__warps_active.avg.pct_of_peak_sustained_active,smsp__average_warp_latency_issue_stalled_short_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_long_scoreboard.ratio,smsp__average_warp_latency_issue_stalled_mio_throttle.ratio,smsp__average_warp_latency_issue_stalled_math_pipe_throttle.ratio,smsp__average_warp_latency_issue_stalled_wait.ratio,smsp__average_warp_latency_issue_stalled_not_selected.ratio,smsp__average_warp_latency_issue_stalled_selected.ratio,smsp__average_warp_latency_issue_stalled_no_instruction.ratio,smsp__average_warp_latency_issue_stalled_lg_throttle.ratio,smsp__average_warp_latency_issue_stalled_branch_resolving.ratio,smsp__average_warp_latency_issue_stalled_dispatch_stall.ratio,smsp__warps_active.avg.per_cycle_active,sm__cycles_elapsed.avg.per_second,launch__registers_per_thread \
-    --csv $PY tools/ncu_workload.py > "$OUT/ncu.csv" 2> /tmp/ncu.err
-  { tail -5 /tmp/ncu.err; $PY tools/ncu_summary.py "$OUT/ncu.csv"; } 2>&1 | tee "$OUT/ncu_summary.txt"
+    --csv $PY tools/profiling/ncu_workload.py > "$OUT/ncu.csv" 2> /tmp/ncu.err
+  { tail -5 /tmp/ncu.err; $PY tools/profiling/ncu_summary.py "$OUT/ncu.csv"; } 2>&1 | tee "$OUT/ncu_summary.txt"
   echo "ncu took $(( $(date +%s) - t0 )) s"
 fi
 if has sanitize; then
   echo "== compute-sanitizer"; t0=$(date +%s)
   { for tool in memcheck racecheck; do
-      echo "---- compute-sanitizer --tool $tool $PY tools/gpu_sanitize.py"
-      timeout 150 compute-sanitizer --tool $tool --print-limit 20 $PY tools/gpu_sanitize.py 2>&1 | tail -15
+      echo "---- compute-sanitizer --tool $tool $PY tools/profiling/gpu_sanitize.py"
+      timeout 150 compute-sanitizer --tool $tool --print-limit 20 $PY tools/profiling/gpu_sanitize.py 2>&1 | tail -15
     done; } > "$OUT/sanitizer.txt" 2>&1
   cat "$OUT/sanitizer.txt"
   echo "sanitizer took $(( $(date +%s) - t0 )) s"

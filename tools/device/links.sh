@@ -31,20 +31,20 @@ if has tests; then
   echo "== tests"; t0=$(date +%s)
   { timeout 240 $PY -m pytest -q -rs -p no:cacheprovider tests/gpu 2>&1 | tail -15
     SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_transports_mpi.py tests/mpi/test_paths_gpu_mpi.py tests/mpi/test_paths_mpi.py tests/mpi/test_reduce_scatter_gpu_mpi.py tests/mpi/test_torch_gpu_mpi.py" \
-      MPI_TIMEOUT=360 timeout 390 tools/run_tests.sh $PY 2 2>&1 | tail -25
+      MPI_TIMEOUT=360 timeout 390 tools/testing/run_tests.sh $PY 2 2>&1 | tail -25
   } 2>&1 | tee "$OUT/tests.txt"
   echo "tests took $(( $(date +%s) - t0 )) s"
 fi
 
 if has profile; then
   echo "== profile (NVLink)"
-  timeout 120 mpiexec -n 2 $PY tools/profile_call.py --sizes 23,27 2>&1 | tee "$OUT/profile.txt" | grep -E "^==|tottime|dynamiq_mpi|cupy|nccl" | head -60
+  timeout 120 mpiexec -n 2 $PY tools/profiling/profile_call.py --sizes 23,27 2>&1 | tee "$OUT/profile.txt" | grep -E "^==|tottime|dynamiq_mpi|cupy|nccl" | head -60
 fi
 
 if has ncu; then
   echo "== ncu (statistics kernels, planner; 2^27 BF16)"
   timeout 240 ncu -k 'regex:k_stats|k_plan' --section SpeedOfLight --section Occupancy \
-    --section LaunchStats --section WarpStateStats $PY tools/stats_workload.py > "$OUT/ncu.txt" 2>&1
+    --section LaunchStats --section WarpStateStats $PY tools/profiling/stats_workload.py > "$OUT/ncu.txt" 2>&1
   grep -E "k_stats|k_plan|Duration|Memory Throughput|Achieved Occupancy|Registers Per|Theoretical Occ|Block Limit Reg|Warp Cycles Per Issued|DRAM Throughput|Compute \(SM\)" \
     "$OUT/ncu.txt" | head -90
 fi
@@ -116,14 +116,14 @@ if has tune; then   # socket and shm settings for the point-to-point path, 2^27 
   done
 fi
 
-# Socket link emulated as two hosts (tools/per_rank_host.sh): the point-to-point
+# Socket link emulated as two hosts (tools/profiling/per_rank_host.sh): the point-to-point
 # path gets NCCL_NCHANNELS_PER_NET_PEER channels; NCCL's all-reduce in the same
 # environment is the reference of each row, and the same-host rows beside it.
 if has hostid; then
   for peer in 4 8; do
     envs="$SOCKETS ${TUNED/NCCL_NCHANNELS_PER_NET_PEER=4/NCCL_NCHANNELS_PER_NET_PEER=$peer}"
     echo "== hostid sockets, $peer channels per peer: $envs" | tee -a "$OUT/hostid.txt"
-    env $envs timeout 150 mpiexec -n 2 tools/per_rank_host.sh $BENCH --sizes 16M,128M,256M,512M \
+    env $envs timeout 150 mpiexec -n 2 tools/profiling/per_rank_host.sh $BENCH --sizes 16M,128M,256M,512M \
       --json "$OUT/bench_hostid_$peer.json" 2>&1 | grep -v '^\[' | tee -a "$OUT/hostid.txt"
   done
   echo "== same host, sockets tuned (for comparison)" | tee -a "$OUT/hostid.txt"
@@ -158,7 +158,7 @@ if has chunks; then
       | grep -v "^#  *size" | tee -a "$OUT/chunks.txt"
   done
 fi
-# Raw NCCL point-to-point against the all-reduce on each link (tools/p2p_probe.py)
+# Raw NCCL point-to-point against the all-reduce on each link (tools/profiling/p2p_probe.py)
 if has p2p; then
   for probe in "nvlink:" "nvlink, 2M chunks:NCCL_P2P_NVL_CHUNKSIZE=2097152" \
                "nvlink, copy engines:NCCL_P2P_USE_CUDA_MEMCPY=1" \
@@ -166,7 +166,7 @@ if has p2p; then
                "sockets tuned:$SOCKETS $TUNED"; do
     name=${probe%%:*}; envs=${probe#*:}
     echo "== p2p $name ($envs)" | tee -a "$OUT/p2p.txt"
-    env $envs timeout 90 mpiexec -n 2 $PY tools/p2p_probe.py --sizes 4M,21M,42M --split 1,4 --comms ${P2P_COMMS:-1} 2>&1 \
+    env $envs timeout 90 mpiexec -n 2 $PY tools/profiling/p2p_probe.py --sizes 4M,21M,42M --split 1,4 --comms ${P2P_COMMS:-1} 2>&1 \
       | grep -v '^\[' | tee -a "$OUT/p2p.txt"
   done
 fi
@@ -198,7 +198,7 @@ if has agprobe; then
   for probe in "sockets tuned:$SOCKETS $TUNED" "shm:$SHM" "nvlink:"; do
     name=${probe%%:*}; envs=${probe#*:}
     echo "== agprobe raw $name ($envs)" | tee -a "$OUT/agprobe.txt"
-    env $envs timeout 90 mpiexec -n 2 $PY tools/p2p_probe.py --sizes 2M,8M,42M --split 1 --allgather 2>&1 \
+    env $envs timeout 90 mpiexec -n 2 $PY tools/profiling/p2p_probe.py --sizes 2M,8M,42M --split 1 --allgather 2>&1 \
       | grep -v '^\[' | tee -a "$OUT/agprobe.txt"
   done
   for pair in 0 1 0 1; do
@@ -208,11 +208,11 @@ if has agprobe; then
       | grep -E "^ +[0-9]" | tee -a "$OUT/agprobe.txt"
   done
 fi
-if has pairab; then   # the same, alternating in one process (tools/pair_ab.py)
+if has pairab; then   # the same, alternating in one process (tools/profiling/pair_ab.py)
   for probe in "sockets tuned:$SOCKETS $TUNED:23,26,27" "sockets default:$SOCKETS:23,27" "shm:$SHM:26,27"; do
     IFS=: read -r name envs sizes <<<"$probe"
     echo "== pairab $name ($envs)" | tee -a "$OUT/pairab.txt"
-    env $envs timeout 150 mpiexec -n 2 $PY tools/pair_ab.py --sizes $sizes --rounds ${PAIRAB_ROUNDS:-3} $PAIRAB_ARGS 2>&1 \
+    env $envs timeout 150 mpiexec -n 2 $PY tools/profiling/pair_ab.py --sizes $sizes --rounds ${PAIRAB_ROUNDS:-3} $PAIRAB_ARGS 2>&1 \
       | grep -v '^\[' | tee -a "$OUT/pairab.txt"
   done
 fi
@@ -226,7 +226,7 @@ if has sockset; then
                "N4 T2 C4:NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=2 NCCL_MIN_NCHANNELS=4"; do
     name=${probe%%:*}; envs=${probe#*:}
     echo "== sockset $name ($envs)" | tee -a "$OUT/sockset.txt"
-    env $SOCKETS $envs NCCL_P2P_NET_CHUNKSIZE=2097152 NCCL_NCHANNELS_PER_NET_PEER=4 timeout 100 mpiexec -n 2 $PY tools/pair_ab.py --sizes ${SOCKSET_SIZES:-26,27} --rounds 2 2>&1 \
+    env $SOCKETS $envs NCCL_P2P_NET_CHUNKSIZE=2097152 NCCL_NCHANNELS_PER_NET_PEER=4 timeout 100 mpiexec -n 2 $PY tools/profiling/pair_ab.py --sizes ${SOCKSET_SIZES:-26,27} --rounds 2 2>&1 \
       | grep -v '^\[' | grep -v "^#" | tee -a "$OUT/sockset.txt"
   done
 fi

@@ -5,18 +5,18 @@
 #   bash tools/device/mpi_cuda.sh [STAGES]    STAGES: any of build ext probe tests bench
 #                                             (default: all, in that order)
 #
-# build: Open MPI --with-cuda and mpi4py against it (tools/build_cuda_openmpi.sh,
+# build: Open MPI --with-cuda and mpi4py against it (tools/device/build_cuda_openmpi.sh,
 #        from the sources in .whl/cuda-mpi; a few minutes with 16 cores, once per
 #        machine: a later call on the same machine skips it);
 # ext:   the project's extension in place, if it does not import with CUDA yet;
 # probe: what the new MPI says (ompi_info, the library's detection on every
 #        rank) and one CuPy Sendrecv through it;
 # tests: the MPI suites with CuPy arrays under this MPI: mpi-cuda, then NCCL and
-#        host-staged MPI (tools/run_tests.sh, world size $NP);
+#        host-staged MPI (tools/testing/run_tests.sh, world size $NP);
 # bench: `python -m dynamiq_mpi bench` with --transport mpi-cuda, mpi and nccl
 #        on the same data under the same launcher (NCCL all-reduce reference row).
 #
-# Carry: .whl (sources from `tools/build_cuda_openmpi.sh fetch` and the pytest-mpi
+# Carry: .whl (sources from `tools/device/build_cuda_openmpi.sh fetch` and the pytest-mpi
 # wheel from `make wheels`).  Results and logs under $OUT.  Each stage prints
 # its time; a failed build stops the script, a failed later stage is recorded
 # and the next one still runs (exit status 1 at the end).
@@ -53,7 +53,7 @@ timed() {   # name cmd...: run it and print its time; returns its status
 
 if has build; then
     rc=0
-    timed "build Open MPI + mpi4py" bash tools/build_cuda_openmpi.sh build 2>&1 | tee "$OUT/build.txt" || rc=$?
+    timed "build Open MPI + mpi4py" bash tools/device/build_cuda_openmpi.sh build 2>&1 | tee "$OUT/build.txt" || rc=$?
     mkdir -p "$OUT/build_logs"
     cp "$BUILD_ROOT/logs/configure.flags" "$OUT/build_logs/" 2>/dev/null || true
     for f in "$BUILD_ROOT"/logs/*.log; do
@@ -117,11 +117,11 @@ EOF
 fi
 
 if has tests; then
-    # tools/run_tests.sh: the pytest-mpi wheel from .whl, rank logs, JUnit checks.
+    # tools/testing/run_tests.sh: the pytest-mpi wheel from .whl, rank logs, JUnit checks.
     timed "MPI suites under $MPIEXEC, world size $NP" env MPIEXEC="$MPIEXEC" SKIP_SERIAL=1 \
         MPI_TESTS="tests/mpi/test_mpi_cuda_mpi.py tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_transports_mpi.py" \
         MPI_TIMEOUT="${MPI_TIMEOUT:-420}" MPI_LOG_ROOT="$OUT/mpi-logs" PYTEST_ARGS="-rs" \
-        tools/run_tests.sh "$PY" "$NP" > "$OUT/tests_full.txt" 2>&1 || FAILED+=(tests)
+        tools/testing/run_tests.sh "$PY" "$NP" > "$OUT/tests_full.txt" 2>&1 || FAILED+=(tests)
     tail -n 40 "$OUT/tests_full.txt" | tee "$OUT/tests.txt"
 fi
 

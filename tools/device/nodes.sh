@@ -32,7 +32,7 @@ fi
 if has tests4; then
   echo "== tests4"; t0=$(date +%s)
   SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_hierarchy_mpi.py tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_reduce_scatter_gpu_mpi.py tests/mpi/test_paths_gpu_mpi.py tests/mpi/test_transports_mpi.py" \
-    MPI_TIMEOUT=240 timeout 270 tools/run_tests.sh $PY 4 2>&1 | tail -14 | tee "$OUT/tests4.txt"
+    MPI_TIMEOUT=240 timeout 270 tools/testing/run_tests.sh $PY 4 2>&1 | tail -14 | tee "$OUT/tests4.txt"
   echo "tests4 took $(( $(date +%s) - t0 )) s"
 fi
 
@@ -60,7 +60,7 @@ fi
 if has torch4; then
   echo "== torch4"; t0=$(date +%s)
   SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_graphs_gpu_mpi.py tests/mpi/test_torch_gpu_mpi.py tests/mpi/test_fsdp_mpi.py tests/mpi/test_control_planes_mpi.py" \
-    MPI_TIMEOUT=200 timeout 230 tools/run_tests.sh $PY 4 2>&1 | tail -8 | tee "$OUT/torch4.txt"
+    MPI_TIMEOUT=200 timeout 230 tools/testing/run_tests.sh $PY 4 2>&1 | tail -8 | tee "$OUT/torch4.txt"
   timeout 120 $PY -m pytest -q -p no:cacheprovider tests/test_launchers.py -m gpu 2>&1 | tail -3 | tee -a "$OUT/torch4.txt"
   echo "torch4 took $(( $(date +%s) - t0 )) s"
 fi

@@ -1,6 +1,6 @@
 #!/bin/sh
-# Per-rank pytest launcher, started by tools/run_tests.sh as
-#     mpiexec -n N tools/mpi_rank_pytest.sh [pytest args...]
+# Per-rank pytest launcher, started by tools/testing/run_tests.sh as
+#     mpiexec -n N tools/testing/mpi_rank_pytest.sh [pytest args...]
 # Rank 0 writes to the terminal; rank R > 0 writes to $MPI_LOG_DIR/rankR.log.
 # Every rank also writes a JUnit XML report, $MPI_LOG_DIR/rankR.xml, which the
 # runner reads to check that every rank ran (and passed) the same tests, and

@@ -10,7 +10,7 @@ collective's channels instead of point-to-point's), timed with CUDA events over 
 calls (median), as GB/s per direction; beside it NCCL's all-reduce of `size` bytes of BF16 (its algbw:
 per direction, for two ranks). Run it under the NCCL environment to probe:
 
-    mpiexec -n 2 python tools/p2p_probe.py --sizes 4M,21M,42M --split 1,4
+    mpiexec -n 2 python tools/profiling/p2p_probe.py --sizes 4M,21M,42M --split 1,4
 """
 import argparse
 

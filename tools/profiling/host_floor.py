@@ -4,7 +4,7 @@ writes JSON).  The Python of a steady call is the same whatever the arrays,
 so this measures, without a GPU, the floor a call adds to the transport's
 own all-reduce.
 
-    mpiexec -n 2 python tools/host_floor.py --json floor.json
+    mpiexec -n 2 python tools/profiling/host_floor.py --json floor.json
 
 Rows: MPI_Allreduce alone; the control plane's digest exchange alone (the
 agreement of a steady call); ``path="native"`` (a steady call: one digest
@@ -16,7 +16,7 @@ codec's CPU kernels included).  Median of --rounds rounds of --calls calls.
 default group): gloo's all-reduce alone, then the library's calls.  Under
 torchrun (no MPI in the job) it measures the torch plane alone:
 
-    torchrun --nproc_per_node 2 tools/host_floor.py --planes torch
+    torchrun --nproc_per_node 2 tools/profiling/host_floor.py --planes torch
 """
 import argparse
 import json

@@ -11,8 +11,8 @@ overlaps), divided by the calls; device time = the same calls timed with CUDA
 events.  Prints a table and writes JSON; ``--plot`` draws it (matplotlib),
 ``--from-json`` redraws a run without a GPU.
 
-    python tools/graph_host_time.py --sizes 20,23,26 --ranks 2 --json out.json
-    python tools/graph_host_time.py --from-json out.json --plot out.png
+    python tools/profiling/graph_host_time.py --sizes 20,23,26 --ranks 2 --json out.json
+    python tools/profiling/graph_host_time.py --from-json out.json --plot out.png
 """
 from __future__ import annotations
 

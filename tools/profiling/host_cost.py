@@ -1,7 +1,7 @@
 """Where the host time of back-to-back GPU all-reduce calls goes (run under
 mpiexec, one rank per GPU; rank 0 prints).
 
-    mpiexec -n 2 python tools/host_cost.py --sizes 20,23,27 --codecs bf16,dynamiq:5
+    mpiexec -n 2 python tools/profiling/host_cost.py --sizes 20,23,27 --codecs bf16,dynamiq:5
 
 Per (size, codec): wall time per call over a loop of back-to-back calls
 (one synchronisation at the end), the main thread's CPU time per call, and

@@ -5,6 +5,6 @@
 # peer (NCCL gives two ranks of one host without NVLink exactly 2, whatever
 # the environment: src/graph/paths.cc, ncclTopoGetNchannels).  The emulation
 # of a two-node socket link that the fast-path benchmark uses.
-#   mpiexec -n 2 tools/per_rank_host.sh python -m dynamiq_mpi bench ...
+#   mpiexec -n 2 tools/profiling/per_rank_host.sh python -m dynamiq_mpi bench ...
 export NCCL_HOSTID="dq-host-${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-${PMIX_RANK:-0}}}"
 exec "$@"

@@ -3,7 +3,7 @@
 CuPy's memory pool is disabled so every array is its own cudaMalloc and an
 out-of-bounds access is reported.  Odd sizes, odd byte offsets, odd super-group
 counts (a half-empty warp) and in-place dar are included.
-    compute-sanitizer --tool memcheck python3 tools/gpu_sanitize.py
+    compute-sanitizer --tool memcheck python3 tools/profiling/gpu_sanitize.py
 """
 import sys
 

@@ -17,7 +17,7 @@ lowered until its largest message is no larger than the per-chunk one (equal
 time: a ring step lasts as long as its largest message, a chunk travels n-1
 hops in sequence).
 
-    PYTHONPATH=. python tools/rs_budget_study.py [--length 1048576] [--seeds 2]
+    PYTHONPATH=. python tools/studies/rs_budget_study.py [--length 1048576] [--seeds 2]
 """
 import argparse
 import json

@@ -1,7 +1,7 @@
 """One process, one GPU: the statistics kernel and the device
 planner at 2^27 BF16 elements, for ncu (tools/device.sh ncu):
 
-    ncu -k regex:"k_stats|k_plan" --section SpeedOfLight ... python tools/stats_workload.py
+    ncu -k regex:"k_stats|k_plan" --section SpeedOfLight ... python tools/profiling/stats_workload.py
 """
 import cupy as cp
 

@@ -1,6 +1,6 @@
 """The launches profiled by ncu in the ncu-kernels stage of tools/device.sh (2^24 BF16 elements,
 centred through a super-group map, hierarchical scales).  LAUNCHES lists them
-in order; tools/ncu_summary.py reads it.  Prints nothing on stdout (ncu --csv)."""
+in order; tools/profiling/ncu_summary.py reads it.  Prints nothing on stdout (ncu --csv)."""
 import sys
 
 import numpy as np

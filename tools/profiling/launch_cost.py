@@ -3,7 +3,7 @@ the kernel wrappers of ``dynamiq_mpi._gpu`` on tiny inputs (so the launch, not
 the kernel, is timed), CuPy slicing, views and events, and the plan's
 device-to-host copy.  Microseconds per call, median of 5 runs of 2000 calls.
 
-    python tools/launch_cost.py
+    python tools/profiling/launch_cost.py
 """
 import time
 

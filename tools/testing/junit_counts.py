@@ -1,6 +1,6 @@
-"""Counts of one world size's JUnit reports (tools/run_tests.sh).
+"""Counts of one world size's JUnit reports (tools/testing/run_tests.sh).
 
-    python tools/junit_counts.py FILE...
+    python tools/testing/junit_counts.py FILE...
 
 prints "passed failed skipped reports agree": the first report's passed and
 skipped, the largest failure count of any (failures + errors), how many

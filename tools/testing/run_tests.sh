@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run the serial test suite, then the MPI suite under mpiexec at several world sizes.
 #
-#   tools/run_tests.sh PYTHON [N ...]        (default sizes: 2 3 4 8)
+#   tools/testing/run_tests.sh PYTHON [N ...]        (default sizes: 2 3 4 8)
 #
 # PYTHON is the interpreter that has numpy, mpi4py, pytest (and pytest-mpi) and
 # the built extension; the MPI launcher used is the `mpiexec` next to it if there
@@ -22,7 +22,7 @@
 # Only rank 0 prints to the terminal (and to MPI_LOG_ROOT/npN/launcher.log);
 # rank R writes MPI_LOG_ROOT/npN/rankR.log, which is printed when that world
 # size fails.  The summary at the end names, under a failed size, the failing
-# test and its exception on each rank (tools/failure_causes.py), or MPI's error
+# test and its exception on each rank (tools/testing/failure_causes.py), or MPI's error
 # lines when no test failed.  A size whose job died before any rank started a
 # test (MPI or the launcher failed) is launched once more, and its summary line
 # says so; a size in which a test failed never is.  Exit status: 0 only if
@@ -37,7 +37,7 @@ PY=$1
 shift
 if [ $# -gt 0 ]; then NPS=("$@"); else NPS=(2 3 4 8); fi
 
-cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
+cd "$(dirname "${BASH_SOURCE[0]}")/../.." || exit 2
 ROOT=$PWD
 
 MPI_TIMEOUT=${MPI_TIMEOUT:-600}
@@ -105,8 +105,8 @@ mpirun_bounded() {
     timeout -k 15 $((MPI_TIMEOUT + 30)) env "${MPI_ENV[@]}" "$MPIEXEC" -n "$1" "${LAUNCH[@]}" </dev/null
 }
 
-# junit_counts FILE... -> "passed failed skipped reports agree" (tools/junit_counts.py)
-junit_counts() { "$PY_ABS" "$ROOT/tools/junit_counts.py" "$@"; }
+# junit_counts FILE... -> "passed failed skipped reports agree" (tools/testing/junit_counts.py)
+junit_counts() { "$PY_ABS" "$ROOT/tools/testing/junit_counts.py" "$@"; }
 
 TOTAL_P=0 TOTAL_F=0 TOTAL_S=0 FAILED=0
 SUMMARY=()
@@ -164,9 +164,9 @@ if [ "${SKIP_MPI:-0}" != 1 ]; then
             rm -rf "$dir"
             mkdir -p "$dir"
             hr
-            echo "### MPI suite, world size $n: mpiexec -n $n tools/mpi_rank_pytest.sh -q --only-mpi $MPI_TESTS"
+            echo "### MPI suite, world size $n: mpiexec -n $n tools/testing/mpi_rank_pytest.sh -q --only-mpi $MPI_TESTS"
             echo "### (rank 0 below, also in $dir/launcher.log; ranks 1..$((n - 1)) log to $dir/rankR.log)"
-            LAUNCH=("$ROOT/tools/mpi_rank_pytest.sh" -q --only-mpi "${EXTRA[@]}" $MPI_TESTS)
+            LAUNCH=("$ROOT/tools/testing/mpi_rank_pytest.sh" -q --only-mpi "${EXTRA[@]}" $MPI_TESTS)
             t0=$(now)
             MPI_LOG_DIR=$dir mpirun_bounded "$n" 2>&1 | tee "$dir/launcher.log"
             rc=${PIPESTATUS[0]}
@@ -179,10 +179,10 @@ if [ "${SKIP_MPI:-0}" != 1 ]; then
             # collection error (MPI or the launcher failed to start it) is
             # launched once more; a test failure never is.
             if [ "$ok" = 1 ] || [ "$started" != 0 ] || [ "$attempt" = 2 ] \
-               || "$PY_ABS" "$ROOT/tools/failure_causes.py" --test-failed "$dir"/*.log; then
+               || "$PY_ABS" "$ROOT/tools/testing/failure_causes.py" --test-failed "$dir"/*.log; then
                 break
             fi
-            cause=$("$PY_ABS" "$ROOT/tools/failure_causes.py" "$dir"/launcher.log "$dir"/rank*.log | head -n 1)
+            cause=$("$PY_ABS" "$ROOT/tools/testing/failure_causes.py" "$dir"/launcher.log "$dir"/rank*.log | head -n 1)
             retry_note=" (launched twice: the first job died before any test started, exit $rc${cause:+: $cause})"
             echo
             echo ">>> world size $n died before any test started (exit $rc); launching it once more"
@@ -215,7 +215,7 @@ if [ "${SKIP_MPI:-0}" != 1 ]; then
             done
             echo
             echo "----- end of rank logs for world size $n -----"
-            causes=$("$PY_ABS" "$ROOT/tools/failure_causes.py" "$dir"/launcher.log "$dir"/rank*.log)
+            causes=$("$PY_ABS" "$ROOT/tools/testing/failure_causes.py" "$dir"/launcher.log "$dir"/rank*.log)
             [ -n "$causes" ] || causes="no test failure and no error line in $dir/*.log"
         fi
         TOTAL_P=$((TOTAL_P + p)) TOTAL_F=$((TOTAL_F + f)) TOTAL_S=$((TOTAL_S + s))

@@ -1,7 +1,7 @@
-"""Why one world size of the MPI suite failed, read from its logs (tools/run_tests.sh).
+"""Why one world size of the MPI suite failed, read from its logs (tools/testing/run_tests.sh).
 
-    python tools/failure_causes.py LOG...
-    python tools/failure_causes.py --test-failed LOG...   (exit 0 if a test failed)
+    python tools/testing/failure_causes.py LOG...
+    python tools/testing/failure_causes.py --test-failed LOG...   (exit 0 if a test failed)
 
 prints at most MAX_LINES lines, meant for the summary at the end of a test run
 (the part of a CI log that is always shown).  When a test failed, the lines are

@@ -2,7 +2,7 @@
 model of the spec?  (Issue 21, item 4; docs/error-study.md, "Dense gradients
 against a NumPy model of the spec".)
 
-    python tools/dense_gap_model.py --json docs/results/error_study_dense_gap.json
+    python tools/studies/dense_gap_model.py --json docs/results/error_study_dense_gap.json
 
 A plain NumPy model of spec section 2 on the ring (every coordinate's chain of
 n quantizations, chunk c starting at rank c), written without the library's
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 SUPER, GROUP = 256, 16
@@ -219,7 +219,7 @@ def main(argv=None):
             print(f"  {name:52s} {np.mean(vals):.4g}  (x{np.mean(vals) / lib_old:.3f} of the library)",
                   flush=True)
         rows.append(row)
-    res = dict(tool="tools/dense_gap_model.py", command="python tools/dense_gap_model.py "
+    res = dict(tool="tools/studies/dense_gap_model.py", command="python tools/studies/dense_gap_model.py "
                + " ".join(sys.argv[1:] if argv is None else argv),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                git=subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,

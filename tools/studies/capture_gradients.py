@@ -1,6 +1,6 @@
 """Capture real gradients for the error study (``python -m dynamiq_mpi vnmse``).
 
-    python tools/capture_gradients.py --out .cache/gradients/llama_words
+    python tools/studies/capture_gradients.py --out .cache/gradients/llama_words
 
 A small LLaMA (transformers, randomly initialised, CPU) is trained for
 ``--steps`` steps on Python's standard library source (the corpus of
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TOKEN = re.compile(r"[A-Za-z_][A-Za-z_0-9]*|[0-9]+|\S")
 
 
