@@ -126,8 +126,8 @@ def lr_at(step, args):
 def batch_for(step, rank, world, data, args, torch):
     """Rank ``rank``'s share of the global batch of ``step``: a function of
     (seed, step, world, batch) only, so identical for every codec (the
-    training simulator's rule, dynamiq_mpi/studies/train_sim.py)."""
-    from dynamiq_mpi.studies.train_sim import rank_batch
+    training simulator's rule, dynamiq_mpi/studies/workloads.py)."""
+    from dynamiq_mpi.studies.workloads import rank_batch
     return rank_batch(step, rank, world, data, args)
 
 
@@ -181,7 +181,7 @@ def _compute_probe(ddp, opt, w, device, torch, sync):
 
 
 def _loss(model, w, device, torch, reduction="mean"):
-    from dynamiq_mpi.studies.train_sim import lm_loss    # one definition for both
+    from dynamiq_mpi.studies.workloads import lm_loss    # one definition for both
     return lm_loss(model, w, device, reduction)
 
 

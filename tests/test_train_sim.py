@@ -31,21 +31,41 @@ def _sim(tmp_path, name, *extra):
     return np.load(dump), record
 
 
-def test_two_simulated_ranks_equal_the_real_two_rank_job(tmp_path):
+@pytest.mark.parametrize("workload", ["lm", "cls"])
+def test_two_simulated_ranks_equal_the_real_two_rank_job(tmp_path, workload, monkeypatch):
+    monkeypatch.setenv("DYNAMIQ_CACHE", str(tmp_path / "cache"))   # cls: the pretrained LM
     seed = int(np.random.default_rng().integers(1000))
-    sim, record = _sim(tmp_path, "sim", "--ranks", "2", "--codec", CODEC, "--seed", str(seed))
+    work = ["--workload", workload]
+    sim, record = _sim(tmp_path, "sim", "--ranks", "2", "--codec", CODEC, "--seed", str(seed),
+                       *work)
     _run(mpiexec(2, "-m", "dynamiq_mpi", "train-sim", *TINY, "--ranks", "2", "--codec", CODEC,
-                 "--seed", seed, "--real", "--dump", tmp_path / "real.npy",
+                 "--seed", seed, "--real", "--dump", tmp_path / "real.npy", *work,
                  "--json", tmp_path / "real.json"), "the real two-rank job")
     real = np.load(tmp_path / "real.npy")
     assert np.array_equal(sim.view(np.uint32), real.view(np.uint32)), seed
     assert record["steps"] == json.load(open(tmp_path / "real.json"))["steps"]
     # the compression is real: DynamiQ's parameters differ from the exact mean's
     exact, ex_record = _sim(tmp_path, "fp32", "--ranks", "2", "--codec", "fp32",
-                            "--seed", str(seed))
+                            "--seed", str(seed), *work)
     assert not np.array_equal(sim, exact)
     assert max(v for _, v in record["vnmse"]) > 1e-4 > max(v for _, v in ex_record["vnmse"])
     assert 4.0 < record["bits_per_coord"] < 5.5
+
+
+def test_the_classification_workload_reports_accuracy(tmp_path, monkeypatch):
+    """cls: a pretrained LM (cached: the second run loads the same weights)
+    fine-tuned to tell eight standard-library packages apart."""
+    monkeypatch.setenv("DYNAMIQ_CACHE", str(tmp_path / "cache"))
+    runs = []
+    for name in ("a", "b"):
+        _, record = _sim(tmp_path, name, "--ranks", "3", "--codec", "bf16", "--workload", "cls",
+                         "--eval-every", "3")
+        runs.append(record)
+    assert len(list((tmp_path / "cache" / "train_sim").glob("lm_*.pt"))) == 1
+    assert runs[0]["steps"] == runs[1]["steps"]
+    acc = runs[0]["final_accuracy"]
+    assert 0.0 <= acc <= 1.0 and runs[0]["accuracy"][-1] == [3, acc]
+    assert runs[0]["final_val_loss"] > 0
 
 
 def test_bf16_reduction_is_the_bf16_compress_hook():

@@ -41,10 +41,11 @@ import time
 PRESETS = {
     # CPU tests: a few steps of a very small model
     "tiny": dict(hidden=32, layers=1, heads=2, intermediate=64, seq_len=32, batch=2, steps=3,
-                 lr=3e-3, warmup=1, eval_every=0, val_windows=8),
+                 lr=3e-3, warmup=1, eval_every=0, val_windows=8, pretrain_steps=2),
     # one cell of the table in minutes on one GPU at N = 128
     "small": dict(hidden=128, layers=2, heads=4, intermediate=352, seq_len=128, batch=4,
-                  steps=300, lr=2e-3, warmup=30, eval_every=25, val_windows=64),
+                  steps=300, lr=2e-3, warmup=30, eval_every=25, val_windows=64,
+                  pretrain_steps=300),
 }
 
 
@@ -57,6 +58,9 @@ def parse_args(argv):
     p.add_argument("--node-size", type=int, default=1,
                    help="K > 1: the hierarchical call, N/K nodes of K (rails compressed)")
     p.add_argument("--seed", type=int, default=0, help="model init, data order, codec seed")
+    p.add_argument("--workload", default="lm", choices=["lm", "cls"],
+                   help="lm: byte-level LM from scratch; cls: fine-tune a pretrained one to "
+                        "classify source by package (studies/workloads.py)")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     for k, v in PRESETS["small"].items():
         p.add_argument("--" + k.replace("_", "-"), type=type(v), default=None,
@@ -78,54 +82,7 @@ def parse_args(argv):
 
 
 # --------------------------------------------------------------------- pieces
-def build_model(args, device):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(args.seed)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.heads, max_position_embeddings=args.seq_len,
-                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-                      pad_token_id=None)
-    return LlamaForCausalLM(cfg).to(device)
-
-
-def rank_batch(step, rank, n, data, args):
-    """Rank ``rank``'s micro-batch of ``step``: a function of (seed, step, N,
-    batch) only, so the same for every codec and in the real job."""
-    import torch
-    gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
-    starts = torch.randint(0, len(data) - args.seq_len - 1, (n * args.batch,), generator=gen)
-    mine = starts[rank * args.batch:(rank + 1) * args.batch]
-    return data[mine[:, None] + torch.arange(args.seq_len + 1)]
-
-
-def lm_loss(model, w, device, reduction="mean"):
-    import torch
-    w = w.to(device)
-    ctx = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda"
-           else torch.autocast("cpu", enabled=False))
-    with ctx:
-        logits = model(input_ids=w[:, :-1].long()).logits
-    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                             w[:, 1:].reshape(-1).long(), reduction=reduction)
-
-
-def evaluate(model, val, args, device):
-    """Mean validation loss (nats/byte) over the first ``val_windows``
-    consecutive windows."""
-    import torch
-    n = min(args.val_windows, (len(val) - 1) // args.seq_len)
-    total, count = 0.0, 0
-    model.eval()
-    with torch.no_grad():
-        for chunk in torch.arange(n).split(max(1, args.batch * 4)):
-            idx = chunk[:, None] * args.seq_len + torch.arange(args.seq_len + 1)
-            w = val[idx]
-            total += float(lm_loss(model, w, device, reduction="sum"))
-            count += w[:, 1:].numel()
-    model.train()
-    return total / max(1, count)
+from .workloads import make_workload  # noqa: E402
 
 
 def lr_at(step, args):
@@ -213,7 +170,6 @@ def run(args) -> dict:
     import torch
 
     from ..torch.ddp import gradient_buckets
-    from .corpus import load_corpus
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     comm = None
@@ -230,10 +186,8 @@ def run(args) -> dict:
         torch.cuda.set_device(device)
         import cupy
         cupy.cuda.Device(device.index).use()
-    train_b, val_b, corpus = load_corpus()
-    train = torch.frombuffer(bytearray(train_b), dtype=torch.uint8)
-    val = torch.frombuffer(bytearray(val_b), dtype=torch.uint8)
-    model = build_model(args, device)
+    work = make_workload(args, device)
+    model = work.model
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     reducer, state = None, None
@@ -247,8 +201,8 @@ def run(args) -> dict:
     sync = torch.cuda.synchronize if use_cuda else (lambda: None)
     record = {"config": dict(vars(args), n_params=sum(p.numel() for p in params),
                              device=torch.cuda.get_device_name(device) if use_cuda else "cpu",
-                             torch=torch.__version__, workload="lm"),
-              "corpus": corpus, "steps": [], "evals": [], "vnmse": []}
+                             torch=torch.__version__),
+              "corpus": work.info, "steps": [], "evals": [], "vnmse": []}
     buckets = None
     progress = _progress(args.steps, args.quiet or rank != 0)
     t0 = time.perf_counter()
@@ -258,7 +212,7 @@ def run(args) -> dict:
         losses = []
         if args.real:
             opt.zero_grad(set_to_none=True)
-            loss = lm_loss(model, rank_batch(step, rank, n, train, args), device)
+            loss = work.loss(step, rank, n)
             loss.backward()
             losses = comm.allgather(float(loss.detach()))
             dqt.allreduce_gradients(params, state, bucket_cap_mb=args.bucket_mb)
@@ -266,7 +220,7 @@ def run(args) -> dict:
             per_rank = []
             for r in range(n):
                 opt.zero_grad(set_to_none=True)
-                loss = lm_loss(model, rank_batch(step, r, n, train, args), device)
+                loss = work.loss(step, r, n)
                 loss.backward()
                 losses.append(float(loss.detach()))
                 if buckets is None:
@@ -287,7 +241,10 @@ def run(args) -> dict:
         if rank == 0 and args.eval_every and ((step + 1) % args.eval_every == 0
                                               or step + 1 == args.steps):
             sync()
-            record["evals"].append([step + 1, evaluate(model, val, args, device)])
+            ev = work.evaluate()
+            record["evals"].append([step + 1, ev["val_loss"]])
+            if "accuracy" in ev:
+                record.setdefault("accuracy", []).append([step + 1, ev["accuracy"]])
         progress(step, record)
     sync()
     record["seconds"] = time.perf_counter() - t0
@@ -295,6 +252,8 @@ def run(args) -> dict:
         record["bits_per_coord"] = reducer.bits / reducer.coords
     if record["evals"]:
         record["final_val_loss"] = record["evals"][-1][1]
+    if record.get("accuracy"):
+        record["final_accuracy"] = record["accuracy"][-1][1]
     record["date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     if args.dump and rank == 0:
         np.save(args.dump, torch.cat([p.detach().reshape(-1).float().cpu()
@@ -333,7 +292,8 @@ def _progress(total, quiet):
 def _label(cfg):
     hier = f" nodes of {cfg['node_size']}" if cfg.get("node_size", 1) > 1 else ""
     topo = "" if cfg["codec"] in ("fp32", "bf16") else f" {cfg['topology']}"
-    return f"{cfg['codec']}{topo}{hier}"
+    work = "" if cfg.get("workload", "lm") == "lm" else f"{cfg['workload']}: "
+    return f"{work}{cfg['codec']}{topo}{hier}"
 
 
 _PLAIN_BITS = {"fp32": 32.0, "bf16": 16.0}     # runs written before these were counted
@@ -358,8 +318,10 @@ def table(paths, png=None) -> list:
     for (n, label), rs in sorted(groups.items()):
         done = [r for r in rs if "final_val_loss" in r]
         finals = [r["final_val_loss"] for r in done]
-        bf16 = {r["config"]["seed"]: r["final_val_loss"] for r in groups.get((n, "bf16"), [])
-                if "final_val_loss" in r}
+        work = rs[0]["config"].get("workload", "lm")
+        bf16_label = "bf16" if work == "lm" else f"{work}: bf16"
+        bf16 = {r["config"]["seed"]: r["final_val_loss"]
+                for r in groups.get((n, bf16_label), []) if "final_val_loss" in r}
         seeds = [r["config"]["seed"] for r in done]
         paired = [bf16[s] for s in seeds if s in bf16]
         target = (statistics.mean(paired) if len(paired) == len(seeds) and paired
@@ -374,10 +336,13 @@ def table(paths, png=None) -> list:
                          paired=len(paired) == len(seeds) and bool(paired),
                          steps_to_bf16=reach,
                          vnmse=statistics.mean(vn) if vn else None,
+                         accuracy=(statistics.mean(r["final_accuracy"] for r in done)
+                                   if done and all("final_accuracy" in r for r in done)
+                                   else None),
                          bits=statistics.mean([r.get("bits_per_coord") or _PLAIN_BITS.get(
                              r["config"]["codec"], 0.0) for r in rs])))
     print(f"{'N':>4s} {'reduction':>36s} {'seeds':>7s} {'final val':>10s} {'spread':>8s} "
-          f"{'/ BF16':>8s} {'steps to BF16':>14s} {'vNMSE':>9s} {'bits':>6s}")
+          f"{'/ BF16':>8s} {'steps to BF16':>14s} {'vNMSE':>9s} {'bits':>6s} {'acc':>6s}")
     for r in rows:
         fin = f"{r['final']:.4f}" if r["final"] is not None else "-"
         ratio = (f"{r['vs_bf16']:.4f}" + ("" if r["paired"] else "*")) if r["vs_bf16"] else "-"
@@ -385,7 +350,8 @@ def table(paths, png=None) -> list:
         vn = f"{r['vnmse']:.2e}" if r["vnmse"] else "-"
         seeds = ",".join(map(str, r["seeds"]))
         print(f"{r['ranks']:>4d} {r['reduction']:>36s} {seeds:>7s} {fin:>10s} "
-              f"{r['spread']:8.4f} {ratio:>8s} {steps:>14s} {vn:>9s} {r['bits']:6.2f}")
+              f"{r['spread']:8.4f} {ratio:>8s} {steps:>14s} {vn:>9s} {r['bits']:6.2f} "
+              f"{'-' if r['accuracy'] is None else format(r['accuracy'], '.3f'):>6s}")
     if any(not r["paired"] for r in rows if r["vs_bf16"]):
         print("# *: against BF16's mean over other seeds (BF16 lacks one of the row's)")
     if png:
