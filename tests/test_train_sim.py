@@ -106,5 +106,8 @@ def test_hierarchical_reduction_and_the_table(tmp_path, capsys):
     row = next(r for r in rows if "nodes of 2" in r["reduction"])
     assert row["seeds"] == [0, 1] and row["paired"] and row["vs_bf16"] == pytest.approx(dq / bf16)
     assert 0 < row["vnmse"] < 0.5
+    assert train_sim.last_fifth_gain({"evals": [[5, 2.0], [8, 1.9], [10, 1.8]]}) == \
+        pytest.approx(0.1 / 1.9)
+    assert train_sim.last_fifth_gain({"evals": [[10, 1.8]]}) is None
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     assert "nodes of 2" in capsys.readouterr().out
