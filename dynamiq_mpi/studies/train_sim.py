@@ -351,7 +351,8 @@ def table(paths, png=None) -> list:
                          paired=len(paired) == len(seeds) and bool(paired),
                          steps_to_bf16=reach,
                          vnmse=statistics.mean(vn) if vn else None,
-                         last_fifth=max((last_fifth_gain(r) for r in done), default=None),
+                         last_fifth=max((g for g in map(last_fifth_gain, done) if g is not None),
+                                        default=None),
                          accuracy=(statistics.mean(r["final_accuracy"] for r in done)
                                    if done and all("final_accuracy" in r for r in done)
                                    else None),
