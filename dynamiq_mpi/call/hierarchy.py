@@ -236,6 +236,15 @@ def _mean(a, n: int):
     return float32_to_bf16(value) if a.dtype == BFLOAT16 else value.astype(a.dtype)
 
 
+def _seconds_since(t0, xp, measured):
+    """Seconds of an in-node phase for the report: on device arrays (NCCL's
+    level) the work is only queued on the stream, so a call that reports
+    waits for it first."""
+    if measured and xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+    return time.perf_counter() - t0
+
+
 def _deliver(result, flat_out, out, backend, on_device):
     """The result (host or device) into the caller's ``out`` (then
     returned), or as a new array of the input's kind (flat)."""
@@ -375,7 +384,7 @@ class Levels:
         node_sums = level.reduce_scatter(rails_rows(src, k))
         mine = rail_length(length, k, lay.local)
         shard = node_sums[:mine]
-        t_rs = time.perf_counter() - t1
+        t_rs = _seconds_since(t1, xp, return_report)
 
         # 2. the rail: local rank l of every node, compressed
         reduced, rail_rep, t_rail = self._rail_call(
@@ -390,7 +399,7 @@ class Levels:
         result = vector_of_rows(level.all_gather(part), length)
         if op == "mean":
             result = _mean(result, n)
-        t_ag = time.perf_counter() - t1
+        t_ag = _seconds_since(t1, xp, return_report)
         shaped = _deliver(result, flat_out, out, backend, on_device)
         if flat_out is None:
             shaped = shaped.reshape(x.shape)
@@ -455,7 +464,7 @@ class Levels:
                            dtype=np.int64)
         t1 = time.perf_counter()
         shard = level.reduce_scatter(src.reshape(n, m)[order].reshape(k, lay.nodes * m))
-        t_rs = time.perf_counter() - t1
+        t_rs = _seconds_since(t1, xp, return_report)
         mine, rail_rep, t_rail = self._rail_call(
             "reduce_scatter", shard, on_device and not level.device_arrays, counter,
             codec=codec, topology=rail_topo, seed=seed, transport=transport,
@@ -539,7 +548,8 @@ class NodeCalls:
             layout = self._layout or find_nodes(self._plane, self.node_size)
             self._levels = Levels(self._plane, layout, lambda plane: type(self)(
                 plane, transport=self.transport, tile_bytes=self.tile_bytes, lanes=self.lanes,
-                path=self.path, nonfinite=self.nonfinite, graphs=self.graphs))
+                path=self.path, nonfinite=self.nonfinite, graphs=self.graphs,
+                hierarchy="flat"))          # a rail is flat, whatever $DYNAMIQ_HIERARCHY says
         return self._levels
 
     def nodes(self):

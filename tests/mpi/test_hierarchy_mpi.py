@@ -384,3 +384,22 @@ def test_node_level_choice_is_alike_everywhere(monkeypatch):
     assert rep.levels[0]["transport"] == "staged" and "host arrays" in rep.levels[0][
         "transport_reason"]
     coll.free()
+
+
+@pytest.mark.mpi(min_size=4)
+def test_rails_stay_flat_whatever_the_environment_says(monkeypatch):
+    """$DYNAMIQ_HIERARCHY=nodes makes the collective hierarchical, never its
+    rails (a rail taking the variable too would sum its ranks as one node,
+    uncompressed, and report compressed rails)."""
+    k = next(k for k in NODE_SIZES if 1 < k < N)
+    monkeypatch.setenv("DYNAMIQ_HIERARCHY", "nodes")
+    monkeypatch.setenv("DYNAMIQ_NODE_SIZE", str(k))
+    coll = dq.Collective(comm, path="compressed")
+    seed = shared_seed(comm)
+    xs = rank_inputs(seed, N, 4099)
+    coll.counter = 4
+    codec = dq.DynamiQ(small_input=0, bits=5)
+    out, rep = coll.allreduce(xs[comm.rank], codec=codec, seed=seed, return_report=True)
+    assert rep.hierarchy == "nodes" and 3.5 < rep.bits_per_coord < 5.5
+    assert np.array_equal(out, reference(xs, k, codec, "ring", "sum", seed, 4))
+    coll.free()

@@ -59,7 +59,7 @@ def main():
     coll = dq.Collective(comm, transport="nccl")
     bucket = defaultdict(float)
     # what the engine asks the transports for, by request type
-    coll._mpi.answer = timed(coll._mpi.answer, bucket, lambda r: "agree (MPI)")
+    coll._host.answer = timed(coll._host.answer, bucket, lambda r: "agree (MPI)")
     gpu_backend = type(backend_mod.backend_for(cp.zeros(1)))
     gpu_backend.to_host = timed(gpu_backend.to_host, bucket, "plan: device-to-host wait")
     for cls in (dq.DynamiQ, dq.BF16):
