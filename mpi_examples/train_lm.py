@@ -117,10 +117,8 @@ def parse_args(argv):
 
 def lr_at(step, args):
     """Linear warm-up, then cosine decay to 10 % of the peak."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+    from dynamiq_mpi.studies.workloads import lr_at as schedule    # one definition for both
+    return schedule(step, args)
 
 
 def batch_for(step, rank, world, data, args, torch):

@@ -34,9 +34,10 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import sys
 import time
+
+from .workloads import lr_at, make_workload
 
 PRESETS = {
     # CPU tests: a few steps of a very small model
@@ -79,18 +80,6 @@ def parse_args(argv):
     if args.ranks < 1 or args.node_size < 1 or args.ranks % args.node_size:
         p.error(f"--node-size {args.node_size} must divide --ranks {args.ranks}")
     return args
-
-
-# --------------------------------------------------------------------- pieces
-from .workloads import make_workload  # noqa: E402
-
-
-def lr_at(step, args):
-    """Linear warm-up, then cosine decay to 10 % of the peak (train_lm.py's)."""
-    if step < args.warmup:
-        return args.lr * (step + 1) / args.warmup
-    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
-    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
 class Reducer:

@@ -17,12 +17,22 @@ and the evaluation.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from pathlib import Path
 
 # cls: the eight packages (directories of corpus.CORPUS_FILES) told apart
 CLASSES = ("asyncio", "email", "http", "importlib", "json", "multiprocessing", "unittest",
            "urllib")
+
+
+def lr_at(step, args):
+    """Linear warm-up, then cosine decay to 10 % of the peak (the training
+    example's and the simulator's schedule)."""
+    if step < args.warmup:
+        return args.lr * (step + 1) / args.warmup
+    frac = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return args.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
 def build_model(args, device):
