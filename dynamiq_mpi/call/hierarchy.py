@@ -309,6 +309,7 @@ class Levels:
         self.rail = make_collective(self._rail_plane)
         self._staged = StagedNodeLevel(self.node, layout.local, layout.node_size)
         self._device_levels = {}     # device id -> (in-node level, why), decided once
+        self._orders = {}            # array module -> the reduce-scatter's chunk order
 
     def free(self):
         for level, _ in self._device_levels.values():
@@ -317,6 +318,16 @@ class Levels:
         self.rail.free()
         self._rail_plane.free()
         self.node.free()
+
+    def _chunk_order(self, xp):
+        """The reduce-scatter's chunks, row l holding the chunks of the ranks
+        of local index l in node order (an index array, made once per array
+        module: no per-call copy to the device)."""
+        if xp not in self._orders:
+            lay = self.layout
+            self._orders[xp] = xp.asarray([lay.rank_of(j, l) for l in range(lay.node_size)
+                                           for j in range(lay.nodes)], dtype=np.int64)
+        return self._orders[xp]
 
     def _node_level(self, on_device, flat):
         """(in-node level, why) of this call (collective on a device's first call)."""
@@ -337,7 +348,6 @@ class Levels:
         dtype, ranks n, node size k, the rails' topology)."""
         from .engine import _holds_nonfinite
         from ..transports.mpi_host import agree
-        self._topology = topology
         flat, flat_out, backend = agreed
         if nonfinite == "raise":
             flags = agree(coll._plane, _holds_nonfinite(backend.xp, flat))
@@ -350,7 +360,7 @@ class Levels:
         lay = self.layout
         return (flat, flat_out, backend, on_device, level, why, src, _module_of(src),
                 int(flat.shape[0]), np.dtype(flat.dtype), lay.nodes * lay.node_size,
-                lay.node_size, rail_topology(self._topology, lay.nodes))
+                lay.node_size, rail_topology(topology, lay.nodes))
 
     def _rail_call(self, method, shard, stage, counter, **call):
         """The rail level's ``method`` (its collective's) on the node sums'
@@ -459,9 +469,7 @@ class Levels:
          rail_topo) = self._start(coll, agreed, nonfinite, topology)
         m = length // n
 
-        # row l: the chunks of the ranks of local index l, in node order
-        order = xp.asarray([lay.rank_of(j, l) for l in range(k) for j in range(lay.nodes)],
-                           dtype=np.int64)
+        order = self._chunk_order(xp)
         t1 = time.perf_counter()
         shard = level.reduce_scatter(src.reshape(n, m)[order].reshape(k, lay.nodes * m))
         t_rs = _seconds_since(t1, xp, return_report)

@@ -150,7 +150,7 @@ class CallPlanner:
         if plan.hierarchy_timed and not report.nonfinite:
             self.hierarchies.record(plan.hierarchy_key, plan.hierarchy, seconds, plan.hierarchy)
 
-    def remember(self, coll, plan, report, meta, codec, backend, timed):
+    def remember(self, coll, plan, report, meta, codec, backend):
         """Keep the plan of an engine call whose signature may repeat: a
         native call as a steady plan, a sync-free compressed call over NCCL
         as a graph plan (captured on its next occurrence).  ``meta``: this
@@ -162,7 +162,7 @@ class CallPlanner:
                 self.steady.clear()
             self.steady[plan.steady_key] = native.SteadyNative(
                 meta, codec, report.transport, report.codec_info["wire"], backend)
-        if (plan.graph_key is not None and not timed and report.path == "compressed"
+        if (plan.graph_key is not None and not plan.timed and report.path == "compressed"
                 and report.sync_free and report.transport == "nccl"
                 and plan.graph_key not in self.graphs):
             if len(self.graphs) >= MAX_STEADY:

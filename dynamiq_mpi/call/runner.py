@@ -65,8 +65,7 @@ class CallRunner(GraphCalls, NodeCalls):
         if not report.path_reason:
             report.path_reason = plan.why
         meta = self._last_metas[self.rank] if self._last_metas else None
-        self._planner.remember(self, plan, report, meta, call["codec"], backend_for(x),
-                               plan.timed)
+        self._planner.remember(self, plan, report, meta, call["codec"], backend_for(x))
         return out, (report if want_report else None)
 
     def _run_steady(self, steady, x, out, counter, op):
