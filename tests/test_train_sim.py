@@ -48,7 +48,8 @@ def test_two_simulated_ranks_equal_the_real_two_rank_job(tmp_path, workload, mon
     exact, ex_record = _sim(tmp_path, "fp32", "--ranks", "2", "--codec", "fp32",
                             "--seed", str(seed), *work)
     assert not np.array_equal(sim, exact)
-    assert max(v for _, v in record["vnmse"]) > 1e-4 > max(v for _, v in ex_record["vnmse"])
+    # 5 bits cannot reach 1e-6 (about 10 bits' worth); a float32 mean of two sits near 1e-14
+    assert max(v for _, v in record["vnmse"]) > 1e-6 > max(v for _, v in ex_record["vnmse"])
     assert 4.0 < record["bits_per_coord"] < 5.5
 
 
