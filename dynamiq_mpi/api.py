@@ -12,6 +12,7 @@ from .call.engine import CallSpec, check_nonfinite, default_layout, rank_program
 from .call.graphs import default_graphs
 from .call.hierarchy import default_node_size
 from .call.paths import default_path
+from .call.rail_budget import default_rail_budget
 from .call.planner import CallPlanner
 from .call.runner import CallRunner, _sync
 from .call.workspace import FRESH, Workspace
@@ -80,6 +81,10 @@ class Collective(CallRunner):
     ``report.hierarchy`` and ``report.levels`` say what ran.  ``node_size``
     (or ``$DYNAMIQ_NODE_SIZE``): consecutive ranks form nodes of that size
     (to emulate a cluster on one host); default: the ranks that share a host.
+    ``rail_budget`` (or ``$DYNAMIQ_RAIL_BUDGET``): "joint" (default: one
+    DynamiQ bit allocation over all rails of a node, from their statistics
+    exchanged inside the node; rails then send unequal bytes) or "even"
+    (every rail planned apart); call/rail_budget.py.
 
     ``graphs``: replay steady compressed calls over NCCL as CUDA graphs
     (call/graphs.py): a call with ``out=`` whose every argument, buffer and stream
@@ -94,7 +99,8 @@ class Collective(CallRunner):
     def __init__(self, comm=None, transport: str = "auto", tile_bytes: int = DEFAULT_TILE_BYTES,
                  lanes: int | str | None = None, path: str | None = None,
                  nonfinite: str = "propagate", graphs: bool | None = None,
-                 hierarchy: str | None = None, node_size: int | None = None):
+                 hierarchy: str | None = None, node_size: int | None = None,
+                 rail_budget: str | None = None):
         from .control import as_plane, default_comm
         if comm is None:
             comm = default_comm()
@@ -103,6 +109,8 @@ class Collective(CallRunner):
         self.path = default_path(path)
         self.hierarchy = default_hierarchy(hierarchy)
         self.node_size = default_node_size(node_size)
+        self.rail_budget = default_rail_budget(rail_budget)
+        self._plan_hook = None       # a rail's, set by its hierarchical call (rail_budget.py)
         self._levels = None          # hierarchy.Levels, made by the first "nodes" call
         self._layout = None          # the nodes found for hierarchy="auto"
         self._auto = None            # whether "auto" may use nodes (decided once)

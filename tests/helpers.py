@@ -115,3 +115,52 @@ def scale_boundary_input(rng, nsg: int):
     sign = np.where(rng.random((nsg, 16)) < 0.5, -1.0, 1.0)
     np.put_along_axis(x, at[:, :, None], (sign * s)[:, :, None], axis=2)
     return x.astype(np.float32).reshape(-1), expect.astype(np.uint8)
+
+
+def joint_rail_codecs(codec, rails, topology, tile_bytes=None):
+    """The joint rail budget (dynamiq_mpi/call/rail_budget.py), written here
+    from its definition: ``rails`` holds each non-empty rail's node inputs
+    (one array per node).  Every rail's statistics (the codec's local
+    statistics of each node's shard, reduced by the exact float32 all-reduce
+    in the rail's schedule order: the statistics phase's rule), then one
+    allocation over all rails' super-groups under the sum of their budgets,
+    then each rail planned with exactly the bits its super-groups cost
+    there.  Rails below ``small_input`` (no statistics) keep the codec; so
+    do all when fewer than two rails have statistics."""
+    import dynamiq_mpi as dq
+    from dynamiq_mpi.backend import backend_for
+    from dynamiq_mpi.call.workspace import FRESH
+    from dynamiq_mpi.codecs.allocation import allocate, record_bits
+    kw = {} if tile_bytes is None else {"tile_bytes": tile_bytes}
+    if getattr(codec, "name", "") != "dynamiq" or not codec.variable_width \
+            or codec.fixed_width is not None:
+        return [codec] * len(rails)
+    assert codec.centring               # the statistics' layout read below
+    live = [i for i, shards in enumerate(rails)
+            if len(shards) > 1 and shards[0].size and codec.for_length(shards[0].size) is codec]
+    if len(live) < 2:
+        return [codec] * len(rails)
+    norms, stats_bits, lengths = [], [], []
+    for i in live:
+        shards = [np.asarray(s) for s in rails[i]]
+        m = shards[0].size
+        values = [s if s.dtype in (np.float32, BF16) else s.astype(np.float32) for s in shards]
+        local = [np.array(codec.local_stats(v, backend_for(v), FRESH)[0], copy=True)
+                 for v in values]
+        reduced = dq.simulate_allreduce(local, codec=dq.Exact(), topology=topology, **kw)[0]
+        nsg = -(-m // 256)
+        norms.append(reduced[nsg:2 * nsg])          # [means | norms | flag, max]
+        stats_bits.append(32 * (2 * nsg + 2))
+        lengths.append(m)
+    budget = codec.bits * sum(lengths)
+    padded = codec.bits * 256 * sum(n.size for n in norms) + sum(stats_bits)
+    alloc = allocate(np.concatenate(norms), budget, sum(stats_bits), codec.hierarchical,
+                     codec.zero_class, True, None, padded, codec.bf16_class)
+    out, at = [codec] * len(rails), 0
+    for i, nm, sb, m in zip(live, norms, stats_bits, lengths):
+        w = alloc.widths[at:at + nm.size]
+        at += nm.size
+        cost = sb + sum(int(np.sum(w == k)) * record_bits(k, codec.hierarchical)
+                        for k in (2, 4, 8, 16))
+        out[i] = codec.with_exact_bits(cost, m)
+    return out

@@ -54,3 +54,30 @@ def test_optimal_within_family(seed):
     # any larger u (the next break point) would exceed the budget
     bigger = allocate(F, budget + record_bits(8, True), 64 * 300, True)
     assert bigger.total_bits >= a.total_bits
+
+
+@pytest.mark.parametrize("bf16_class", [False, True])
+def test_joint_costs_split_one_allocation_into_parts_that_find_it_again(bf16_class):
+    """codecs/allocation.joint_costs (a hierarchical call's joint rail
+    budget, a reduce-scatter's global one): the parts' costs sum to the
+    allocation of all their super-groups, within the whole budget, and a
+    part allocated alone with exactly its cost finds the same widths."""
+    from dynamiq_mpi.codecs.allocation import joint_costs
+    rng = np.random.default_rng()
+    sizes = [int(m) for m in rng.integers(1, 400, size=int(rng.integers(2, 9)))]
+    parts = [norms(rng, m) for m in sizes]
+    for p in parts:
+        p[rng.random(p.size) < 0.1] = 0          # zero super-groups send nothing
+    stats = [32 * (2 * m + 2) for m in sizes]
+    budget = float(rng.uniform(3.0, 8.0)) * 256 * sum(sizes)
+    padded = budget + sum(stats)
+    costs = joint_costs(parts, budget, padded, stats, True, True, bf16_class)
+    whole = allocate(np.concatenate(parts), budget, sum(stats), True,
+                     padded_budget_bits=padded, bf16_class=bf16_class)
+    assert sum(costs) == whole.total_bits <= budget
+    at = 0
+    for p, c, sb in zip(parts, costs, stats):
+        alone = allocate(p, c + 0.5, sb, True, padded_budget_bits=padded, bf16_class=bf16_class)
+        assert np.array_equal(alone.widths, whole.widths[at:at + p.size])
+        assert alone.total_bits == c
+        at += p.size

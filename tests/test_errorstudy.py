@@ -212,15 +212,16 @@ def test_node_size_rows(tmp_path, capsys):
     cli(["vnmse", "--data", "lognormal", "--ranks", "4,5,6,8", "--length", "5000",
          "--codecs", "dynamiq:5,thc", "--node-size", "2", "--quiet", "--json", str(out)])
     text = capsys.readouterr().out
-    assert "nodes of 2 (hierarchical)" in text and "lognormal, butterfly, nodes of 2" in text
+    assert "nodes of 2 (hierarchical, joint rail budget)" in text
+    assert "lognormal, butterfly, nodes of 2" in text
     assert "n=6: the node count is not a power of two" in text
     res = json.loads(out.read_text())
-    assert res["node_size"] == 2
+    assert res["node_size"] == 2 and res["rail_budget"] == "joint"
     codecs = {c for c in errorstudy.available_codecs(("dynamiq:5", "thc"))}
     rows = res["rows"]
     assert len(rows) == 4 * 2 * 2
     for r in rows:
-        assert r["node_size"] == 2
+        assert r["node_size"] == 2 and r["rail_budget"] == "joint"
         if r["ranks"] == 5:
             assert "nodes of 2" in r["error"]
             continue
@@ -238,6 +239,16 @@ def test_node_size_rows(tmp_path, capsys):
     data = errorstudy._Data("lognormal", _args(length=5000), 8)
     direct = levels_allreduce(data.source, 8, 2, codec=errorstudy.parse_codec("dynamiq:5"))
     assert row["vnmse"] == direct.vnmse and row["bits_per_coord"] == direct.bits_per_coord
+    # --rail-budget even: each rail planned apart
+    spec = "dynamiq:5:small_input=0"        # (rails of 2500 elements: no BF16 fallback)
+    cli(["vnmse", "--data", "lognormal", "--ranks", "8", "--length", "5000", "--codecs",
+         spec, "--topologies", "ring", "--node-size", "2", "--rail-budget", "even",
+         "--quiet", "--json", str(out)])
+    even = json.loads(out.read_text())["rows"][0]
+    codec = errorstudy.parse_codec(spec)
+    apart = levels_allreduce(data.source, 8, 2, codec=codec, rail_budget="even")
+    assert even["rail_budget"] == "even" and even["vnmse"] == apart.vnmse
+    assert even["bits_per_coord"] == apart.bits_per_coord
 
 
 def test_node_size_one_is_the_flat_study(capsys):

@@ -83,6 +83,11 @@ class CallSpec:
     # a CUDA graph (graphs.py: written before each replay), else 0; a local
     # detail, not part of the agreement
     keys_at: int = 0
+    # a hierarchical call's rail: ``plan_hook(codec, reduced statistics,
+    # backend)`` gives the codec to plan with (call/rail_budget.py: one
+    # allocation over the node's rails); called once, after the statistics,
+    # on a call that has them.  A local detail, not part of the agreement.
+    plan_hook: object = None
 
 
 def resolve_layout(spec: CallSpec, backend_name) -> str:
@@ -150,7 +155,7 @@ def _agree(metas: list) -> None:
         raise InvalidInputError(f"invalid all-reduce input ({detail})")
     for key in ("length", "dtype", "backend", "codec", "topology", "op", "seed", "counter",
                 "transport", "tile_bytes", "path", "nonfinite", "layout", "collective",
-                "hierarchy", "node_size"):
+                "hierarchy", "node_size", "rail_budget"):
         values = [m.get(key, _FLAT_DEFAULTS.get(key)) for m in metas]
         if any(v != values[0] for v in values):
             per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
@@ -424,6 +429,8 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
         reduced, sent, stats_total = yield from _reduce_stats(
             stats, n, rank, schedule, backend, workspace, spec.tile_bytes)
     yield Mark("plan")
+    if spec.plan_hook is not None and stats is not None:
+        codec = spec.plan_hook(codec, reduced, backend)
     try:
         with plan_layout(resolve_layout(spec, backend.name)):
             plan = codec.plan(values, reduced, n, keys, backend, local_state, workspace,

@@ -37,7 +37,6 @@ decoded chunk under "raise" and the ranks agree on the verdict.
 """
 from __future__ import annotations
 
-import copy
 import time
 from collections import defaultdict
 
@@ -149,36 +148,13 @@ class _Blocks:
 def _global_block_codecs(codec, blocks, reduced, backend):
     """One global DynamiQ threshold: the allocation of all blocks' super-groups
     under the whole budget, then each block planned with exactly the bits that
-    allocation gives it (its planner then finds that same allocation: the cost
-    is monotone in the threshold).  For the design study (host work)."""
-    from ..codecs.allocation import allocate, record_bits
-    from ..codecs.dynamiq import SUPER
-    if getattr(codec, "name", "") != "dynamiq" or not codec.variable_width \
-            or codec.fixed_width is not None:
+    allocation gives it (codecs/allocation.joint_costs).  For the design
+    study (host work)."""
+    if not getattr(codec, "joins_budgets", False):
         raise ValueError("budget='global' is for DynamiQ with variable widths")
-    norms, stats_bits = [], []
-    for b in range(len(blocks.values)):
-        r = backend.to_host(blocks.reduced_of(reduced, b))
-        nsg = -(-blocks.m // SUPER)
-        head = 2 * nsg if codec.centring else nsg
-        norms.append(r[head - nsg:head])
-        stats_bits.append(32 * (head + 2))
-    allnorm = np.concatenate(norms)
-    total_stats = sum(stats_bits)
-    a = allocate(allnorm, codec.bits * blocks.length, total_stats, codec.hierarchical,
-                 codec.zero_class, True, None,
-                 codec.bits * allnorm.shape[0] * SUPER + total_stats, codec.bf16_class)
-    rec = {w: record_bits(w, codec.hierarchical) for w in (2, 4, 8, 16)}
-    out, at = [], 0
-    for b, nb in enumerate(norms):
-        w = a.widths[at:at + nb.shape[0]]
-        at += nb.shape[0]
-        cost = stats_bits[b] + sum(int(np.count_nonzero(w == k)) * rec[k] for k in rec)
-        c = copy.copy(codec)
-        object.__setattr__(c, "bits", (cost + 0.5) / blocks.m)
-        c.__dict__["_exact_budget"] = True     # these bits exactly: no layout reserve
-        out.append(c)
-    return out
+    norms = [codec.reduced_norms(backend.to_host(blocks.reduced_of(reduced, b)), blocks.m)
+             for b in range(len(blocks.values))]
+    return codec.split_budget(norms, [blocks.m] * len(norms))
 
 
 def run_reduce_scatter(plans, schedule, rank):

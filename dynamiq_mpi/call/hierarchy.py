@@ -43,6 +43,7 @@ import numpy as np
 
 from ..backend import dtype_name
 from ..errors import InvalidInputError, NonFiniteInputError
+from .rail_budget import JointRailBudget, joins
 
 BLOCK = 256          # the interleave's block: one DynamiQ super-group
 HIERARCHIES = ("flat", "nodes", "auto")
@@ -288,7 +289,8 @@ def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, 
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     record = agreement_record(error, flat, backend, spec, hierarchy="nodes",
-                              node_size=coll.node_size, collective=collective)
+                              node_size=coll.node_size, collective=collective,
+                              rail_budget=coll.rail_budget)
     record["can"] = {}      # the rails choose their transport in their own agreement
     _agree(agree(coll._plane, record))
     return flat, flat_out, backend
@@ -362,18 +364,25 @@ class Levels:
                 int(flat.shape[0]), np.dtype(flat.dtype), lay.nodes * lay.node_size,
                 lay.node_size, rail_topology(topology, lay.nodes))
 
-    def _rail_call(self, method, shard, stage, counter, **call):
+    def _rail_call(self, method, shard, stage, counter, hook=None, **call):
         """The rail level's ``method`` (its collective's) on the node sums'
         shard; ``stage``: the shard was staged to the host from device arrays,
-        so the rail runs on the device and its result comes back.
-        (result, report, seconds)."""
+        so the rail runs on the device and its result comes back; ``hook``:
+        the rails' joint budget (rail_budget.py), joined after the call if
+        the call did not reach it.  (result, report, seconds)."""
         t1 = time.perf_counter()
         rail_in = shard
         if stage:
             import cupy
             rail_in = cupy.asarray(shard)
         self.rail.counter = counter         # the call's generator keys on every rail
-        res, rep = getattr(self.rail, method)(rail_in, op="sum", return_report=True, **call)
+        self.rail._plan_hook = hook
+        try:
+            res, rep = getattr(self.rail, method)(rail_in, op="sum", return_report=True, **call)
+        finally:
+            self.rail._plan_hook = None
+            if hook is not None:
+                hook.finish()
         if stage:
             res = res.get()
         return res, rep, time.perf_counter() - t1
@@ -396,11 +405,15 @@ class Levels:
         shard = node_sums[:mine]
         t_rs = _seconds_since(t1, xp, return_report)
 
-        # 2. the rail: local rank l of every node, compressed
+        # 2. the rail: local rank l of every node, compressed; one bit
+        # allocation over the node's rails where asked (rail_budget.py)
+        hook = None
+        if coll.rail_budget == "joint" and lay.nodes > 1 and k > 1 and joins(codec):
+            hook = JointRailBudget(self.node, mine)
         reduced, rail_rep, t_rail = self._rail_call(
-            "allreduce", shard, on_device and not level.device_arrays, counter, codec=codec,
-            topology=rail_topo, seed=seed, transport=transport, tile_bytes=tile_bytes,
-            path=path, nonfinite=nonfinite)
+            "allreduce", shard, on_device and not level.device_arrays, counter, hook=hook,
+            codec=codec, topology=rail_topo, seed=seed, transport=transport,
+            tile_bytes=tile_bytes, path=path, nonfinite=nonfinite)
 
         # 3. in-node all-gather of the rails' results
         t1 = time.perf_counter()
@@ -446,7 +459,8 @@ class Levels:
              "per_rail": [{"rail": r[0], "coords": r[1], "wire_bytes_total": r[2],
                            "bits_per_coord": r[3], "path": r[4], "transport": r[5]}
                           for r in sorted(rails)],
-             "bytes_sent": rail_rep.bytes_sent, "seconds": t_rail},
+             "bytes_sent": rail_rep.bytes_sent, "seconds": t_rail,
+             "rail_budget": ("joint" if hook is not None and hook.shared > 1 else "even")},
             dict(node, level="node all-gather", seconds=t_ag),
         ]
         if rail_topo != topology:

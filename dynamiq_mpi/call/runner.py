@@ -52,7 +52,8 @@ class CallRunner(GraphCalls, NodeCalls):
     def _run_engine(self, plan, x, out, want_report, profile, call):
         spec = CallSpec(call["codec"], call["topology"], call["op"], call["seed"],
                         call["counter"], call["transport"], call["tile_bytes"], path=plan.path,
-                        nonfinite=call["nonfinite"], layout=self.layout)
+                        nonfinite=call["nonfinite"], layout=self.layout,
+                        plan_hook=self._plan_hook)
         program = rank_program(self.rank, self.size, x, spec, out, self._workspace,
                                detailed_report=want_report)
         if plan.timed:

@@ -189,3 +189,30 @@ def summarise(widths, theta: float, total_bits: int, budget_bits: float, exceede
     binds = bool(np.any((widths > 0) & (widths < widest)))
     return Allocation(widths, u, int(total_bits), float(budget_bits), binds, bool(exceeded),
                       widest)
+
+
+def joint_costs(norms, budget_bits: float, padded_budget_bits: float, stats_bits,
+                hierarchical: bool, zero_class: bool = True, bf16_class: bool = False) -> list:
+    """One allocation over several parts' super-groups (the rails of a
+    hierarchical call, the blocks of a reduce-scatter): the paper's rule
+    with one threshold for all of them under their whole budget.  ``norms``:
+    each part's reduced squared norms (float32[m_i]), in a fixed order;
+    ``stats_bits``: each part's statistics bits.  Returns the bits each part's
+    records and statistics take under that allocation (ints): a part planned
+    alone with exactly those bits finds the same widths, the cost being
+    monotone in the threshold.  ``padded_budget_bits`` as in
+    :func:`allocate_xp` (inputs too short for their statistics)."""
+    parts = [np.asarray(n, dtype=np.float32).reshape(-1) for n in norms]
+    if not parts:
+        return []
+    allnorm = np.concatenate(parts)
+    total_stats = int(sum(stats_bits))
+    a = allocate(allnorm, budget_bits, total_stats, hierarchical, zero_class, True, None,
+                 padded_budget_bits, bf16_class)
+    rec = {w: record_bits(w, hierarchical) for w in WIDTHS + (BF16_WIDTH,)}
+    costs, at = [], 0
+    for p, sb in zip(parts, stats_bits):
+        w = a.widths[at:at + p.shape[0]]
+        at += p.shape[0]
+        costs.append(int(sb) + sum(int(np.count_nonzero(w == k)) * rec[k] for k in rec))
+    return costs

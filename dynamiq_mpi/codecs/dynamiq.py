@@ -10,12 +10,13 @@ chunks of nearly equal wire bytes (on the device for CuPy inputs).
 """
 from __future__ import annotations
 
+import copy
 import functools
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .allocation import WIDTHS, record_bits
+from .allocation import WIDTHS, joint_costs, record_bits
 from .base import DEFAULT_TILE_BYTES, Codec
 from .dynamiq_plan import (FLT_MAX, LAYOUT_RESERVE_BITS, PARTIAL_SUM_LIMIT, SCALE_CODES,  # noqa: F401
                            SUPER, _DynamiQPlan, _params_for, layout_budget)
@@ -126,6 +127,45 @@ class DynamiQ(Codec):
         tail = workspace.sub(stats, head, head + 2)
         backend.kernels.stats_into(x, nsg, self.centring, mean, norm2, tail)
         return stats, mean
+
+    # -- one allocation over several parts of a call -------------------------
+    @property
+    def joins_budgets(self) -> bool:
+        """Whether parts of one call (a hierarchical call's rails, a
+        reduce-scatter's blocks) may share one allocation (variable widths)."""
+        return self.variable_width and self.fixed_width is None
+
+    def reduced_norms(self, reduced, length: int):
+        """The squared norms in the reduced statistics of ``length`` elements."""
+        nsg = -(-int(length) // SUPER)
+        head = 2 * nsg if self.centring else nsg
+        return reduced[head - nsg:head]
+
+    def stats_bits(self, length: int) -> int:
+        nsg = -(-int(length) // SUPER)
+        return 32 * ((2 * nsg if self.centring else nsg) + 2)
+
+    def split_budget(self, norms, lengths) -> list:
+        """Codecs for parts of ``lengths`` elements (their reduced norms, host
+        arrays, in a fixed order) under one allocation of the parts' whole
+        budget: part i planned with exactly the bits it gets there
+        (:func:`~dynamiq_mpi.codecs.allocation.joint_costs`)."""
+        lengths = [int(m) for m in lengths]
+        stats = [self.stats_bits(m) for m in lengths]
+        nsg = sum(-(-m // SUPER) for m in lengths)
+        costs = joint_costs(norms, self.bits * sum(lengths), self.bits * nsg * SUPER + sum(stats),
+                            stats, self.hierarchical, self.zero_class, self.bf16_class)
+        return [self.with_exact_bits(c, m) for c, m in zip(costs, lengths)]
+
+    def with_exact_bits(self, total_bits: int, length: int):
+        """This codec planning ``length`` elements with exactly ``total_bits``
+        (statistics included; no layout reserve).  It keeps this codec's
+        signature: the same codec, one part's share of a call's budget."""
+        c = copy.copy(self)
+        object.__setattr__(c, "bits", (int(total_bits) + 0.5) / int(length))
+        c.__dict__["_exact_budget"] = True
+        c.__dict__["_cached_signature"] = self.cached_signature()
+        return c
 
     def plan(self, x, reduced_stats, n, keys, backend, local_state, workspace,
              tile_bytes=DEFAULT_TILE_BYTES):

@@ -220,9 +220,10 @@ def _zero_fractions(source, max_ranks):
 
 # ----------------------------------------------------------------------------- one run
 def run_one(data, n, codec, topology, seed, counter, engine="auto", progress=False,
-            node_size=1):
+            node_size=1, rail_budget="joint"):
     """(vNMSE, bits per coordinate, codec info, seconds, engine) of one
-    all-reduce; ``node_size`` > 1: the hierarchical one (scale_levels.py)."""
+    all-reduce; ``node_size`` > 1: the hierarchical one (scale_levels.py)
+    with ``rail_budget``."""
     from .. import simulate_allreduce
     from .scale_sim import scale_allreduce, supports
     t0 = time.perf_counter()
@@ -230,11 +231,12 @@ def run_one(data, n, codec, topology, seed, counter, engine="auto", progress=Fal
         from .scale_levels import levels_allreduce, levels_simulate
         if engine != "simulate" and supports(codec):
             r = levels_allreduce(data.source, n, node_size, codec=codec, topology=topology,
-                                 seed=seed, counter=counter, progress=progress)
+                                 seed=seed, counter=counter, progress=progress,
+                                 rail_budget=rail_budget)
             kind = "scale"
         else:
             r = levels_simulate(data.xs(n), node_size, codec=codec, topology=topology,
-                                seed=seed, counter=counter)
+                                seed=seed, counter=counter, rail_budget=rail_budget)
             kind = "simulate"
         info = dict(r.codec_info, rails=r.rails)
         return r.vnmse, r.bits_per_coord, info, time.perf_counter() - t0, kind
@@ -305,6 +307,7 @@ def _jsonable_info(info):
 def _rows_for(args, datasets, codecs, ranks_list, topologies, quiet):
     from .scale_levels import rail_topology
     node_size = getattr(args, "node_size", 1) or 1
+    rail_budget = getattr(args, "rail_budget", "joint")
     total = len(datasets) * len(codecs) * len(topologies) * len(ranks_list)
     bar = _Bar(total, quiet)
     rows = []
@@ -315,7 +318,8 @@ def _rows_for(args, datasets, codecs, ranks_list, topologies, quiet):
                     row = dict(data=data.name, codec=label, topology=topo, ranks=n,
                                length=data.length)
                     if node_size > 1:
-                        row.update(node_size=node_size, nodes=n // node_size)
+                        row.update(node_size=node_size, nodes=n // node_size,
+                                   rail_budget=rail_budget)
                     if node_size > 1 and n % node_size:
                         row["error"] = (f"{n} ranks are not nodes of {node_size} "
                                         "(the ranks must be a multiple of the node size)")
@@ -334,7 +338,8 @@ def _rows_for(args, datasets, codecs, ranks_list, topologies, quiet):
                             for t in range(args.repeats):
                                 err, bits, info, s, engine = run_one(
                                     data, n, codec, topo, args.seed, t, args.engine,
-                                    progress=not quiet and n >= 1024, node_size=node_size)
+                                    progress=not quiet and n >= 1024, node_size=node_size,
+                                    rail_budget=rail_budget)
                                 errs.append(err)
                                 secs += s
                             row.update(bits_per_coord=bits, vnmse=float(np.mean(errs)),
@@ -536,6 +541,9 @@ def add_arguments(p):
                         "in the input's dtype, then K rails of n/K nodes, each the flat "
                         "compressed call on one interleaved shard of 256-element blocks); "
                         "default 1: the flat call")
+    p.add_argument("--rail-budget", choices=["joint", "even"], default="joint",
+                   help="with --node-size: one DynamiQ allocation over the rails (joint, the "
+                        "collective's default) or each rail planned apart (even)")
     p.add_argument("--cache", default=str(DEFAULT_CACHE),
                    help="folder of the captured real gradients")
     p.add_argument("--json", default=None, help="write every row (and the set-up) here")
@@ -572,7 +580,8 @@ def run(args, out=None):
     print(f"vNMSE study: data {', '.join(f'{d.name} ({d.length})' for d in datasets)}; "
           f"n = {', '.join(map(str, ranks_list))}; {', '.join(topologies)}; "
           f"{args.repeats} call(s) each, seed {args.seed}"
-          + (f"; nodes of {node_size} (hierarchical)" if node_size > 1 else ""),
+          + (f"; nodes of {node_size} (hierarchical, {args.rail_budget} rail budget)"
+             if node_size > 1 else ""),
           file=out, flush=True)
     rows = _rows_for(args, datasets, codecs, ranks_list, topologies, args.quiet)
     if args.ablation:
@@ -589,6 +598,7 @@ def run(args, out=None):
         cpu=platform.processor() or platform.machine(),
         seconds=seconds, ranks=ranks_list, topologies=topologies, repeats=args.repeats,
         seed=args.seed, node_size=node_size,
+        rail_budget=getattr(args, "rail_budget", "joint") if node_size > 1 else None,
         ablation_bits=args.ablation_bits if args.ablation else None,
         dynamiq_overrides=dynamiq_overrides(args) or None,
         codecs=[c for c, _ in codecs],

@@ -60,7 +60,11 @@ from ..codecs.base import DEFAULT_TILE_BYTES
 # simulation and the multi-process call (hierarchy.py) cut the same rails
 from ..call.hierarchy import (BLOCK, rail_blocks, rail_gather, rail_index,  # noqa: F401
                          rail_length, rail_scatter, rail_topology)
-from .scale_sim import ArraySource, LogNormalMixture, RankSource, _vnmse, scale_allreduce
+from ..call.rail_budget import RAIL_BUDGETS, joins
+from ..codecs import DEFAULT_CODEC
+from ..codecs.dynamiq import DynamiQ
+from .scale_sim import (ArraySource, LogNormalMixture, RankSource, _vnmse, reduced_statistics,
+                        scale_allreduce)
 
 def _check(n, node_size):
     if node_size < 1 or n < 1 or n % node_size:
@@ -205,15 +209,43 @@ def _finish(res, out, total, n, op, xp, wire, stats, length, nodes):
     return res
 
 
+def _rail_codecs(codec, rail_budget, nodes, node_size, rails):
+    """Each rail's codec: ``codec`` itself, or with ``rail_budget="joint"``
+    its share of one allocation over the rails that have statistics
+    (``rails``: (rail length, reduced statistics or None) per non-empty rail,
+    in rail order; dynamiq_mpi/call/rail_budget.py, the same rule)."""
+    check_rail_budget(rail_budget)
+    codecs = [codec] * len(rails)
+    if rail_budget != "joint" or nodes < 2 or node_size < 2 or not joins(codec):
+        return codecs
+    joined = [i for i, (_, reduced) in enumerate(rails) if reduced is not None]
+    if len(joined) < 2:
+        return codecs
+    shares = codec.split_budget(
+        [np.asarray(codec.reduced_norms(rails[i][1], rails[i][0]), dtype=np.float32)
+         for i in joined], [rails[i][0] for i in joined])
+    for i, c in zip(joined, shares):
+        codecs[i] = c
+    return codecs
+
+
+def check_rail_budget(rail_budget):
+    if rail_budget not in RAIL_BUDGETS:
+        raise ValueError(f"rail_budget must be one of {RAIL_BUDGETS}, got {rail_budget!r}")
+
+
 def levels_allreduce(source: RankSource, n: int, node_size: int, *, codec=None,
                      topology="ring", op="sum", seed=0, counter=0,
                      tile_bytes=DEFAULT_TILE_BYTES, xp=None, exact=True, progress=False,
-                     detailed=False) -> LevelsResult:
+                     detailed=False, rail_budget="joint") -> LevelsResult:
     """The hierarchical all-reduce (module docstring) of ``n`` ranks in nodes
     of ``node_size`` whose inputs ``source`` produces (float32), rail by rail
     with :func:`scale_allreduce`: memory independent of ``n``.  ``exact``:
-    also the float64 sum of the inputs and the vNMSE against it."""
+    also the float64 sum of the inputs and the vNMSE against it.
+    ``rail_budget``: "joint" (one allocation over the rails, as the
+    multi-process call's default) or "even"."""
     xp = np if xp is None else xp
+    codec = DynamiQ() if codec is None else codec
     nodes = _check(n, node_size)
     if op not in ("sum", "mean"):
         raise ValueError(f"op must be 'sum' or 'mean', got {op!r}")
@@ -226,13 +258,19 @@ def levels_allreduce(source: RankSource, n: int, node_size: int, *, codec=None,
     total = xp.zeros(length, dtype=np.float64) if exact else None
     wire = stats = 0
     rails, infos, name = [], [], ""
-    for l, blocks in enumerate(rail_blocks(length, node_size)):
-        rail = NodeRailSource(source, node_size, l)
-        if rail.length == 0:
-            continue                               # an empty shard has no rail call
-        r = scale_allreduce(rail, nodes, codec=codec, topology=rail_topo, op="sum",
+    live = [(l, blocks, NodeRailSource(source, node_size, l))
+            for l, blocks in enumerate(rail_blocks(length, node_size))]
+    live = [r for r in live if r[2].length]        # an empty shard has no rail call
+    rail_stats = [reduced_statistics(rail, nodes, codec=codec, topology=rail_topo, seed=seed,
+                                counter=counter, tile_bytes=tile_bytes, xp=xp)
+             for _, _, rail in live]
+    codecs = _rail_codecs(codec, rail_budget, nodes, node_size,
+                          [(rail.length, None if st is None else st[0])
+                           for (_, _, rail), st in zip(live, rail_stats)])
+    for (l, blocks, rail), st, rail_codec in zip(live, rail_stats, codecs):
+        r = scale_allreduce(rail, nodes, codec=rail_codec, topology=rail_topo, op="sum",
                             seed=seed, counter=counter, tile_bytes=tile_bytes, xp=xp,
-                            exact=exact, progress=progress, detailed=detailed)
+                            exact=exact, progress=progress, detailed=detailed, statistics=st)
         rail_scatter(out, r.out, node_size, l)
         if total is not None:
             rail_scatter(total, r.exact, node_size, l)
@@ -266,12 +304,43 @@ def node_sums(xs, node_size):
     return sums
 
 
+class _Collected(Exception):
+    """Stops a rail's simulated call once its statistics are reduced."""
+
+
+def _rail_statistics(shards, codec, topology, seed, counter, tile_bytes):
+    """The reduced statistics a simulated rail call plans from (None where
+    it has none), through the engine's own statistics phase."""
+    from ..call.engine import CallSpec, rank_program
+    from ..call.workspace import FRESH
+    from ..transports.simulate import SimulatedTransport
+    n = len(shards)
+    if n < 2 or shards[0].shape[0] == 0:
+        return None
+    got = []
+
+    def hook(run, reduced, backend):
+        got.append(np.array(backend.to_host(reduced), copy=True))
+        raise _Collected
+
+    spec = CallSpec(codec, topology, "sum", seed, counter, "auto", tile_bytes, plan_hook=hook)
+    try:
+        SimulatedTransport(n).run([rank_program(r, n, shards[r], spec, None, FRESH, False)
+                                   for r in range(n)])
+    except _Collected:
+        return got[0]
+    return None                                     # the call had no statistics
+
+
 def levels_simulate(xs, node_size, *, codec=None, topology="ring", op="sum", seed=0,
-                    counter=0, tile_bytes=DEFAULT_TILE_BYTES) -> LevelsResult:
+                    counter=0, tile_bytes=DEFAULT_TILE_BYTES,
+                    rail_budget="joint") -> LevelsResult:
     """The same definition over explicit inputs (every rank's array, any
     dtype simulate_allreduce takes), each rail by
-    :func:`~dynamiq_mpi.simulate_allreduce`: any codec, memory ``n`` vectors."""
+    :func:`~dynamiq_mpi.simulate_allreduce`: any codec, memory ``n`` vectors.
+    ``rail_budget`` as in :func:`levels_allreduce`."""
     from .. import simulate_allreduce
+    codec = DEFAULT_CODEC if codec is None else codec
     t0 = time.perf_counter()
     n = len(xs)
     sums = node_sums(xs, node_size)
@@ -281,14 +350,19 @@ def levels_simulate(xs, node_size, *, codec=None, topology="ring", op="sum", see
     out = np.zeros(length, dtype=sums[0].dtype)
     wire = stats = 0
     rails, infos, name = [], [], ""
-    for l, blocks in enumerate(rail_blocks(length, node_size)):
-        coords = rail_length(length, node_size, l)
-        if coords == 0:
-            continue
+    live = [(l, blocks, [rail_gather(s, node_size, l) for s in sums])
+            for l, blocks in enumerate(rail_blocks(length, node_size))
+            if rail_length(length, node_size, l)]
+    joint = rail_budget == "joint" and joins(codec)
+    codecs = _rail_codecs(codec, rail_budget, nodes, node_size, [
+        (shards[0].shape[0],
+         _rail_statistics(shards, codec, rail_topo, seed, counter, tile_bytes) if joint else None)
+        for _, _, shards in live])
+    for (l, blocks, shards), rail_codec in zip(live, codecs):
+        coords = shards[0].shape[0]
         t1 = time.perf_counter()
-        outs, reps = simulate_allreduce([rail_gather(s, node_size, l) for s in sums],
-                                        codec=codec, topology=rail_topo, op="sum", seed=seed,
-                                        counter=counter, tile_bytes=tile_bytes,
+        outs, reps = simulate_allreduce(shards, codec=rail_codec, topology=rail_topo, op="sum",
+                                        seed=seed, counter=counter, tile_bytes=tile_bytes,
                                         return_reports=True)
         rail_scatter(out, outs[0], node_size, l)
         rep = reps[0]

@@ -12,7 +12,8 @@ import pytest
 from mpi4py import MPI
 
 import dynamiq_mpi as dq
-from helpers import digest, exact_sum, magnitude_nmse, rank_inputs, shared_seed, vnmse
+from helpers import (digest, exact_sum, joint_rail_codecs, magnitude_nmse, rank_inputs,
+                     shared_seed, vnmse)
 
 comm = MPI.COMM_WORLD
 N = comm.size
@@ -39,8 +40,9 @@ def node_sum(parts, dtype, reverse=False):
     return acc
 
 
-def reference(xs, k, codec, topology, op, seed, counter, reverse=False):
-    """The definition, step by step, written apart from the library's."""
+def reference(xs, k, codec, topology, op, seed, counter, reverse=False, rail_budget="joint"):
+    """The definition, step by step, written apart from the library's
+    (the joint rail budget: helpers.joint_rail_codecs)."""
     n, length, dtype = len(xs), xs[0].shape[0], xs[0].dtype
     nodes = n // k
     sums = [node_sum(xs[j * k:(j + 1) * k], dtype, reverse) for j in range(nodes)]
@@ -48,12 +50,17 @@ def reference(xs, k, codec, topology, op, seed, counter, reverse=False):
     rail_topology = "ring" if topology == "butterfly" and nodes & (nodes - 1) else topology
     blocks = [np.arange(b * BLOCK, min(length, (b + 1) * BLOCK))
               for b in range(-(-length // BLOCK))]
+    shards = []
     for rail in range(k):
         mine = [blk for b, blk in enumerate(blocks) if b % k == rail]
-        if not mine:
-            continue
-        idx = np.concatenate(mine)
-        res = dq.simulate_allreduce([s[idx] for s in sums], codec=codec, topology=rail_topology,
+        if mine:
+            shards.append(np.concatenate(mine))
+    rails = [[s[idx] for s in sums] for idx in shards]
+    codecs = [codec] * len(rails)
+    if rail_budget == "joint" and nodes > 1 and k > 1:     # one allocation over the rails
+        codecs = joint_rail_codecs(codec, rails, rail_topology)
+    for idx, rail, rail_codec in zip(shards, rails, codecs):
+        res = dq.simulate_allreduce(rail, codec=rail_codec, topology=rail_topology,
                                     op="sum", seed=seed, counter=counter)[0]
         out[idx] = res
     if op == "mean":
@@ -403,3 +410,70 @@ def test_rails_stay_flat_whatever_the_environment_says(monkeypatch):
     assert rep.hierarchy == "nodes" and 3.5 < rep.bits_per_coord < 5.5
     assert np.array_equal(out, reference(xs, k, codec, "ring", "sum", seed, 4))
     coll.free()
+
+
+@pytest.mark.mpi(min_size=4)
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_joint_and_even_rail_budgets_equal_their_references(topology):
+    """rail_budget="joint" (the default: one allocation over the node's
+    rails, call/rail_budget.py) and "even" (every rail apart) each equal
+    their reference bit for bit on every rank; the joint rails report it and
+    send unequal bytes within the call's budget."""
+    k = max(k for k in NODE_SIZES if 1 < k < N)
+    seed = shared_seed(comm)
+    rng = np.random.default_rng(seed)
+    # super-groups of very unlike magnitudes: the rails draw unlike parts
+    scale = np.repeat(rng.lognormal(0.0, 2.0, 64), BLOCK).astype(np.float32)
+    xs = [x * scale for x in rank_inputs(seed, N, 64 * BLOCK)]
+    codec = dq.DynamiQ(small_input=0, bits=5)
+    outs = {}
+    for budget in ("joint", "even"):
+        coll = dq.Collective(comm, node_size=k, hierarchy="nodes", path="compressed",
+                             rail_budget=budget)
+        coll.counter = seed % 1000
+        out, rep = coll.allreduce(xs[comm.rank], codec=codec, topology=topology, seed=seed,
+                                  return_report=True)
+        coll.free()
+        assert len(set(comm.allgather(digest(out)))) == 1, "ranks differ"
+        ref = reference(xs, k, codec, topology, "sum", seed, seed % 1000, rail_budget=budget)
+        assert np.array_equal(out.view(np.uint8), ref.view(np.uint8)), (seed, budget)
+        rails = rep.levels[1]
+        assert rails["rail_budget"] == budget
+        per = [r["bits_per_coord"] for r in rails["per_rail"]]
+        assert rep.bits_per_coord <= 5.0 and len(per) == k
+        outs[budget] = (out, per)
+    assert not np.array_equal(outs["joint"][0], outs["even"][0])
+    assert max(outs["joint"][1]) - min(outs["joint"][1]) > 0.1, (seed, outs["joint"][1])
+
+
+@pytest.mark.mpi(min_size=6)
+def test_rails_without_statistics_leave_the_joint_budget_to_the_others():
+    """Rails below small_input run BF16 (no statistics): they join the
+    node's exchange with nothing, after their call; the other rails share
+    their budget.  No rank waits for ever; every rank gets the reference."""
+    k = max(k for k in NODE_SIZES if 2 < k < N)
+    seed = shared_seed(comm)
+    # rails 0 and 1 hold two blocks (512 elements), the others one (256)
+    length = (k + 2) * BLOCK
+    xs = rank_inputs(seed, N, length)
+    codec = dq.DynamiQ(small_input=300, bits=5)
+    coll = dq.Collective(comm, node_size=k, hierarchy="nodes", path="compressed")
+    coll.counter = seed % 1000
+    out, rep = coll.allreduce(xs[comm.rank], codec=codec, seed=seed, return_report=True)
+    coll.free()
+    assert len(set(comm.allgather(digest(out)))) == 1, "ranks differ"
+    ref = reference(xs, k, codec, "ring", "sum", seed, seed % 1000)
+    assert np.array_equal(out.view(np.uint8), ref.view(np.uint8)), seed
+    assert rep.levels[1]["rail_budget"] == "joint"
+
+
+@pytest.mark.mpi(min_size=4)
+def test_ranks_asking_unlike_rail_budgets_raise_everywhere():
+    k = max(k for k in NODE_SIZES if 1 < k < N)
+    coll = dq.Collective(comm, node_size=k, hierarchy="nodes",
+                         rail_budget="joint" if comm.rank == 0 else "even")
+    with pytest.raises(dq.InputMismatchError, match="rail_budget"):
+        coll.allreduce(np.ones(3000, np.float32))
+    coll.free()
+    with pytest.raises(ValueError, match="rail_budget"):
+        dq.Collective(comm, rail_budget="uneven")

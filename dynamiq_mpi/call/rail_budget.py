@@ -1,0 +1,93 @@
+"""One bit allocation over a node's rails (the hierarchical call's
+``rail_budget="joint"``, spec 5c).
+
+Each rail of a hierarchical call plans its own shard: planned apart, the
+rails split the call's budget evenly, so a rail that drew several of the
+vector's largest super-groups spends its bits on them and leaves mid-sized
+ones at 2 bits, while another rail has bits to spare.  ``"joint"`` gives
+the node's rails one allocation instead, the paper's rule with one
+threshold over every super-group of the vector, under the whole budget:
+
+1. every rail reduces its statistics over the nodes, as a flat call does;
+2. the ranks of a node exchange their rails' reduced norms (one all-gather
+   inside the node, host memory, a few bytes a super-group);
+3. every rank computes the same allocation over the concatenated norms
+   (``DynamiQ.split_budget``) and plans its rail with exactly the bits its
+   super-groups get there; the rail's planner then finds that allocation.
+
+The rails' norms are the same on every node (each rail's reduction is
+exact and alike on its ranks), so every node computes the same budgets and
+every rail's ranks plan alike.  A rail whose call has no statistics (the
+native path, a length below the codec's ``small_input``, a codec without
+variable widths) joins the exchange with nothing after its call and keeps
+its own budget; the others share theirs.  So no rank waits for a rank that
+waits for it: a rail's statistics need only its own ranks, and every rank
+of a node reaches the exchange once per call.
+
+What it costs: one in-node exchange and, for device arrays, one copy of the
+norms to the host per call; the rails' bytes then differ (on the Table 7
+data at 8192 ranks as 1024 nodes x 8, the 8 rails sent 4.45-5.70 bits a
+coordinate, 4.99 on average), so the slowest rail's NIC finishes later.
+On real gradients the interleaved rails already hold alike samples of the
+vector and the joint allocation changes little (docs/error-study.md).
+``"even"`` plans every rail apart (no exchange).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..settings import env_choice
+
+RAIL_BUDGETS = ("joint", "even")
+
+
+def default_rail_budget(value=None) -> str:
+    """``value``, else ``$DYNAMIQ_RAIL_BUDGET``, else "joint"."""
+    return env_choice(value, "DYNAMIQ_RAIL_BUDGET", RAIL_BUDGETS, "rail_budget", "joint")
+
+
+def joins(codec) -> bool:
+    """Whether a call with ``codec`` may share its rails' budget."""
+    return bool(getattr(codec, "joins_budgets", False))
+
+
+class JointRailBudget:
+    """The plan hook of one rail call (engine.CallSpec.plan_hook) and its
+    in-node exchange.  ``node``: the node's plane (ranks in local order);
+    ``length``: this rail's shard length."""
+
+    def __init__(self, node, length: int):
+        self.node, self.length = node, int(length)
+        self.done = False
+        self.parts = None           # after the exchange: (length, norms) or None per rail
+
+    def _exchange(self, mine):
+        self.done = True            # never twice, whatever happens inside
+        self.parts = self.node.allgather(mine)
+        return self.parts
+
+    @property
+    def shared(self) -> int:
+        """How many of the node's rails shared one allocation (0: none)."""
+        return sum(p is not None for p in self.parts or ())
+
+    def __call__(self, codec, reduced, backend):
+        if self.done:
+            return codec
+        if not joins(codec):
+            self._exchange(None)
+            return codec
+        norms = np.asarray(backend.to_host(codec.reduced_norms(reduced, self.length)),
+                           dtype=np.float32)
+        parts = self._exchange((self.length, norms))
+        joined = [(i, p) for i, p in enumerate(parts) if p is not None]
+        if len(joined) < 2:         # nothing to share with
+            return codec
+        codecs = codec.split_budget([p[1] for _, p in joined], [p[0] for _, p in joined])
+        return codecs[[i for i, _ in joined].index(self.node.rank)]
+
+    def finish(self):
+        """After the rail call: join the exchange with nothing if the call
+        had no statistics to share."""
+        if not self.done:
+            self._exchange(None)
