@@ -117,25 +117,64 @@ def scale_boundary_input(rng, nsg: int):
     return x.astype(np.float32).reshape(-1), expect.astype(np.uint8)
 
 
-def joint_rail_codecs(codec, rails, topology, tile_bytes=None):
+def _widths_at(F, theta, bf16_class):
+    """The paper's rule at threshold theta (codecs/allocation.py's form):
+    8 bits iff 17 F >= theta, 4 iff 512 F >= theta, 16 iff S16 F >= theta."""
+    w = np.where(17.0 * F >= theta, 8, np.where(512.0 * F >= theta, 4, 2))
+    if bf16_class:
+        w = np.where(4369.0 / 131072.0 * F >= theta, 16, w)
+    return np.where(F > 0, w, 0)
+
+
+def capped_joint_costs(norms, stats_bits, budget, padded, caps, hierarchical=True,
+                       bf16_class=True):
+    """One threshold over all parts' super-groups, no part above its cap,
+    by brute force over every candidate threshold (tests only): the
+    smallest threshold whose total fits; a part that would pass its cap
+    takes the smallest threshold of its own that keeps it under."""
+    from dynamiq_mpi.codecs.allocation import record_bits
+    rec = {w: record_bits(w, hierarchical) for w in (2, 4, 8, 16)}
+    F = [np.asarray(f, dtype=np.float32).astype(np.float64) for f in norms]
+
+    def cost(i, theta):
+        w = _widths_at(F[i], theta, bf16_class)
+        return stats_bits[i] + sum(int(np.sum(w == k)) * rec[k] for k in rec)
+
+    scales = (512.0, 17.0) + ((4369.0 / 131072.0,) if bf16_class else ())
+    cands = sorted({s * v for f in F for v in f[f > 0] for s in scales} | {np.inf})
+    own = []
+    for i, f in enumerate(F):
+        mine = sorted({s * v for v in f[f > 0] for s in scales} | {np.inf})
+        fits = [t for t in [0.0] + mine if caps is None or cost(i, t) <= caps[i]]
+        own.append(fits[0] if fits else np.inf)
+    if sum(cost(i, np.inf) for i in range(len(F))) > budget:
+        budget = padded
+    for t in cands:
+        costs = [cost(i, max(t, own[i])) for i in range(len(F))]
+        if sum(costs) <= budget:
+            return costs
+    return [cost(i, max(np.inf, own[i])) for i in range(len(F))]
+
+
+def joint_rail_codecs(codec, rails, topology, tile_bytes=None, cap=1.05):
     """The joint rail budget (dynamiq_mpi/call/rail_budget.py), written here
     from its definition: ``rails`` holds each non-empty rail's node inputs
     (one array per node).  Every rail's statistics (the codec's local
     statistics of each node's shard, reduced by the exact float32 all-reduce
     in the rail's schedule order: the statistics phase's rule), then one
     allocation over all rails' super-groups under the sum of their budgets,
-    then each rail planned with exactly the bits its super-groups cost
-    there.  Rails below ``small_input`` (no statistics) keep the codec; so
-    do all when fewer than two rails have statistics."""
+    no rail above ``cap`` times its own budget, then each rail planned with
+    exactly the bits its super-groups cost there.  Rails below
+    ``small_input`` (no statistics) keep the codec; so do all when fewer
+    than two rails have statistics."""
     import dynamiq_mpi as dq
     from dynamiq_mpi.backend import backend_for
     from dynamiq_mpi.call.workspace import FRESH
-    from dynamiq_mpi.codecs.allocation import allocate, record_bits
     kw = {} if tile_bytes is None else {"tile_bytes": tile_bytes}
     if getattr(codec, "name", "") != "dynamiq" or not codec.variable_width \
             or codec.fixed_width is not None:
         return [codec] * len(rails)
-    assert codec.centring               # the statistics' layout read below
+    assert codec.centring and codec.zero_class       # the statistics' layout read below
     live = [i for i, shards in enumerate(rails)
             if len(shards) > 1 and shards[0].size and codec.for_length(shards[0].size) is codec]
     if len(live) < 2:
@@ -154,13 +193,10 @@ def joint_rail_codecs(codec, rails, topology, tile_bytes=None):
         lengths.append(m)
     budget = codec.bits * sum(lengths)
     padded = codec.bits * 256 * sum(n.size for n in norms) + sum(stats_bits)
-    alloc = allocate(np.concatenate(norms), budget, sum(stats_bits), codec.hierarchical,
-                     codec.zero_class, True, None, padded, codec.bf16_class)
-    out, at = [codec] * len(rails), 0
-    for i, nm, sb, m in zip(live, norms, stats_bits, lengths):
-        w = alloc.widths[at:at + nm.size]
-        at += nm.size
-        cost = sb + sum(int(np.sum(w == k)) * record_bits(k, codec.hierarchical)
-                        for k in (2, 4, 8, 16))
-        out[i] = codec.with_exact_bits(cost, m)
+    costs = capped_joint_costs(norms, stats_bits, budget, padded,
+                               [cap * codec.bits * m for m in lengths], codec.hierarchical,
+                               codec.bf16_class)
+    out = [codec] * len(rails)
+    for i, c, m in zip(live, costs, lengths):
+        out[i] = codec.with_exact_bits(c, m)
     return out

@@ -81,3 +81,30 @@ def test_joint_costs_split_one_allocation_into_parts_that_find_it_again(bf16_cla
         assert np.array_equal(alone.widths, whole.widths[at:at + p.size])
         assert alone.total_bits == c
         at += p.size
+
+
+def test_capped_joint_costs_keep_every_part_under_its_cap():
+    """With caps (the joint rail budget's 1.05 x a rail's even share), the
+    threshold search equals a brute force over every candidate threshold
+    (tests/helpers.py), no part passes its cap, the total fits, and a part
+    planned alone with its cost finds its widths."""
+    from dynamiq_mpi.codecs.allocation import joint_costs
+    from helpers import capped_joint_costs
+    rng = np.random.default_rng()
+    for _ in range(4):
+        sizes = [int(m) for m in rng.integers(1, 60, size=int(rng.integers(2, 6)))]
+        parts = [norms(rng, m) for m in sizes]
+        parts[0] *= np.float32(1e4)                 # one part draws the large super-groups
+        stats = [32 * (2 * m + 2) for m in sizes]
+        bits = float(rng.uniform(3.0, 8.0))
+        budget = bits * 256 * sum(sizes)
+        padded = budget + sum(stats)
+        caps = [1.05 * bits * 256 * m for m in sizes]
+        got = joint_costs(parts, budget, padded, stats, True, True, True, caps)
+        assert got == capped_joint_costs(parts, stats, budget, padded, caps)
+        assert sum(got) <= budget
+        floor = [sb + np.count_nonzero(p) * record_bits(2, True) for p, sb in zip(parts, stats)]
+        assert all(c <= max(cap, f) for c, cap, f in zip(got, caps, floor))
+        for p, c, sb in zip(parts, got, stats):
+            assert allocate(p, c + 0.5, sb, True, padded_budget_bits=padded,
+                            bf16_class=True).total_bits == c

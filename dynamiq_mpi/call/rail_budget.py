@@ -12,7 +12,8 @@ threshold over every super-group of the vector, under the whole budget:
 2. the ranks of a node exchange their rails' reduced norms (one all-gather
    inside the node, host memory, a few bytes a super-group);
 3. every rank computes the same allocation over the concatenated norms
-   (``DynamiQ.split_budget``) and plans its rail with exactly the bits its
+   (``DynamiQ.split_budget``), no rail above ``RAIL_SHARE_CAP`` (1.05) times
+   its even share, and plans its rail with exactly the bits its
    super-groups get there; the rail's planner then finds that allocation.
 
 The rails' norms are the same on every node (each rail's reduction is
@@ -25,11 +26,12 @@ waits for it: a rail's statistics need only its own ranks, and every rank
 of a node reaches the exchange once per call.
 
 What it costs: one in-node exchange and, for device arrays, one copy of the
-norms to the host per call; the rails' bytes then differ (on the Table 7
-data at 8192 ranks as 1024 nodes x 8, the 8 rails sent 4.45-5.70 bits a
-coordinate, 4.99 on average), so the slowest rail's NIC finishes later.
-On real gradients the interleaved rails already hold alike samples of the
-vector and the joint allocation changes little (docs/error-study.md).
+norms to the host per call; the rails' bytes then differ, by at most the
+cap (uncapped, on the Table 7 data at 8192 ranks as 1024 nodes x 8, the 8
+rails sent 4.45-5.70 bits a coordinate, 4.99 on average), so the slowest
+rail's NIC may finish up to 5 % later.  On real gradients the interleaved
+rails already hold alike samples of the vector and the joint allocation
+changes little (docs/error-study.md).
 ``"even"`` plans every rail apart (no exchange).
 """
 from __future__ import annotations
@@ -39,6 +41,10 @@ import numpy as np
 from ..settings import env_choice
 
 RAIL_BUDGETS = ("joint", "even")
+# No rail takes more than this times its even share: the node's NICs stay
+# within 5 % of one another.  On the Table 7 data at 64 x 8 the cap kept
+# most of the gain (seed 0: 3.58e-2 capped, 3.37e-2 not, 5.53e-2 "even").
+RAIL_SHARE_CAP = 1.05
 
 
 def default_rail_budget(value=None) -> str:
@@ -83,7 +89,8 @@ class JointRailBudget:
         joined = [(i, p) for i, p in enumerate(parts) if p is not None]
         if len(joined) < 2:         # nothing to share with
             return codec
-        codecs = codec.split_budget([p[1] for _, p in joined], [p[0] for _, p in joined])
+        codecs = codec.split_budget([p[1] for _, p in joined], [p[0] for _, p in joined],
+                                    RAIL_SHARE_CAP)
         return codecs[[i for i, _ in joined].index(self.node.rank)]
 
     def finish(self):

@@ -192,27 +192,60 @@ def summarise(widths, theta: float, total_bits: int, budget_bits: float, exceede
 
 
 def joint_costs(norms, budget_bits: float, padded_budget_bits: float, stats_bits,
-                hierarchical: bool, zero_class: bool = True, bf16_class: bool = False) -> list:
+                hierarchical: bool, zero_class: bool = True, bf16_class: bool = False,
+                caps=None) -> list:
     """One allocation over several parts' super-groups (the rails of a
     hierarchical call, the blocks of a reduce-scatter): the paper's rule
     with one threshold for all of them under their whole budget.  ``norms``:
     each part's reduced squared norms (float32[m_i]), in a fixed order;
-    ``stats_bits``: each part's statistics bits.  Returns the bits each part's
-    records and statistics take under that allocation (ints): a part planned
-    alone with exactly those bits finds the same widths, the cost being
-    monotone in the threshold.  ``padded_budget_bits`` as in
-    :func:`allocate_xp` (inputs too short for their statistics)."""
-    parts = [np.asarray(n, dtype=np.float32).reshape(-1) for n in norms]
-    if not parts:
-        return []
-    allnorm = np.concatenate(parts)
-    total_stats = int(sum(stats_bits))
-    a = allocate(allnorm, budget_bits, total_stats, hierarchical, zero_class, True, None,
-                 padded_budget_bits, bf16_class)
+    ``stats_bits``: each part's statistics bits; ``caps``: the most bits a
+    part may take (None: no limit), a part held at its cap keeping the
+    threshold its cap allows.  Returns the bits each part's records and
+    statistics take (ints): a part planned alone with exactly those bits
+    finds the same widths, the cost being monotone in the threshold.
+    ``padded_budget_bits`` as in :func:`allocate_xp` (inputs too short for
+    their statistics).  Host work: a binary search over the candidate
+    thresholds, each step a few binary searches per part."""
     rec = {w: record_bits(w, hierarchical) for w in WIDTHS + (BF16_WIDTH,)}
-    costs, at = [], 0
-    for p, sb in zip(parts, stats_bits):
-        w = a.widths[at:at + p.shape[0]]
-        at += p.shape[0]
-        costs.append(int(sb) + sum(int(np.count_nonzero(w == k)) * rec[k] for k in rec))
-    return costs
+    steps = [(512.0, rec[4] - rec[2]), (17.0, rec[8] - rec[4])]
+    if bf16_class:
+        steps.append((S16, rec[BF16_WIDTH] - rec[8]))
+    parts = []
+    for f, sb in zip(norms, stats_bits):
+        F = np.asarray(f, dtype=np.float32).reshape(-1).astype(np.float64)
+        live = np.sort(F[F > 0] if zero_class else F)
+        parts.append((live, int(sb) + live.shape[0] * rec[2]))
+
+    def cost(i, theta):
+        """Part i's bits at threshold theta (widths: s F >= theta steps up)."""
+        live, c = parts[i]
+        for s, delta in steps:
+            c += delta * (live.shape[0] - int(np.searchsorted(s * live, theta, side="left")))
+        return c
+
+    def smallest(cands, fits):
+        """The smallest candidate (ascending) that fits: cost falls as theta rises."""
+        lo, hi = 0, cands.shape[0] - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(cands[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        return cands[lo]
+
+    def candidates(live):
+        pos = live[live > 0]
+        return np.unique(np.concatenate([s * pos for s, _ in steps] + [np.array([np.inf])]))
+
+    k = len(parts)
+    floor = [parts[i][1] for i in range(k)]
+    budget = padded_budget_bits if sum(floor) > budget_bits else budget_bits
+    limit = [0.0] * k           # the smallest threshold a part may take: its cap's
+    for i in range(k):
+        if caps is not None and caps[i] is not None and cost(i, 0.0) > caps[i]:
+            limit[i] = smallest(candidates(parts[i][0]), lambda t, i=i: cost(i, t) <= caps[i])
+    everyone = np.unique(np.concatenate([candidates(p[0]) for p in parts]))
+    theta = smallest(everyone, lambda t: sum(cost(i, max(t, limit[i])) for i in range(k))
+                     <= budget)
+    return [cost(i, max(theta, limit[i])) for i in range(k)]

@@ -145,16 +145,18 @@ class DynamiQ(Codec):
         nsg = -(-int(length) // SUPER)
         return 32 * ((2 * nsg if self.centring else nsg) + 2)
 
-    def split_budget(self, norms, lengths) -> list:
+    def split_budget(self, norms, lengths, cap=None) -> list:
         """Codecs for parts of ``lengths`` elements (their reduced norms, host
         arrays, in a fixed order) under one allocation of the parts' whole
         budget: part i planned with exactly the bits it gets there
-        (:func:`~dynamiq_mpi.codecs.allocation.joint_costs`)."""
+        (:func:`~dynamiq_mpi.codecs.allocation.joint_costs`); ``cap``: no
+        part above ``cap`` times its own budget (None: no limit)."""
         lengths = [int(m) for m in lengths]
         stats = [self.stats_bits(m) for m in lengths]
         nsg = sum(-(-m // SUPER) for m in lengths)
+        caps = None if cap is None else [cap * self.bits * m for m in lengths]
         costs = joint_costs(norms, self.bits * sum(lengths), self.bits * nsg * SUPER + sum(stats),
-                            stats, self.hierarchical, self.zero_class, self.bf16_class)
+                            stats, self.hierarchical, self.zero_class, self.bf16_class, caps)
         return [self.with_exact_bits(c, m) for c, m in zip(costs, lengths)]
 
     def with_exact_bits(self, total_bits: int, length: int):

@@ -60,7 +60,7 @@ from ..codecs.base import DEFAULT_TILE_BYTES
 # simulation and the multi-process call (hierarchy.py) cut the same rails
 from ..call.hierarchy import (BLOCK, rail_blocks, rail_gather, rail_index,  # noqa: F401
                          rail_length, rail_scatter, rail_topology)
-from ..call.rail_budget import RAIL_BUDGETS, joins
+from ..call.rail_budget import RAIL_BUDGETS, RAIL_SHARE_CAP, joins
 from ..codecs import DEFAULT_CODEC
 from ..codecs.dynamiq import DynamiQ
 from .scale_sim import (ArraySource, LogNormalMixture, RankSource, _vnmse, reduced_statistics,
@@ -223,7 +223,7 @@ def _rail_codecs(codec, rail_budget, nodes, node_size, rails):
         return codecs
     shares = codec.split_budget(
         [np.asarray(codec.reduced_norms(rails[i][1], rails[i][0]), dtype=np.float32)
-         for i in joined], [rails[i][0] for i in joined])
+         for i in joined], [rails[i][0] for i in joined], RAIL_SHARE_CAP)
     for i, c in zip(joined, shares):
         codecs[i] = c
     return codecs
