@@ -179,7 +179,7 @@ cdef str _encode_name(bint raw, bint dar):
 # pieces (width, first stream super-group, count, byte offset in the tile,
 # bytes), and a call launches one kernel per piece.  Looping here instead of
 # in Python saves each launch its Python round trip, slicing and argument
-# checks (tools/profiling/host_cost.py --by-kernel; docs/benchmarks.md).
+# checks (tools/profiling/host_time.py cost --by-kernel; docs/benchmarks.md).
 
 def encode_pieces(params, Source local, pieces, unsigned event, out, inp=None, stream=None):
     """compress (``inp`` None) or dar of every piece of one tile: piece

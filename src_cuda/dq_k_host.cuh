@@ -128,7 +128,7 @@ unsigned grid_resident(Kernel kernel, int64_t units, int per_block) {
 // host_build() results of this thread, one entry per parameter set that differs
 // in more than the generator keys.  A call launches widths 2, 4 and 8 in turn,
 // each with the call's own keys: with one entry every launch rebuilt its
-// tables (about 3.5 us; tools/profiling/launch_cost.py); a hit now only writes the keys,
+// tables (about 3.5 us; tools/profiling/host_time.py launch); a hit now only writes the keys,
 // the one part of KParams that host_build() copies from them unchanged.
 struct ParamsCache {
     static constexpr int kEntries = 8;

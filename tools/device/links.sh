@@ -38,7 +38,7 @@ fi
 
 if has profile; then
   echo "== profile (NVLink)"
-  timeout 120 mpiexec -n 2 $PY tools/profiling/profile_call.py --sizes 23,27 2>&1 | tee "$OUT/profile.txt" | grep -E "^==|tottime|dynamiq_mpi|cupy|nccl" | head -60
+  timeout 120 mpiexec -n 2 $PY tools/profiling/host_time.py profile --sizes 23,27 2>&1 | tee "$OUT/profile.txt" | grep -E "^==|tottime|dynamiq_mpi|cupy|nccl" | head -60
 fi
 
 if has ncu; then
@@ -158,7 +158,7 @@ if has chunks; then
       | grep -v "^#  *size" | tee -a "$OUT/chunks.txt"
   done
 fi
-# Raw NCCL point-to-point against the all-reduce on each link (tools/profiling/p2p_probe.py)
+# Raw NCCL point-to-point against the all-reduce on each link (tools/profiling/p2p.py probe)
 if has p2p; then
   for probe in "nvlink:" "nvlink, 2M chunks:NCCL_P2P_NVL_CHUNKSIZE=2097152" \
                "nvlink, copy engines:NCCL_P2P_USE_CUDA_MEMCPY=1" \
@@ -166,7 +166,7 @@ if has p2p; then
                "sockets tuned:$SOCKETS $TUNED"; do
     name=${probe%%:*}; envs=${probe#*:}
     echo "== p2p $name ($envs)" | tee -a "$OUT/p2p.txt"
-    env $envs timeout 90 mpiexec -n 2 $PY tools/profiling/p2p_probe.py --sizes 4M,21M,42M --split 1,4 --comms ${P2P_COMMS:-1} 2>&1 \
+    env $envs timeout 90 mpiexec -n 2 $PY tools/profiling/p2p.py probe --sizes 4M,21M,42M --split 1,4 --comms ${P2P_COMMS:-1} 2>&1 \
       | grep -v '^\[' | tee -a "$OUT/p2p.txt"
   done
 fi
@@ -198,7 +198,7 @@ if has agprobe; then
   for probe in "sockets tuned:$SOCKETS $TUNED" "shm:$SHM" "nvlink:"; do
     name=${probe%%:*}; envs=${probe#*:}
     echo "== agprobe raw $name ($envs)" | tee -a "$OUT/agprobe.txt"
-    env $envs timeout 90 mpiexec -n 2 $PY tools/profiling/p2p_probe.py --sizes 2M,8M,42M --split 1 --allgather 2>&1 \
+    env $envs timeout 90 mpiexec -n 2 $PY tools/profiling/p2p.py probe --sizes 2M,8M,42M --split 1 --allgather 2>&1 \
       | grep -v '^\[' | tee -a "$OUT/agprobe.txt"
   done
   for pair in 0 1 0 1; do
@@ -208,11 +208,11 @@ if has agprobe; then
       | grep -E "^ +[0-9]" | tee -a "$OUT/agprobe.txt"
   done
 fi
-if has pairab; then   # the same, alternating in one process (tools/profiling/pair_ab.py)
+if has pairab; then   # the same, alternating in one process (tools/profiling/p2p.py pair-ab)
   for probe in "sockets tuned:$SOCKETS $TUNED:23,26,27" "sockets default:$SOCKETS:23,27" "shm:$SHM:26,27"; do
     IFS=: read -r name envs sizes <<<"$probe"
     echo "== pairab $name ($envs)" | tee -a "$OUT/pairab.txt"
-    env $envs timeout 150 mpiexec -n 2 $PY tools/profiling/pair_ab.py --sizes $sizes --rounds ${PAIRAB_ROUNDS:-3} $PAIRAB_ARGS 2>&1 \
+    env $envs timeout 150 mpiexec -n 2 $PY tools/profiling/p2p.py pair-ab --sizes $sizes --rounds ${PAIRAB_ROUNDS:-3} $PAIRAB_ARGS 2>&1 \
       | grep -v '^\[' | tee -a "$OUT/pairab.txt"
   done
 fi
@@ -226,7 +226,7 @@ if has sockset; then
                "N4 T2 C4:NCCL_NSOCKS_PERTHREAD=4 NCCL_SOCKET_NTHREADS=2 NCCL_MIN_NCHANNELS=4"; do
     name=${probe%%:*}; envs=${probe#*:}
     echo "== sockset $name ($envs)" | tee -a "$OUT/sockset.txt"
-    env $SOCKETS $envs NCCL_P2P_NET_CHUNKSIZE=2097152 NCCL_NCHANNELS_PER_NET_PEER=4 timeout 100 mpiexec -n 2 $PY tools/profiling/pair_ab.py --sizes ${SOCKSET_SIZES:-26,27} --rounds 2 2>&1 \
+    env $SOCKETS $envs NCCL_P2P_NET_CHUNKSIZE=2097152 NCCL_NCHANNELS_PER_NET_PEER=4 timeout 100 mpiexec -n 2 $PY tools/profiling/p2p.py pair-ab --sizes ${SOCKSET_SIZES:-26,27} --rounds 2 2>&1 \
       | grep -v '^\[' | grep -v "^#" | tee -a "$OUT/sockset.txt"
   done
 fi
