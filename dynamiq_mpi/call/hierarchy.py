@@ -9,7 +9,10 @@ For ``n = N x K`` ranks in N nodes of K:
 2. across nodes, local rank ``l`` of every node runs the flat compressed
    all-reduce (the call's codec, topology, seed and call counter; the codec's
    statistics are the shard's) of that shard with local rank ``l`` of the
-   other nodes: K rails at once, each on a communicator of its own;
+   other nodes: K rails at once, each on a communicator of its own; with
+   ``rail_budget="joint"`` (the default) the node's rails share one DynamiQ
+   bit allocation, from their reduced norms exchanged inside the node
+   (rail_budget.py);
 3. inside each node, an all-gather of the rails' results; ``op="mean"``
    then divides the float32 value by n once.
 

@@ -43,6 +43,11 @@ PRESETS = {
     # CPU tests: a few steps of a very small model
     "tiny": dict(hidden=32, layers=1, heads=2, intermediate=64, seq_len=32, batch=2, steps=3,
                  lr=3e-3, warmup=1, eval_every=0, val_windows=8, pretrain_steps=2),
+    # a quarter of 'small''s parameters (118k): three seeds of a cell at
+    # N = 32 in well under an hour on two CPU cores (docs/training.md)
+    "compact": dict(hidden=64, layers=2, heads=4, intermediate=176, seq_len=64, batch=4,
+                    steps=1500, lr=3e-3, warmup=30, eval_every=100, val_windows=256,
+                    pretrain_steps=300),
     # one cell of the table in minutes on one GPU at N = 128
     "small": dict(hidden=128, layers=2, heads=4, intermediate=352, seq_len=128, batch=4,
                   steps=300, lr=2e-3, warmup=30, eval_every=25, val_windows=64,
