@@ -127,11 +127,13 @@ def _widths_at(F, theta, bf16_class):
 
 
 def capped_joint_costs(norms, stats_bits, budget, padded, caps, hierarchical=True,
-                       bf16_class=True):
+                       bf16_class=True, grid=False):
     """One threshold over all parts' super-groups, no part above its cap,
-    by brute force over every candidate threshold (tests only): the
-    smallest threshold whose total fits; a part that would pass its cap
-    takes the smallest threshold of its own that keeps it under."""
+    by brute force over every threshold allowed (tests only): the smallest
+    whose total fits; a part that would pass its cap takes the smallest
+    threshold of its own that keeps it under.  The thresholds: the
+    candidates ``s F`` (the paper's rule), or with ``grid`` the float64
+    values whose low 48 bits are zero (codecs/allocation.py's grid)."""
     from dynamiq_mpi.codecs.allocation import record_bits
     rec = {w: record_bits(w, hierarchical) for w in (2, 4, 8, 16)}
     F = [np.asarray(f, dtype=np.float32).astype(np.float64) for f in norms]
@@ -141,11 +143,18 @@ def capped_joint_costs(norms, stats_bits, budget, padded, caps, hierarchical=Tru
         return stats_bits[i] + sum(int(np.sum(w == k)) * rec[k] for k in rec)
 
     scales = (512.0, 17.0) + ((4369.0 / 131072.0,) if bf16_class else ())
-    cands = sorted({s * v for f in F for v in f[f > 0] for s in scales} | {np.inf})
+    values = [s * v for f in F for v in f[f > 0] for s in scales]
+    if grid:       # every grid value from below the smallest s F to above the largest
+        bits = np.array(values, dtype=np.float64).view(np.int64) >> 48
+        js = np.arange(bits.min() - 1, bits.max() + 2, dtype=np.int64) if values else []
+        cands = sorted(float((np.array([j], np.int64) << 48).view(np.float64)[0])
+                       for j in js if j >= 0) + [np.inf]
+    else:
+        cands = sorted(set(values) | {np.inf})
+    cands = [0.0] + cands
     own = []
-    for i, f in enumerate(F):
-        mine = sorted({s * v for v in f[f > 0] for s in scales} | {np.inf})
-        fits = [t for t in [0.0] + mine if caps is None or cost(i, t) <= caps[i]]
+    for i in range(len(F)):
+        fits = [t for t in cands if caps is None or cost(i, t) <= caps[i]]
         own.append(fits[0] if fits else np.inf)
     if sum(cost(i, np.inf) for i in range(len(F))) > budget:
         budget = padded
@@ -163,8 +172,10 @@ def joint_rail_codecs(codec, rails, topology, tile_bytes=None, cap=1.05):
     statistics of each node's shard, reduced by the exact float32 all-reduce
     in the rail's schedule order: the statistics phase's rule), then one
     allocation over all rails' super-groups under the sum of their budgets,
-    no rail above ``cap`` times its own budget, then each rail planned with
-    exactly the bits its super-groups cost there.  Rails below
+    its threshold on the grid of float64 values with 4 mantissa bits, no
+    rail above ``cap`` times its own budget; what the grid leaves unspent
+    shared by length (under the caps); each rail planned with exactly that
+    share.  Rails below
     ``small_input`` (no statistics) keep the codec; so do all when fewer
     than two rails have statistics."""
     import dynamiq_mpi as dq
@@ -193,9 +204,17 @@ def joint_rail_codecs(codec, rails, topology, tile_bytes=None, cap=1.05):
         lengths.append(m)
     budget = codec.bits * sum(lengths)
     padded = codec.bits * 256 * sum(n.size for n in norms) + sum(stats_bits)
-    costs = capped_joint_costs(norms, stats_bits, budget, padded,
-                               [cap * codec.bits * m for m in lengths], codec.hierarchical,
-                               codec.bf16_class)
+    caps = [cap * codec.bits * m for m in lengths]
+    costs = capped_joint_costs(norms, stats_bits, budget, padded, caps, codec.hierarchical,
+                               codec.bf16_class, grid=True)
+    # what the grid left unspent, shared by length under the caps
+    from dynamiq_mpi.codecs.allocation import record_bits
+    floor2 = sum(sb + int(np.sum(n > 0)) * record_bits(2, codec.hierarchical)
+                 for n, sb in zip(norms, stats_bits))
+    left = int(np.floor(padded if floor2 > budget else budget)) - sum(costs)
+    if left > 0:
+        costs = [min(c + left * m // sum(lengths), max(c, int(np.floor(cp))))
+                 for c, m, cp in zip(costs, lengths, caps)]
     out = [codec] * len(rails)
     for i, c, m in zip(live, costs, lengths):
         out[i] = codec.with_exact_bits(c, m)

@@ -108,3 +108,36 @@ def test_capped_joint_costs_keep_every_part_under_its_cap():
         for p, c, sb in zip(parts, got, stats):
             assert allocate(p, c + 0.5, sb, True, padded_budget_bits=padded,
                             bf16_class=True).total_bits == c
+
+
+@pytest.mark.parametrize("bf16_class", [False, True])
+def test_joint_costs_on_the_grid_equal_a_brute_force_and_plan_alone(bf16_class):
+    """The joint rail budget's rule (joint_costs_on_grid from each part's
+    grid_summary): the smallest grid threshold whose total fits, parts under
+    their caps; equal to a brute force over every grid value, within the
+    budget, each part's cost found again by its own planner, and within a
+    percent of the exact candidates' spend."""
+    from dynamiq_mpi.codecs.allocation import grid_summary, joint_costs, joint_costs_on_grid
+    from helpers import capped_joint_costs
+    rng = np.random.default_rng()
+    for trial in range(3):
+        sizes = [int(m) for m in rng.integers(1, 50, size=int(rng.integers(2, 6)))]
+        parts = [norms(rng, m) for m in sizes]
+        parts[0] *= np.float32(1e4)
+        for p in parts[1:]:
+            p[rng.random(p.size) < 0.2] = 0
+        stats = [32 * (2 * m + 2) for m in sizes]
+        bits = float(rng.uniform(3.0, 8.0))
+        budget = bits * 256 * sum(sizes)
+        padded = budget + sum(stats)
+        caps = None if trial == 0 else [1.05 * bits * 256 * m for m in sizes]
+        summaries = [grid_summary(np, p, True, bf16_class) for p in parts]
+        got = joint_costs_on_grid(summaries, budget, padded, stats, True, bf16_class, caps)
+        assert got == capped_joint_costs(parts, stats, budget, padded, caps,
+                                         bf16_class=bf16_class, grid=True)
+        assert sum(got) <= budget
+        exact = joint_costs(parts, budget, padded, stats, True, True, bf16_class, caps)
+        assert sum(got) >= 0.97 * sum(exact)
+        for p, c, sb in zip(parts, got, stats):
+            assert allocate(p, c + 0.5, sb, True, padded_budget_bits=padded,
+                            bf16_class=bf16_class).total_bits == c

@@ -9,15 +9,19 @@ the node's rails one allocation instead, the paper's rule with one
 threshold over every super-group of the vector, under the whole budget:
 
 1. every rail reduces its statistics over the nodes, as a flat call does;
-2. the ranks of a node exchange their rails' reduced norms (one all-gather
-   inside the node, host memory, a few bytes a super-group);
-3. every rank computes the same allocation over the concatenated norms
-   (``DynamiQ.split_budget``), no rail above ``RAIL_SHARE_CAP`` (1.05) times
-   its even share, and plans its rail with exactly the bits its
-   super-groups get there; the rail's planner then finds that allocation.
+2. each rank summarises its rail's reduced norms where they are (a count
+   of the super-groups per step of a threshold grid and width step:
+   ``DynamiQ.share_summary``, a few thousand integers whatever the length),
+   and the ranks of a node exchange their summaries (one all-gather inside
+   the node, host memory);
+3. every rank computes the same shares (``DynamiQ.shares_on_grid``): the
+   smallest grid threshold (steps of 2^(1/16)) whose total cost fits the
+   budget, no rail above ``RAIL_SHARE_CAP`` (1.05) times its even share,
+   what the grid leaves unspent shared by length; each rail then plans its
+   share exactly with its own planner.
 
 The rails' norms are the same on every node (each rail's reduction is
-exact and alike on its ranks), so every node computes the same budgets and
+exact and alike on its ranks), so every node computes the same shares and
 every rail's ranks plan alike.  A rail whose call has no statistics (the
 native path, a length below the codec's ``small_input``, a codec without
 variable widths) joins the exchange with nothing after its call and keeps
@@ -25,18 +29,17 @@ its own budget; the others share theirs.  So no rank waits for a rank that
 waits for it: a rail's statistics need only its own ranks, and every rank
 of a node reaches the exchange once per call.
 
-What it costs: one in-node exchange and, for device arrays, one copy of the
-norms to the host per call; the rails' bytes then differ, by at most the
-cap (uncapped, on the Table 7 data at 8192 ranks as 1024 nodes x 8, the 8
-rails sent 4.45-5.70 bits a coordinate, 4.99 on average), so the slowest
-rail's NIC may finish up to 5 % later.  On real gradients the interleaved
-rails already hold alike samples of the vector and the joint allocation
-changes little (docs/error-study.md).
-``"even"`` plans every rail apart (no exchange).
+What it costs: the summary (on the host, about 2 ms a rail at 2^28
+elements in 8 rails; one pass over the norms), one small in-node exchange
+and the shares (under a millisecond); for device arrays the call waits for
+its statistics on the host there (the summary's copy), where a call with
+the rails apart need not; and rails whose bytes differ by up to the cap, so
+the slowest rail's NIC may finish up to 5 % later.  On real gradients the
+interleaved rails already hold alike samples of the vector and the joint
+allocation changes little (docs/error-study.md).  ``"even"`` plans every
+rail apart (no exchange).
 """
 from __future__ import annotations
-
-import numpy as np
 
 from ..settings import env_choice
 
@@ -83,14 +86,11 @@ class JointRailBudget:
         if not joins(codec):
             self._exchange(None)
             return codec
-        norms = np.asarray(backend.to_host(codec.reduced_norms(reduced, self.length)),
-                           dtype=np.float32)
-        parts = self._exchange((self.length, norms))
+        parts = self._exchange(codec.share_summary(backend.xp, reduced, self.length))
         joined = [(i, p) for i, p in enumerate(parts) if p is not None]
         if len(joined) < 2:         # nothing to share with
             return codec
-        codecs = codec.split_budget([p[1] for _, p in joined], [p[0] for _, p in joined],
-                                    RAIL_SHARE_CAP)
+        codecs = codec.shares_on_grid([p for _, p in joined], RAIL_SHARE_CAP)
         return codecs[[i for i, _ in joined].index(self.node.rank)]
 
     def finish(self):

@@ -29,6 +29,7 @@ paper's threshold ratio ``T_{8,16} = 2^17/257 T_{4,8}``: width 16 iff
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -249,3 +250,112 @@ def joint_costs(norms, budget_bits: float, padded_budget_bits: float, stats_bits
     theta = smallest(everyone, lambda t: sum(cost(i, max(t, limit[i])) for i in range(k))
                      <= budget)
     return [cost(i, max(theta, limit[i])) for i in range(k)]
+
+
+# The threshold grid of joint_costs_on_grid: float64 values whose low 48 bits
+# are zero (11 exponent bits and 4 mantissa bits: steps of at most 2^(1/16),
+# 4.4 %), indexed by their bits >> 48 (monotone for non-negative values).
+GRID_SHIFT = 48
+GRID_SIZE = 1 << (63 - GRID_SHIFT)          # non-negative float64 keys; index GRID_SIZE: +inf
+
+
+def grid_threshold(j: int) -> float:
+    """The threshold of grid index ``j`` (``GRID_SIZE``: +inf)."""
+    if j >= GRID_SIZE:
+        return float("inf")
+    return float(np.array([j << GRID_SHIFT], dtype=np.int64).view(np.float64)[0])
+
+
+def _width_steps(hierarchical: bool, bf16_class: bool):
+    """(scale s, extra bits) of each width step: a super-group steps up where
+    ``s F >= theta`` (2 -> 4 bits at s = 512, 4 -> 8 at 17, 8 -> 16 at S16)."""
+    rec = {w: record_bits(w, hierarchical) for w in WIDTHS + (BF16_WIDTH,)}
+    steps = [(512.0, rec[4] - rec[2]), (17.0, rec[8] - rec[4])]
+    if bf16_class:
+        steps.append((S16, rec[BF16_WIDTH] - rec[8]))
+    return rec, steps
+
+
+def grid_summary(xp, norm2, zero_class: bool = True, bf16_class: bool = False) -> tuple:
+    """What one part contributes to :func:`joint_costs_on_grid`: (live
+    super-groups, per width step (first key, counts of the keys of ``s F``
+    from it on)).  Computed where the norms are (NumPy or CuPy: integer
+    counts, the same on both); a few KB whatever the part's length."""
+    F = norm2.astype(np.float64)
+    live = F[F > 0] if zero_class else xp.abs(F)
+    out = []
+    for s, _ in _width_steps(True, bf16_class)[1]:
+        keys = xp.clip((s * live).view(np.int64) >> GRID_SHIFT, 0, GRID_SIZE - 1)
+        if keys.shape[0] == 0:
+            out.append((0, np.zeros(0, dtype=np.int64)))
+            continue
+        lo = int(keys.min())
+        counts = xp.bincount(keys - lo)
+        out.append((lo, np.asarray(counts.get() if hasattr(counts, "get") else counts,
+                                   dtype=np.int64)))
+    return int(live.shape[0]), out
+
+
+def joint_costs_on_grid(summaries, budget_bits: float, padded_budget_bits: float, stats_bits,
+                        hierarchical: bool, bf16_class: bool = False, caps=None,
+                        weights=None) -> list:
+    """:func:`joint_costs` with the threshold on a grid instead of the
+    candidates, from each part's :func:`grid_summary`: fast enough for every
+    call of a hierarchical all-reduce (each part summarises its own norms;
+    what is exchanged and searched is a few thousand counts a part, not the
+    norms).
+
+    The rule: the threshold is the smallest grid value (``grid_threshold``)
+    whose total cost fits the budget, a part held at its cap keeping the
+    smallest grid value its cap allows.  ``s F >= theta`` for a grid
+    ``theta`` counts exactly from the keys of ``s F`` (``s F`` is exact in
+    float64), so every part's cost is exact and a part planned alone with it
+    finds the same widths (its own candidates' rule: the smallest candidate
+    at or above the grid value).  Against the candidates the grid can leave
+    up to one grid step's worth of super-groups a width lower; with
+    ``weights`` (the parts' lengths) that unspent budget is shared by
+    weight, each part planning its share with its own candidates."""
+    rec, steps = _width_steps(hierarchical, bf16_class)
+    k = len(summaries)
+    if k == 0:
+        return []
+    # Only the grid indices between the smallest and the largest key can
+    # change a count: below them every count is that at the smallest, above
+    # them none (as at +inf).  Index ``size`` stands for +inf.
+    spans = [(lo, lo + c.shape[0] - 1) for _, part in summaries for lo, c in part if c.shape[0]]
+    lo = min((a for a, _ in spans), default=0)
+    size = max((b for _, b in spans), default=0) - lo + 1
+    cost = np.empty((k, size + 1), dtype=np.int64)
+    for i, ((n_live, part), sb) in enumerate(zip(summaries, stats_bits)):
+        cost[i] = int(sb) + n_live * rec[2]
+        for (_, delta), (first, counts) in zip(steps, part):
+            if counts.shape[0] == 0:
+                continue
+            at_or_above = np.cumsum(counts[::-1])[::-1]
+            cost[i, :first - lo] += delta * at_or_above[0]            # below: all of them
+            cost[i, first - lo:first - lo + counts.shape[0]] += delta * at_or_above
+    # the smallest grid index each part may take (its cap's); costs fall as j rises
+    floor = np.zeros(k, dtype=np.int64)
+    if caps is not None:
+        for i in range(k):
+            if caps[i] is not None:
+                fits = np.flatnonzero(cost[i] <= caps[i])
+                floor[i] = fits[0] if fits.size else size
+    held = np.maximum(np.arange(size + 1)[None, :], floor[:, None])
+    total = np.take_along_axis(cost, held, axis=1).sum(axis=0)
+    budget = padded_budget_bits if int(cost[:, size].sum()) > budget_bits else budget_bits
+    fits = np.flatnonzero(total <= budget)
+    j = int(fits[0]) if fits.size else size
+    costs = [int(cost[i, max(j, int(floor[i]))]) for i in range(k)]
+    if weights is None:
+        return costs
+    # What the grid leaves unspent, shared by weight (under the caps): each
+    # part then plans its share with its own candidates (at least the grid's
+    # widths), so the whole budget is spent even where many super-groups
+    # fall in one grid step.
+    left = int(math.floor(budget)) - sum(costs)
+    w = [int(x) for x in weights]
+    extra = [left * x // max(1, sum(w)) for x in w] if left > 0 else [0] * k
+    return [min(c + e, max(c, int(math.floor(caps[i]))))
+            if caps is not None and caps[i] is not None else c + e
+            for i, (c, e) in enumerate(zip(costs, extra))]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .allocation import WIDTHS, joint_costs, record_bits
+from .allocation import WIDTHS, grid_summary, joint_costs, joint_costs_on_grid, record_bits
 from .base import DEFAULT_TILE_BYTES, Codec
 from .dynamiq_plan import (FLT_MAX, LAYOUT_RESERVE_BITS, PARTIAL_SUM_LIMIT, SCALE_CODES,  # noqa: F401
                            SUPER, _DynamiQPlan, _params_for, layout_budget)
@@ -157,6 +157,27 @@ class DynamiQ(Codec):
         caps = None if cap is None else [cap * self.bits * m for m in lengths]
         costs = joint_costs(norms, self.bits * sum(lengths), self.bits * nsg * SUPER + sum(stats),
                             stats, self.hierarchical, self.zero_class, self.bf16_class, caps)
+        return [self.with_exact_bits(c, m) for c, m in zip(costs, lengths)]
+
+    def share_summary(self, xp, reduced, length: int) -> tuple:
+        """This part's summary for :meth:`shares_on_grid`: (length, the grid
+        summary of its reduced norms); small, computed where they are."""
+        return int(length), grid_summary(xp, self.reduced_norms(reduced, length),
+                                         self.zero_class, self.bf16_class)
+
+    def shares_on_grid(self, summaries, cap=None) -> list:
+        """Codecs for the parts summarised (:meth:`share_summary`, in a fixed
+        order) under one allocation of their whole budget with the threshold
+        on the grid (:func:`~dynamiq_mpi.codecs.allocation.joint_costs_on_grid`),
+        no part above ``cap`` times its own budget: a hierarchical call's
+        joint rail budget."""
+        lengths = [m for m, _ in summaries]
+        stats = [self.stats_bits(m) for m in lengths]
+        nsg = sum(-(-m // SUPER) for m in lengths)
+        caps = None if cap is None else [cap * self.bits * m for m in lengths]
+        costs = joint_costs_on_grid([g for _, g in summaries], self.bits * sum(lengths),
+                                    self.bits * nsg * SUPER + sum(stats), stats,
+                                    self.hierarchical, self.bf16_class, caps, lengths)
         return [self.with_exact_bits(c, m) for c, m in zip(costs, lengths)]
 
     def with_exact_bits(self, total_bits: int, length: int):

@@ -221,9 +221,8 @@ def _rail_codecs(codec, rail_budget, nodes, node_size, rails):
     joined = [i for i, (_, reduced) in enumerate(rails) if reduced is not None]
     if len(joined) < 2:
         return codecs
-    shares = codec.split_budget(
-        [np.asarray(codec.reduced_norms(rails[i][1], rails[i][0]), dtype=np.float32)
-         for i in joined], [rails[i][0] for i in joined], RAIL_SHARE_CAP)
+    shares = codec.shares_on_grid([codec.share_summary(np, np.asarray(rails[i][1]), rails[i][0])
+                                   for i in joined], RAIL_SHARE_CAP)
     for i, c in zip(joined, shares):
         codecs[i] = c
     return codecs
