@@ -174,8 +174,8 @@ def joint_rail_codecs(codec, rails, topology, tile_bytes=None, cap=1.05):
     allocation over all rails' super-groups under the sum of their budgets,
     its threshold on the grid of float64 values with 4 mantissa bits, no
     rail above ``cap`` times its own budget; what the grid leaves unspent
-    shared by length (under the caps); each rail planned with exactly that
-    share.  Rails below
+    shared by length, a rail at its cap passing its part on to the others;
+    each rail planned with exactly that share.  Rails below
     ``small_input`` (no statistics) keep the codec; so do all when fewer
     than two rails have statistics."""
     import dynamiq_mpi as dq
@@ -212,9 +212,17 @@ def joint_rail_codecs(codec, rails, topology, tile_bytes=None, cap=1.05):
     floor2 = sum(sb + int(np.sum(n > 0)) * record_bits(2, codec.hierarchical)
                  for n, sb in zip(norms, stats_bits))
     left = int(np.floor(padded if floor2 > budget else budget)) - sum(costs)
-    if left > 0:
-        costs = [min(c + left * m // sum(lengths), max(c, int(np.floor(cp))))
-                 for c, m, cp in zip(costs, lengths, caps)]
+    room = {i: max(0, int(np.floor(cp)) - c) for i, (c, cp) in enumerate(zip(costs, caps))}
+    while left > 0:                  # by length, a rail at its cap passing its part on
+        open_ = [i for i in room if room[i] > 0]
+        give = {i: min(room[i], left * lengths[i] // sum(lengths[j] for j in open_))
+                for i in open_}
+        if not open_ or not any(give.values()):
+            break
+        for i, g in give.items():
+            costs[i] += g
+            room[i] -= g
+            left -= g
     out = [codec] * len(rails)
     for i, c, m in zip(live, costs, lengths):
         out[i] = codec.with_exact_bits(c, m)

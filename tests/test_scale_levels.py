@@ -284,7 +284,7 @@ def test_rails_spend_equal_bits_on_a_skewed_vector():
     coordinate is near the budget and the rails' bytes are near equal, when
     each rail plans apart (``rail_budget="even"``).  The joint budget moves
     bits between rails (their bytes differ), stays within the call's budget
-    and errs about as little here (0.977-1.010x "even" over 30 seeds,
+    and errs about as little here (0.978-1.045x "even" over 30 seeds,
     2026-11-26): every rail already holds a like sample of the vector."""
     seed = fresh_seed()
     rng = np.random.default_rng(seed)
@@ -301,7 +301,7 @@ def test_rails_spend_equal_bits_on_a_skewed_vector():
     wire = [r["wire_bytes_total"] for r in res.rails]
     assert min(bits) > 4.8 and max(wire) <= 1.05 * min(wire), (seed, bits, wire)
     joint = levels_simulate(xs, k, codec=CODECS["dynamiq:5"])
-    assert 4.8 < joint.bits_per_coord <= 5.0 and joint.vnmse < 1.05 * res.vnmse, seed
+    assert 4.9 < joint.bits_per_coord <= 5.0 and joint.vnmse < 1.08 * res.vnmse, seed
 
 
 @pytest.mark.parametrize("topology", ["ring", "butterfly"])
@@ -309,8 +309,9 @@ def test_the_joint_rail_budget_cuts_the_error_where_rails_draw_unlike_parts(topo
     """The paper's Table 7 data (independent super-group magnitudes) at 64
     nodes x 8: rails planned apart leave mid-sized super-groups at 2 bits in
     a rail that drew several large ones; one allocation over the rails gives
-    0.52-0.90x "even"'s vNMSE over 30 seeds (ring, 2026-11-26) within the
-    same budget, every rail's share exactly what its super-groups cost."""
+    0.54-0.93x (ring) and 0.57-0.94x (butterfly) "even"'s vNMSE over 30
+    seeds (2026-11-26) within the same budget, no rail above 1.05 times its
+    even share."""
     seed = fresh_seed()
     source, codec = LogNormalMixture(65536, seed=seed % 10007), CODECS["dynamiq:5"]
     even = levels_allreduce(source, 64, 8, codec=codec, topology=topology, seed=seed,
@@ -319,8 +320,7 @@ def test_the_joint_rail_budget_cuts_the_error_where_rails_draw_unlike_parts(topo
     assert joint.vnmse < even.vnmse, seed
     assert even.bits_per_coord <= joint.bits_per_coord <= 5.0
     bits = [r["bits_per_coord"] for r in joint.rails]
-    assert max(bits) - min(bits) > max(r["bits_per_coord"] for r in even.rails) - min(
-        r["bits_per_coord"] for r in even.rails), (seed, bits)
+    assert max(bits) <= 1.05 * 5.0 + 0.01, (seed, bits)      # rail_budget.RAIL_SHARE_CAP
 
 
 def test_memory_does_not_grow_with_ranks():

@@ -353,9 +353,18 @@ def joint_costs_on_grid(summaries, budget_bits: float, padded_budget_bits: float
     # part then plans its share with its own candidates (at least the grid's
     # widths), so the whole budget is spent even where many super-groups
     # fall in one grid step.
+    room = [math.inf if caps is None or caps[i] is None else max(0, int(math.floor(caps[i])) - c)
+            for i, c in enumerate(costs)]
     left = int(math.floor(budget)) - sum(costs)
-    w = [int(x) for x in weights]
-    extra = [left * x // max(1, sum(w)) for x in w] if left > 0 else [0] * k
-    return [min(c + e, max(c, int(math.floor(caps[i]))))
-            if caps is not None and caps[i] is not None else c + e
-            for i, (c, e) in enumerate(zip(costs, extra))]
+    open_ = [i for i in range(k) if room[i] > 0]
+    while left > 0 and open_:        # water-filling: a part at its cap passes its part on
+        w = sum(int(weights[i]) for i in open_) or len(open_)
+        give = {i: min(room[i], left * (int(weights[i]) or 1) // w) for i in open_}
+        if not any(give.values()):
+            break                    # less than one bit each: left unspent
+        for i, g in give.items():
+            costs[i] += g
+            room[i] -= g
+            left -= g
+        open_ = [i for i in open_ if room[i] > 0]
+    return costs
