@@ -68,7 +68,7 @@ class JointRailBudget:
     def __init__(self, node, length: int):
         self.node, self.length = node, int(length)
         self.done = False
-        self.parts = None           # after the exchange: (length, norms) or None per rail
+        self.parts = None           # after the exchange: (length, summary) or None per rail
 
     def _exchange(self, mine):
         self.done = True            # never twice, whatever happens inside
