@@ -122,18 +122,26 @@ def _check_local(x, out, spec: CallSpec, n: int):
         raise ValueError("input must be C-contiguous")
     flat_out = None
     if out is not None:
-        if type(out) is not type(x):
-            raise TypeError(f"out must be a {type(x).__name__} like the input, "
-                            f"got {type(out).__name__}")
-        if out.shape != x.shape or out.dtype != x.dtype:
-            raise ValueError(f"out must have the input's shape {x.shape} and dtype {x.dtype}, "
-                             f"got {out.shape} {out.dtype}")
-        if not out.flags.c_contiguous:
-            raise ValueError("out must be C-contiguous")
-        if backend.name == "gpu" and out.device.id != x.device.id:
-            raise ValueError(f"out is on device {out.device.id}, the input on {x.device.id}")
+        check_out_buffer(out, x, backend, out.shape == x.shape,
+                         f"have the input's shape {x.shape} and dtype {x.dtype}, "
+                         f"got {out.shape} {out.dtype}")
         flat_out = out.reshape(-1)
     return x.reshape(-1), flat_out, backend
+
+
+def check_out_buffer(out, x, backend, size_ok: bool, expected: str) -> None:
+    """The checks every ``out=`` passes: x's array type and dtype, its size
+    (``size_ok``; ``expected`` says what was wanted and got), C-contiguous,
+    on x's device."""
+    if type(out) is not type(x):
+        raise TypeError(f"out must be a {type(x).__name__} like the input, "
+                        f"got {type(out).__name__}")
+    if not size_ok or out.dtype != x.dtype:
+        raise ValueError(f"out must {expected}")
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous")
+    if backend.name == "gpu" and out.device.id != x.device.id:
+        raise ValueError(f"out is on device {out.device.id}, the input on {x.device.id}")
 
 
 def check_nonfinite(nonfinite) -> None:

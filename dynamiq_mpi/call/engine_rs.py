@@ -45,7 +45,7 @@ import numpy as np
 from .. import schedules
 from ..codecs.base import align_up, plan_chunks, plan_layout
 from .engine import (NATIVE_DTYPES, CallSpec, _agree, _check_local, _reduce_stats, _reduce_tile,
-                     agreement_record, finish_into, propagate_nonfinite, raise_refusal,
+                     agreement_record, check_out_buffer, finish_into, propagate_nonfinite, raise_refusal,
                      report_plan, resolve_layout)
 from ..backend import dtype_name
 from ..errors import InvalidInputError, NonFiniteInputError, SumOverflowError
@@ -89,16 +89,9 @@ def _check_out(out, x, m, backend):
     """The flat view of ``out`` (m elements, x's dtype and array type) or None."""
     if out is None:
         return None
-    if type(out) is not type(x):
-        raise TypeError(f"out must be a {type(x).__name__} like the input, "
-                        f"got {type(out).__name__}")
-    if out.size != m or out.dtype != x.dtype:
-        raise ValueError(f"out must hold len(x) / n = {m} elements of dtype {x.dtype}, "
-                         f"got {out.size} of {out.dtype}")
-    if not out.flags.c_contiguous:
-        raise ValueError("out must be C-contiguous")
-    if backend.name == "gpu" and out.device.id != x.device.id:
-        raise ValueError(f"out is on device {out.device.id}, the input on {x.device.id}")
+    check_out_buffer(out, x, backend, out.size == m,
+                     f"hold len(x) / n = {m} elements of dtype {x.dtype}, "
+                     f"got {out.size} of {out.dtype}")
     return out.reshape(-1)
 
 

@@ -22,6 +22,13 @@ def wire_dtype(codec, input_dtype: str, wires: tuple) -> str:
 
 
 _KERNELS = {}
+# float bits u -> BF16 bits y: round to nearest even, NaN kept quiet (as
+# backend.float32_to_bf16); the tail of both rounding kernels below
+_ROUND_TO_BF16 = """
+    if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x7FFFFFu))
+        y = (unsigned short)((u >> 16) | 0x40u);
+    else
+        y = (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);"""
 
 
 def _gpu_kernels():
@@ -31,11 +38,7 @@ def _gpu_kernels():
         import cupy
         _KERNELS["to_bf16"] = cupy.ElementwiseKernel(
             "T x", "uint16 y",
-            """unsigned int u = __float_as_uint((float)x);
-               if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x7FFFFFu))
-                   y = (unsigned short)((u >> 16) | 0x40u);
-               else
-                   y = (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);""",
+            "unsigned int u = __float_as_uint((float)x);" + _ROUND_TO_BF16,
             "dq_native_to_bf16")
         _KERNELS["from_bf16"] = cupy.ElementwiseKernel(
             "uint16 b, float32 s", "T y",
@@ -43,11 +46,8 @@ def _gpu_kernels():
             "dq_native_from_bf16")
         _KERNELS["bf16_scale"] = cupy.ElementwiseKernel(
             "uint16 b, float32 s", "uint16 y",
-            """unsigned int u = __float_as_uint(__uint_as_float(((unsigned int)b) << 16) * s);
-               if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x7FFFFFu))
-                   y = (unsigned short)((u >> 16) | 0x40u);
-               else
-                   y = (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);""",
+            "unsigned int u = __float_as_uint(__uint_as_float(((unsigned int)b) << 16) * s);"
+            + _ROUND_TO_BF16,
             "dq_native_bf16_scale")
     return _KERNELS
 

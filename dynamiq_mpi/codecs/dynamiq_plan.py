@@ -156,7 +156,7 @@ class _DynamiQPlan(Plan):
         head = 2 * nsg if codec.centring else nsg
         self.mean_sum = reduced[:nsg] if codec.centring else self._zeros("mean_sum", nsg)
         self.norm2 = reduced[head - nsg:head]
-        stats_bits = 32 * (head + 2)
+        stats_bits = codec.stats_bits(self.length)
         hier = codec.hierarchical
         # The plan (widths, stable reorder, counts) by the compiled planner, on
         # the device for device inputs; then the one device-to-host copy of the
