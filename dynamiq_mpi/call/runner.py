@@ -178,13 +178,16 @@ class CallRunner(GraphCalls, NodeCalls):
 
     def _free_calls(self):
         """The transports, graphs, workspace and level planes (collective)."""
+        # graphs first: a captured NCCL call holds a reference on its
+        # communicator, and ncclCommDestroy waits until every graph that
+        # holds one is gone (it hung at 2 and 4 ranks on H100s)
+        self._free_graphs()
         for t in self._nccl.values():
             t.free()
         self._nccl.clear()
         if self._mpi_cuda is not None:
             self._mpi_cuda.free()
             self._mpi_cuda = None
-        self._free_graphs()
         self._workspace.clear()
         if self._levels is not None:
             self._levels.free()
