@@ -112,3 +112,55 @@ def test_hierarchical_reduction_and_the_table(tmp_path, capsys):
     assert train_sim.last_fifth_gain({"evals": [[10, 1.8]]}) is None
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     assert "nodes of 2" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("spec", [CODEC, "mxfp:e2m1", "thc"])
+@pytest.mark.parametrize("topology", ["ring", "butterfly"])
+def test_the_reducer_gives_simulate_allreduces_bits(spec, topology):
+    """The reducer walks the ranks role by role (scale_allreduce) where the
+    codec has an adapter, else runs every rank's program: the bits of
+    simulate_allreduce either way, and its bits per coordinate."""
+    import dynamiq_mpi as dq
+    from dynamiq_mpi.codecs import codec_from_string
+    rng = np.random.default_rng()
+    n, length = 8, int(rng.integers(300, 40_000))
+    seed, counter = int(rng.integers(1000)), int(rng.integers(5))
+    xs = [(rng.standard_normal(length) * 10 ** rng.uniform(-3, 1)).astype(np.float32)
+          for _ in range(n)]
+    red = train_sim.Reducer(spec, n, seed, topology, 1)
+    red.counter = counter
+    got = red([torch.from_numpy(x) for x in xs]).numpy()
+    outs, reps = dq.simulate_allreduce(xs, codec=codec_from_string(spec), topology=topology,
+                                       op="mean", seed=seed, counter=counter,
+                                       return_reports=True)
+    assert np.array_equal(got.view(np.uint32), outs[0].view(np.uint32)), (spec, length, seed)
+    assert red.bits / red.coords == pytest.approx(reps[0].bits_per_coord, rel=1e-12)
+    assert red.take_vnmse() == pytest.approx(vnmse(got, np.mean(np.array(xs, np.float64), 0)),
+                                             rel=1e-6)
+
+
+@pytest.mark.parametrize("workload", ["lm", "cls"])
+def test_batched_gradients_equal_the_per_rank_loop(tmp_path, workload, monkeypatch):
+    """--batched (torch.func.vmap over the ranks) trains as the loop of
+    per-rank backward passes does, up to float rounding: the same losses and
+    parameters after three steps, exact mean and DynamiQ alike."""
+    monkeypatch.setenv("DYNAMIQ_CACHE", str(tmp_path / "cache"))
+    seed = int(np.random.default_rng().integers(1000))
+    for codec in ("fp32", CODEC):
+        args = ["--ranks", "3", "--codec", codec, "--seed", str(seed), "--workload", workload]
+        loop, loop_rec = _sim(tmp_path, "loop", *args)
+        batched, batched_rec = _sim(tmp_path, "batched", *args, "--batched",
+                                    "--rank-chunk", "2")
+        assert batched_rec["config"]["batched"] and not loop_rec["config"]["batched"]
+        moved = np.abs(loop - _sim(tmp_path, "start", *args, "--steps", "0")[0]).max()
+        assert np.abs(batched - loop).max() < 1e-3 * moved, (codec, seed)
+        assert np.allclose([v for _, v in batched_rec["steps"]],
+                           [v for _, v in loop_rec["steps"]], rtol=1e-5, atol=0)
+        assert not np.array_equal(batched, _sim(tmp_path, "other", *args, "--batched",
+                                                "--seed", str(seed + 1))[0])
+
+
+def test_batched_refuses_a_real_job(capsys):
+    with pytest.raises(SystemExit):
+        train_sim.main([*TINY, "--ranks", "1", "--real", "--batched"])
+    assert "--batched simulates ranks" in capsys.readouterr().err

@@ -54,20 +54,25 @@ class RankSource:
 
 
 class ArraySource(RankSource):
-    """Explicit per-rank arrays (held on the host)."""
+    """Explicit per-rank arrays, held by the array module they come in
+    (NumPy on the host, CuPy on the GPU: no copy across)."""
 
     name = "arrays"
 
     def __init__(self, xs):
-        xs = [np.asarray(x, dtype=np.float32).reshape(-1) for x in xs]
+        xs = list(xs)
+        on_device = bool(xs) and type(xs[0]).__module__.startswith("cupy")
+        if not on_device:
+            xs = [np.asarray(x, dtype=np.float32).reshape(-1) for x in xs]
         if not xs or any(x.shape != xs[0].shape for x in xs):
             raise ValueError("ArraySource needs one or more arrays of one length")
-        self.length = int(xs[0].shape[0])
+        self._xp = _module_of(xs[0]) if on_device else np
+        self.length = int(xs[0].size)
         self.ranks = len(xs)
         padded = -(-self.length // SUPER) * SUPER
-        self._data = np.zeros((self.ranks, padded), dtype=np.float32)
+        self._data = self._xp.zeros((self.ranks, padded), dtype=np.float32)
         for r, x in enumerate(xs):
-            self._data[r, :self.length] = x
+            self._data[r, :self.length] = x.reshape(-1)
 
     def rows(self, xp, rank_of_row, row):
         return self.span(xp, rank_of_row, row, 0)
@@ -77,11 +82,22 @@ class ArraySource(RankSource):
         if rank_of_row.size and int(rank_of_row.max()) >= self.ranks:
             raise ValueError(f"this source holds {self.ranks} ranks, rank "
                              f"{int(rank_of_row.max())} asked for")
+        own = self._xp
         blocks = self._data.reshape(self.ranks, -1, row)
         k = rank_of_row.shape[0]
-        out = blocks[rank_of_row, np.arange(first_row, first_row + k)].reshape(-1)
+        out = blocks[own.asarray(rank_of_row), own.arange(first_row, first_row + k)].reshape(-1)
         out = out[:max(0, self.length - first_row * row)]
-        return out if xp is np else xp.asarray(out)
+        if xp is own:
+            return out
+        return xp.asarray(out.get() if own is not np else out)
+
+
+def _module_of(x):
+    """The array module of a non-NumPy array (CuPy's, for a device array)."""
+    import cupy
+    if not isinstance(x, cupy.ndarray):
+        raise TypeError(f"ArraySource takes NumPy or CuPy arrays, not {type(x).__name__}")
+    return cupy
 
 
 def _fmix32(h):

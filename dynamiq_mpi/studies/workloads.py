@@ -85,8 +85,17 @@ class LMWorkload:
         self.val = torch.frombuffer(bytearray(val_b), dtype=torch.uint8)
         self.model = build_model(args, device)
 
+    def batch(self, step, rank, n):
+        """Rank ``rank``'s micro-batch of ``step``, as a tuple of tensors."""
+        return (rank_batch(step, rank, n, self.train, self.args),)
+
+    def batch_loss(self, batch, call=None):
+        """The loss of one rank's ``batch``; ``call`` stands for the model
+        (torch.func's functional call in the batched mode)."""
+        return lm_loss(self.model if call is None else call, batch[0], self.device)
+
     def loss(self, step, rank, n):
-        return lm_loss(self.model, rank_batch(step, rank, n, self.train, self.args), self.device)
+        return self.batch_loss(self.batch(step, rank, n))
 
     def evaluate(self) -> dict:
         """Mean validation loss (nats/byte) over the first ``val_windows``
@@ -161,16 +170,21 @@ class ClassifyWorkload:
             rows.append(data[start:start + args.seq_len])
         return torch.stack(rows), labels[mine]
 
-    def _loss(self, ids, labels, reduction="mean"):
+    def _loss(self, ids, labels, reduction="mean", call=None):
         import torch
         with _autocast(self.device):
-            logits = self.model(ids.to(self.device).long())
+            logits = (self.model if call is None else call)(ids.to(self.device).long())
         return torch.nn.functional.cross_entropy(logits.float(), labels.to(self.device),
                                                  reduction=reduction), logits
 
+    def batch(self, step, rank, n):
+        return self._batch(step, rank, n)
+
+    def batch_loss(self, batch, call=None):
+        return self._loss(*batch, call=call)[0]
+
     def loss(self, step, rank, n):
-        ids, labels = self._batch(step, rank, n)
-        return self._loss(ids, labels)[0]
+        return self.batch_loss(self.batch(step, rank, n))
 
     def evaluate(self) -> dict:
         """Validation loss and accuracy over up to ``val_windows`` windows

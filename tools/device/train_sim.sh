@@ -1,8 +1,9 @@
 #!/bin/bash
 # One GPU: cells of the simulated-ranks training table (docs/training.md,
 # `python -m dynamiq_mpi train-sim`).  RUNS: "N/codec/topology/node_size/seed"
-# entries (WORKLOAD=lm|cls for all), run in the order given while DEADLINE
-# seconds have not passed; then
+# entries (WORKLOAD=lm|cls, PRESET=small|compact, STEPS, TRAIN_ARGS such as
+# --batched, for all), run in the order given while DEADLINE seconds have not
+# passed; then
 # the table and the curves.  Output under $OUT: table.txt, train_sim_curves.png,
 # train_sim_runs.tgz (every run's JSON).
 OUT=${OUT:-device_out}; mkdir -p "$OUT/runs"
@@ -15,11 +16,11 @@ for run in $RUNS; do
   IFS=/ read -r n codec topo k seed <<< "$run"
   [[ $codec == dynamiq ]] && codec=$DQ
   if (( $(date +%s) - t0 > DEADLINE )); then echo "skipped (deadline): $run"; continue; fi
-  name="${WORKLOAD:-lm}_n${n}_${codec//[:=]/-}_${topo}_k${k}_s${seed}"
+  name="${WORKLOAD:-lm}_${PRESET:-small}_n${n}_${codec//[:=]/-}_${topo}_k${k}_s${seed}"
   s=$(date +%s)
   timeout 300 python3 -m dynamiq_mpi train-sim --ranks "$n" --codec "$codec" --topology "$topo" \
-    --node-size "$k" --seed "$seed" --steps "${STEPS:-300}" --workload "${WORKLOAD:-lm}" \
-    --quiet --json "$OUT/runs/$name.json" \
+    --node-size "$k" --seed "$seed" --preset "${PRESET:-small}" ${STEPS:+--steps $STEPS} \
+    --workload "${WORKLOAD:-lm}" $TRAIN_ARGS --quiet --json "$OUT/runs/$name.json" \
     || echo "failed: $run"
   echo "$name: $(( $(date +%s) - s )) s"
 done

@@ -1,0 +1,45 @@
+"""The scale simulator (studies/scale_sim.py) on CuPy arrays: the GPU
+kernels walked role by role give simulate_allreduce's bits on the same
+device arrays (and so the CPU path's), for every codec with an adapter.
+The training simulator (train-sim) reduces its buckets this way on a GPU.
+Skipped without a GPU.
+"""
+import numpy as np
+import pytest
+
+import dynamiq_mpi as dq
+from dynamiq_mpi.cuda import has_cuda, why_not
+from helpers import fresh_seed
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not has_cuda(), reason=f"no CUDA: {why_not() if not has_cuda() else ''}")]
+
+CODECS = {"dynamiq:5": dq.DynamiQ(small_input=0), "bf16": dq.BF16(), "mxfp:e2m1": dq.MXFP("e2m1"),
+          "mxfp:e4m3": dq.MXFP("e4m3")}
+
+
+@pytest.mark.parametrize("n", [2, 5, 8])
+@pytest.mark.parametrize("topology", ["ring", "butterfly"])
+@pytest.mark.parametrize("name", sorted(CODECS))
+def test_scale_allreduce_on_cupy_equals_simulate_allreduce(n, topology, name):
+    import cupy as cp
+
+    from dynamiq_mpi.studies.scale_sim import ArraySource, scale_allreduce
+    from dynamiq_mpi.studies.gradients import gradient_like
+    if topology == "butterfly" and n & (n - 1):
+        pytest.skip("butterfly needs a power of two")
+    seed = fresh_seed()
+    length = 7 * 1024 + 300 + seed % 256
+    host = [gradient_like(length, r, seed=seed % 997) for r in range(n)]
+    dev = [cp.asarray(x) for x in host]
+    codec = CODECS[name]
+    res = scale_allreduce(ArraySource(dev), n, codec=codec, topology=topology, op="mean",
+                          seed=seed % 1000, counter=seed % 7, xp=cp, exact=False)
+    assert isinstance(res.out, cp.ndarray)
+    gpu = dq.simulate_allreduce(dev, codec=codec, topology=topology, op="mean",
+                                seed=seed % 1000, counter=seed % 7)
+    cpu = dq.simulate_allreduce(host, codec=codec, topology=topology, op="mean",
+                                seed=seed % 1000, counter=seed % 7)
+    got = cp.asnumpy(res.out).view(np.uint32)
+    assert np.array_equal(got, cp.asnumpy(gpu[0]).view(np.uint32)), (seed, name, topology, n)
+    assert np.array_equal(got, cpu[0].view(np.uint32)), (seed, name, topology, n)
