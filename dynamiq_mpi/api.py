@@ -12,6 +12,7 @@ from .call.engine import CallSpec, check_nonfinite, default_layout, rank_program
 from .call.graphs import default_graphs
 from .call.hierarchy import default_node_size
 from .call.paths import default_path
+from .call.prediction import default_links
 from .call.rail_budget import default_rail_budget
 from .call.planner import CallPlanner
 from .call.runner import CallRunner, _sync
@@ -84,7 +85,14 @@ class Collective(CallRunner):
     ``rail_budget`` (or ``$DYNAMIQ_RAIL_BUDGET``): "joint" (default: one
     DynamiQ bit allocation over all rails of a node, from their statistics
     exchanged inside the node; rails then send unequal bytes) or "even"
-    (every rail planned apart); call/rail_budget.py.
+    (every rail planned apart); call/rail_budget.py.  "auto" chooses flat
+    or nodes per class of calls, measured as ``path`` is, seeded by the cost
+    model's prediction (call/prediction.py): the predicted winner is
+    measured first, and where ``links`` were given and the loser is
+    predicted at least 2x slower, the winner is kept unmeasured.
+    ``links`` (or ``$DYNAMIQ_LINKS``): ``"intra=400GB/s,inter=25GB/s,nics=8"``
+    or a dict of those keys: one rank's in-node bandwidth, one NIC's, NICs
+    per node (default: one per rank); every rank must give the same.
 
     ``graphs``: replay steady compressed calls over NCCL as CUDA graphs
     (call/graphs.py): a call with ``out=`` whose every argument, buffer and stream
@@ -100,7 +108,7 @@ class Collective(CallRunner):
                  lanes: int | str | None = None, path: str | None = None,
                  nonfinite: str = "propagate", graphs: bool | None = None,
                  hierarchy: str | None = None, node_size: int | None = None,
-                 rail_budget: str | None = None):
+                 rail_budget: str | None = None, links=None):
         from .control import as_plane, default_comm
         if comm is None:
             comm = default_comm()
@@ -110,6 +118,7 @@ class Collective(CallRunner):
         self.hierarchy = default_hierarchy(hierarchy)
         self.node_size = default_node_size(node_size)
         self.rail_budget = default_rail_budget(rail_budget)
+        self.links = default_links(links)
         self._plan_hook = None       # a rail's, set by its hierarchical call (rail_budget.py)
         self._levels = None          # hierarchy.Levels, made by the first "nodes" call
         self._layout = None          # the nodes found for hierarchy="auto"
@@ -223,6 +232,11 @@ class Collective(CallRunner):
         """{(backend, dtype, log2 size, codec, topology, transport, op): (path,
         why)} for the classes of calls ``path="auto"`` has decided."""
         return self._planner.paths.decisions()
+
+    def hierarchy_decisions(self) -> dict:
+        """{(backend, dtype, log2 size, codec, topology, transport, op, path):
+        (hierarchy, why)} for the classes ``hierarchy="auto"`` has decided."""
+        return self._planner.hierarchies.decisions()
 
     def forget_paths(self):
         """Measure every class of calls again (all ranks must call it alike)."""

@@ -527,28 +527,41 @@ class NodeCalls:
     choice between flat and nodes)."""
 
     def _auto_layout(self):
-        """The node layout hierarchy="auto" may use, or None where levels
-        cannot help (a single node, nodes of one rank, unequal nodes).  Found
-        once: from ``node_size`` alone, or (collective) after every rank
-        agreed that it asks."""
+        """(nodes, node size) that hierarchy="auto" may use, or None where
+        levels cannot help (a single node, nodes of one rank, unequal nodes).
+        Found once, collectively where levels may help: every rank agrees
+        that it asks, on ``node_size`` and on the links that seed the choice
+        (prediction.py), then (without ``node_size``) finds the nodes."""
         if self._auto is not None:
             return self._auto or None
         k, n = self.node_size, self.size
-        if k is not None:
-            self._auto = n % k == 0 and 1 < k < n
-            return self._auto or None
+        if k is not None and not (n % k == 0 and 1 < k < n):
+            self._auto = False
+            return None
         from ..errors import InputMismatchError
         from ..transports.mpi_host import agree
-        asks = agree(self._plane, {"hierarchy": "auto", "discover_nodes": True})
-        if any(a != asks[0] for a in asks):
+        mine = {"hierarchy": "auto", "node_size": k, "links": self.links}
+        asks = agree(self._plane, mine)
+        if any(not isinstance(a, dict) or a.get("hierarchy") != "auto" for a in asks):
             raise InputMismatchError("ranks disagree on hierarchy: some ask 'auto', others not")
-        try:
-            layout = find_nodes(self._plane, None)
-        except InvalidInputError:           # unequal nodes: flat (the same on every rank)
-            layout = None
-        self._auto = layout is not None and 1 < layout.node_size < n
-        if self._auto:
-            self._layout = layout
+        for field in ("node_size", "links"):
+            values = [a.get(field) for a in asks]
+            if any(v != values[0] for v in values):
+                per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+                raise InputMismatchError(f"ranks disagree on the {field} of hierarchy='auto' "
+                                         f"({per_rank})")
+        layout = None
+        if k is None:
+            try:
+                layout = find_nodes(self._plane, None)
+            except InvalidInputError:       # unequal nodes: flat (the same on every rank)
+                layout = None
+            if layout is not None and 1 < layout.node_size < n:
+                self._layout = layout
+                k = layout.node_size
+            else:
+                k = None
+        self._auto = (n // k, k) if k else False
         return self._auto or None
 
     def _run_nodes(self, collective, x, out, **call):

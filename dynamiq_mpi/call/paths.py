@@ -13,6 +13,11 @@ every rank since every rank makes the same calls), and the class keeps the
 faster path from then on.  The compressed path must win by ``MARGIN``: on a
 tie BF16 is the more accurate.  The report of every call says which path ran
 and why.
+
+The same chooser makes the ``hierarchy="auto"`` choice (flat or nodes),
+seeded by the cost model (prediction.py): its predicted winner is measured
+first, and a decisive prediction (``prediction.MARGIN``, on links the user
+gave) decides the class without measuring the loser.
 """
 from __future__ import annotations
 
@@ -44,6 +49,9 @@ class _Class:
     times: dict
     choice: str | None = None
     why: str = ""
+    order: tuple = ()           # the options in the order they are measured
+    predicted: str = ""         # the prediction that seeded the class, if any
+    note: str = ""              # and what it decided
 
 
 class PathChooser:
@@ -61,9 +69,13 @@ class PathChooser:
         self._classes: dict = {}
 
     def choose(self, key, requested: str, codec_auto: bool, can_native: bool,
-               codec_name: str = "") -> tuple:
+               codec_name: str = "", predict=None) -> tuple:
         """(path, why, timed): the path of the next call of ``key``; ``timed``
-        asks the caller to time it and :meth:`record` the seconds."""
+        asks the caller to time it and :meth:`record` the seconds.
+        ``predict``: called once, at a class's first call, for a prediction
+        (prediction.Prediction: ``winner``, ``decisive``, ``text()``,
+        ``note()``) or None; the winner is measured first, and a decisive
+        prediction decides the class at once."""
         if requested != "auto":
             return requested, "requested", False
         if not codec_auto:
@@ -71,14 +83,31 @@ class PathChooser:
         if not can_native:
             return "compressed", "no native all-reduce for these arrays and transport", False
         first, second = self.options
-        c = self._classes.setdefault(key, _Class({first: [], second: []}))
+        c = self._classes.get(key)
+        if c is None:
+            c = self._classes[key] = self._new_class(predict)
         if c.choice is not None:
             return c.choice, c.why, False
-        nc, nn = len(c.times[first]), len(c.times[second])
-        path = first if nc <= nn else second
+        a, b = c.order
+        na, nb = len(c.times[a]), len(c.times[b])
+        path = a if na <= nb else b
         total = 2 * (self.warmup + self.samples)
-        return path, f"auto: measuring both {first} and {second} (call {nc + nn + 1} of " \
-                     f"{total})", True
+        seed = f"; {c.note}" if c.note else ""
+        return path, f"auto: measuring both {first} and {second} (call {na + nb + 1} of " \
+                     f"{total}){seed}", True
+
+    def _new_class(self, predict) -> _Class:
+        """A class at its first call: measured in the options' order, or the
+        predicted winner first; decided at once on a decisive prediction."""
+        c = _Class({p: [] for p in self.options}, order=self.options)
+        pred = predict() if predict is not None else None
+        if pred is None or pred.winner not in self.options:
+            return c
+        c.predicted, c.note = pred.text(), pred.note()
+        c.order = (pred.winner, next(p for p in self.options if p != pred.winner))
+        if pred.decisive:
+            c.choice, c.why = pred.winner, f"auto: {c.note}"
+        return c
 
     def record(self, key, path: str, seconds: float, ran: str, ran_why: str = "") -> None:
         """The time of a measuring call of ``key`` that asked for ``path`` and
@@ -101,7 +130,8 @@ class PathChooser:
         tc, tn = float(worst[0]), float(worst[1])
         c.choice = first if tc * self.margin < tn else second
         c.why = (f"auto: measured {first} {tc * 1e3:.3f} ms, {second} {tn * 1e3:.3f} ms "
-                 f"(slowest rank, median of {self.samples}) for 2^{key[2]}+ elements")
+                 f"(slowest rank, median of {self.samples}) for 2^{key[2]}+ elements"
+                 + (f"; {c.predicted}" if c.predicted else ""))
 
     def decisions(self) -> dict:
         """{class key: (choice, why)} of the classes decided so far."""

@@ -4,7 +4,8 @@ A call's signature (its arguments, buffers and stream, less the counter)
 resolves to a :class:`Plan`:
 
 * ``hierarchy``: "flat" or "nodes" ("auto" measured per class of calls by
-  ``hierarchies``, agreed by all ranks);
+  ``hierarchies``, agreed by all ranks, seeded by the cost model's
+  prediction: prediction.py);
 * ``route``: "levels" (the hierarchical call, hierarchy.py), "steady" (a
   native call whose signature was agreed before: one digest exchange and
   the transport's all-reduce, native.py), "graph" (a steady compressed call
@@ -22,8 +23,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ..codecs.base import signature_of
-from . import native
+from . import native, prediction
 from .graphs import SteadyCompressed
 from .paths import PathChooser, size_class
 
@@ -129,14 +132,28 @@ class CallPlanner:
     def _choose_hierarchy(self, coll, x, call):
         """(hierarchy, class key, why, timed) of a call with hierarchy="auto":
         flat or nodes per class of calls, measured as the path choice
-        measures, agreed by all ranks; both run compressed while measured."""
-        if coll._auto_layout() is None:
+        measures, agreed by all ranks; both run compressed while measured.
+        The cost model's prediction (prediction.py) orders the measurement,
+        or decides the class without it where decisive on given links."""
+        layout = coll._auto_layout()
+        if layout is None:
             return "flat", None, "auto: one node, nodes of one rank, or unequal nodes", False
         on_device = type(x).__module__.startswith("cupy")
         key = ("gpu" if on_device else "cpu", str(getattr(x, "dtype", None)),
                size_class(getattr(x, "size", 0)), signature_of(call["codec"]),
                call["topology"], call["transport"], call["op"], call["path"])
-        choice, why, timed = self.hierarchies.choose(key, "auto", True, True)
+
+        def predict():      # the class's first call: from agreed inputs and the class only
+            if call["path"] == "native":
+                return None     # the model predicts the compressed calls
+            try:
+                return prediction.predict_hierarchies(
+                    layout[0], layout[1], 1 << key[2], np.dtype(x.dtype).itemsize,
+                    call["codec"], call["topology"], coll.links, on_device)
+            except Exception:   # not an array, a codec or topology the model does not know:
+                return None     # measured (an invalid call fails agreement on every rank)
+
+        choice, why, timed = self.hierarchies.choose(key, "auto", True, True, predict=predict)
         if timed and call["path"] == "auto":
             call["path"] = "compressed"
         return choice, key, why, timed

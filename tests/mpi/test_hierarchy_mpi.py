@@ -307,11 +307,87 @@ def test_auto_is_flat_where_levels_cannot_help():
 
 
 @pytest.mark.mpi(min_size=4)
-def test_auto_on_some_ranks_only_raises_everywhere():
-    k = next(k for k in NODE_SIZES if 1 < k < N)
+@pytest.mark.parametrize("given", [True, False])
+def test_auto_on_some_ranks_only_raises_everywhere(given):
+    # the auto ranks' first exchange (node_size, links) meets the flat call's agreement
+    k = next(k for k in NODE_SIZES if 1 < k < N) if given else None
     coll = dq.Collective(comm, node_size=k)
     with pytest.raises(dq.InputMismatchError):
         coll.allreduce(np.ones(300, np.float32), hierarchy="auto" if comm.rank else "flat")
+    coll.free()
+
+
+# Links for the cost model's seed of hierarchy="auto" (call/prediction.py) on
+# nodes of 2 at 4, 6 and 8 ranks, 2^12+ float32 elements (host arrays: the
+# links alone).  Predicted (tests/test_hierarchy_prediction.py checks the
+# model): a NIC per rank at 1 MB/s, nodes 2.3-3.0x faster than flat; the
+# in-node link at 1 MB/s, flat 3.6-4.3x faster; one NIC a node, nodes
+# 1.2-1.5x; a 4 MB/s in-node link and two NICs, flat 1.3-1.4x.
+DECISIVE = {"nodes": "intra=100GB/s,inter=1MB/s,nics=2", "flat": "intra=1MB/s,inter=100GB/s"}
+CLOSE = {"nodes": "intra=100GB/s,inter=1MB/s,nics=1", "flat": "intra=4MB/s,inter=1MB/s,nics=2"}
+SEEDED = pytest.mark.skipif(N < 4 or N % 2, reason="nodes of 2, at least 2 of them")
+
+
+def _seeded_calls(links, calls, length=5000):
+    """``calls`` calls of one class under hierarchy="auto" seeded with
+    ``links`` (nodes of 2, compressed): each call's (hierarchy, reason),
+    checked alike on every rank and equal, bit for bit, to its route's
+    definition (the hierarchical reference, or the flat simulated call)."""
+    coll = dq.Collective(comm, node_size=2, hierarchy="auto", path="compressed", links=links)
+    seed = shared_seed(comm)
+    xs = rank_inputs(seed, N, length)
+    codec = dq.DynamiQ(small_input=0)
+    seen = []
+    for _ in range(calls):
+        counter = coll.counter
+        out, rep = coll.allreduce(xs[comm.rank], codec=codec, seed=seed, return_report=True)
+        if rep.hierarchy == "nodes":
+            ref = reference(xs, 2, codec, "ring", "sum", seed, counter)
+        else:
+            ref = dq.simulate_allreduce(xs, codec=codec, seed=seed, counter=counter)[0]
+        assert np.array_equal(out.view(np.uint8), ref.view(np.uint8)), (rep.hierarchy, counter)
+        seen.append((rep.hierarchy, rep.hierarchy_reason))
+    assert len(set(comm.allgather(tuple(seen)))) == 1, "ranks differ"
+    decisions = coll.hierarchy_decisions()
+    coll.free()
+    return seen, decisions
+
+
+@pytest.mark.mpi(min_size=4)
+@SEEDED
+@pytest.mark.parametrize("winner", ["nodes", "flat"])
+def test_auto_keeps_a_decisive_prediction_without_measuring_the_loser(winner):
+    loser = "flat" if winner == "nodes" else "nodes"
+    seen, decisions = _seeded_calls(DECISIVE[winner], 3)
+    assert [h for h, _ in seen] == [winner] * 3          # from the first call: nothing measured
+    why = seen[0][1]
+    assert why.startswith(f"auto: predicted {winner} ") and f"{loser} not measured" in why
+    assert f"{N // 2} nodes x 2" in why and "2^12 elements" in why
+    assert float(why.split(" ")[3].rstrip("x")) >= 2.0
+    assert list(decisions.values()) == [(winner, why)]
+
+
+@pytest.mark.mpi(min_size=4)
+@SEEDED
+@pytest.mark.parametrize("winner", ["nodes", "flat"])
+def test_auto_measures_both_after_an_indecisive_prediction_the_winner_first(winner):
+    seen, decisions = _seeded_calls(CLOSE[winner], 8)
+    loser = "flat" if winner == "nodes" else "nodes"
+    assert [h for h, _ in seen[:6]] == [winner, loser] * 3     # the predicted winner first
+    assert all("measuring" in why and "below the 2x margin" in why for _, why in seen[:6])
+    assert all(f"predicted {winner} " in why for _, why in seen)
+    kept = seen[6:]
+    assert kept[0] == kept[1] and kept[0][1].startswith("auto: measured")   # the measurement
+    assert list(decisions.values()) == [kept[0]]
+
+
+@pytest.mark.mpi(min_size=4)
+@SEEDED
+def test_ranks_giving_unlike_links_raise_everywhere():
+    links = DECISIVE["nodes"] if comm.rank else DECISIVE["flat"]
+    coll = dq.Collective(comm, node_size=2, hierarchy="auto", links=links)
+    with pytest.raises(dq.InputMismatchError, match="links"):
+        coll.allreduce(np.ones(300, np.float32))
     coll.free()
 
 
