@@ -98,9 +98,9 @@ class Collective(CallRunner):
     (call/graphs.py): a call with ``out=`` whose every argument, buffer and stream
     repeats one made before is captured on its second occurrence and
     replayed from then on, for one digest exchange and a graph launch of host
-    time.  Default ``$DYNAMIQ_GRAPHS`` ("1" on), else off: on 2 and 4 H100s
-    the graph suite, which alternates graph and eager collectives, hung
-    (docs/benchmarks.md 2.0l).
+    time.  Default ``$DYNAMIQ_GRAPHS`` ("1" on), else off: the GPU suites
+    pass with graphs on at 2 H100s (62 us of host time a 2^23 call against
+    934 eager), not yet run at 4 (docs/benchmarks.md 2.0m).
     :meth:`graph_stats` says what was captured.
     """
 
