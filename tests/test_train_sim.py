@@ -143,19 +143,37 @@ def test_the_reducer_gives_simulate_allreduces_bits(spec, topology):
 def test_batched_gradients_equal_the_per_rank_loop(tmp_path, workload, monkeypatch):
     """--batched (torch.func.vmap over the ranks) trains as the loop of
     per-rank backward passes does, up to float rounding: the same losses and
-    parameters after three steps, exact mean and DynamiQ alike."""
+    parameters after three steps with the exact mean, and every rank's
+    gradient of a step equal to its own backward pass's.  With DynamiQ a
+    rounding difference may move a coordinate across a quantization step,
+    and AdamW turns a tiny gradient's flipped sign into a full-size step, so
+    there only the losses (to 1e-3) and the error along the run are compared."""
     monkeypatch.setenv("DYNAMIQ_CACHE", str(tmp_path / "cache"))
     seed = int(np.random.default_rng().integers(1000))
-    for codec in ("fp32", CODEC):
+    args = train_sim.parse_args([*TINY, "--ranks", "3", "--seed", str(seed), "--workload", workload])
+    work = train_sim.make_workload(args, torch.device("cpu"))
+    names = [name for name, _ in work.model.named_parameters()]
+    _, grads = train_sim._batched_grads(work, work.model, names, 1, 3, 2, torch.device("cpu"))
+    for r in range(3):
+        work.model.zero_grad(set_to_none=True)
+        work.loss(1, r, 3).backward()
+        for name, p in work.model.named_parameters():
+            scale = float(p.grad.abs().max())
+            assert torch.allclose(grads[name][r], p.grad, rtol=1e-4, atol=1e-5 * scale), name
+    for codec, params_tol, loss_tol in (("fp32", 1e-3, 1e-5), (CODEC, None, 1e-3)):
         args = ["--ranks", "3", "--codec", codec, "--seed", str(seed), "--workload", workload]
         loop, loop_rec = _sim(tmp_path, "loop", *args)
         batched, batched_rec = _sim(tmp_path, "batched", *args, "--batched",
                                     "--rank-chunk", "2")
         assert batched_rec["config"]["batched"] and not loop_rec["config"]["batched"]
         moved = np.abs(loop - _sim(tmp_path, "start", *args, "--steps", "0")[0]).max()
-        assert np.abs(batched - loop).max() < 1e-3 * moved, (codec, seed)
+        if params_tol is not None:
+            assert np.abs(batched - loop).max() < params_tol * moved, (codec, seed)
         assert np.allclose([v for _, v in batched_rec["steps"]],
-                           [v for _, v in loop_rec["steps"]], rtol=1e-5, atol=0)
+                           [v for _, v in loop_rec["steps"]], rtol=loss_tol, atol=0)
+        if codec == CODEC:
+            err = [np.mean([v for _, v in r["vnmse"]]) for r in (loop_rec, batched_rec)]
+            assert 0.5 < err[1] / err[0] < 2.0 and err[0] > 1e-6, err
         assert not np.array_equal(batched, _sim(tmp_path, "other", *args, "--batched",
                                                 "--seed", str(seed + 1))[0])
 
