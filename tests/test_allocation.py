@@ -131,7 +131,7 @@ def test_joint_costs_on_the_grid_equal_a_brute_force_and_plan_alone(bf16_class):
         budget = bits * 256 * sum(sizes)
         padded = budget + sum(stats)
         caps = None if trial == 0 else [1.05 * bits * 256 * m for m in sizes]
-        summaries = [grid_summary(np, p, True, bf16_class) for p in parts]
+        summaries = [grid_summary(p, True, bf16_class) for p in parts]
         got = joint_costs_on_grid(summaries, budget, padded, stats, True, bf16_class, caps)
         assert got == capped_joint_costs(parts, stats, budget, padded, caps,
                                          bf16_class=bf16_class, grid=True)

@@ -166,10 +166,15 @@ def _agree(metas: list) -> None:
     for key in ("length", "dtype", "backend", "codec", "topology", "op", "seed", "counter",
                 "transport", "tile_bytes", "path", "nonfinite", "layout", "collective",
                 "hierarchy", "node_size", "rail_budget"):
-        values = [m.get(key, _FLAT_DEFAULTS.get(key)) for m in metas]
-        if any(v != values[0] for v in values):
-            per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-            raise InputMismatchError(f"ranks disagree on {key} ({per_rank})")
+        check_agreed([m.get(key, _FLAT_DEFAULTS.get(key)) for m in metas], key)
+
+
+def check_agreed(values: list, what: str) -> None:
+    """Raise InputMismatchError, naming every rank's value, where the ranks'
+    ``values`` of ``what`` (one per rank, gathered alike) differ."""
+    if any(v != values[0] for v in values):
+        per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+        raise InputMismatchError(f"ranks disagree on {what} ({per_rank})")
 
 
 def _reduce_tile(plan, tile, received, event):

@@ -47,6 +47,7 @@ from ..codecs.base import align_up, plan_chunks, plan_layout
 from .engine import (NATIVE_DTYPES, CallSpec, _agree, _check_local, _reduce_stats, _reduce_tile,
                      agreement_record, check_out_buffer, finish_into, propagate_nonfinite, raise_refusal,
                      report_plan, resolve_layout)
+from .rail_budget import joins
 from ..backend import dtype_name
 from ..errors import InvalidInputError, NonFiniteInputError, SumOverflowError
 from ..report import Report
@@ -143,7 +144,7 @@ def _global_block_codecs(codec, blocks, reduced, backend):
     under the whole budget, then each block planned with exactly the bits that
     allocation gives it (codecs/allocation.joint_costs).  For the design
     study (host work)."""
-    if not getattr(codec, "joins_budgets", False):
+    if not joins(codec):
         raise ValueError("budget='global' is for DynamiQ with variable widths")
     norms = [codec.reduced_norms(backend.to_host(blocks.reduced_of(reduced, b)), blocks.m)
              for b in range(len(blocks.values))]

@@ -46,7 +46,7 @@ import numpy as np
 
 from ..backend import dtype_name
 from ..errors import InvalidInputError, NonFiniteInputError
-from .rail_budget import JointRailBudget, joins
+from .rail_budget import JointRailBudget, applies
 
 BLOCK = 256          # the interleave's block: one DynamiQ super-group
 HIERARCHIES = ("flat", "nodes", "auto")
@@ -411,7 +411,7 @@ class Levels:
         # 2. the rail: local rank l of every node, compressed; one bit
         # allocation over the node's rails where asked (rail_budget.py)
         hook = None
-        if coll.rail_budget == "joint" and lay.nodes > 1 and k > 1 and joins(codec):
+        if applies(coll.rail_budget, lay.nodes, k, codec):
             hook = JointRailBudget(self.node, mine)
         reduced, rail_rep, t_rail = self._rail_call(
             "allreduce", shard, on_device and not level.device_arrays, counter, hook=hook,
@@ -540,16 +540,13 @@ class NodeCalls:
             return None
         from ..errors import InputMismatchError
         from ..transports.mpi_host import agree
+        from .engine import check_agreed
         mine = {"hierarchy": "auto", "node_size": k, "links": self.links}
         asks = agree(self._plane, mine)
         if any(not isinstance(a, dict) or a.get("hierarchy") != "auto" for a in asks):
             raise InputMismatchError("ranks disagree on hierarchy: some ask 'auto', others not")
         for field in ("node_size", "links"):
-            values = [a.get(field) for a in asks]
-            if any(v != values[0] for v in values):
-                per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
-                raise InputMismatchError(f"ranks disagree on the {field} of hierarchy='auto' "
-                                         f"({per_rank})")
+            check_agreed([a.get(field) for a in asks], f"the {field} of hierarchy='auto'")
         layout = None
         if k is None:
             try:

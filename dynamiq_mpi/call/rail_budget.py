@@ -9,7 +9,7 @@ the node's rails one allocation instead, the paper's rule with one
 threshold over every super-group of the vector, under the whole budget:
 
 1. every rail reduces its statistics over the nodes, as a flat call does;
-2. each rank summarises its rail's reduced norms where they are (a count
+2. each rank summarises its rail's reduced norms on the host (a count
    of the super-groups per step of a threshold grid and width step:
    ``DynamiQ.share_summary``, a few thousand integers whatever the length),
    and the ranks of a node exchange their summaries (one all-gather inside
@@ -60,6 +60,25 @@ def joins(codec) -> bool:
     return bool(getattr(codec, "joins_budgets", False))
 
 
+def applies(rail_budget: str, nodes: int, node_size: int, codec) -> bool:
+    """Whether a hierarchical call shares one allocation over its rails:
+    asked for, with rails of more than one node and more than one rail."""
+    return rail_budget == "joint" and nodes > 1 and node_size > 1 and joins(codec)
+
+
+def rail_shares(codec, summaries) -> list:
+    """Each rail's codec from its summary (``DynamiQ.share_summary``; None:
+    a rail without statistics, which keeps ``codec``): the rails that have
+    one share one allocation (``DynamiQ.shares_on_grid``), if two or more."""
+    codecs = [codec] * len(summaries)
+    joined = [i for i, s in enumerate(summaries) if s is not None]
+    if len(joined) >= 2:
+        shares = codec.shares_on_grid([summaries[i] for i in joined], RAIL_SHARE_CAP)
+        for i, c in zip(joined, shares):
+            codecs[i] = c
+    return codecs
+
+
 class JointRailBudget:
     """The plan hook of one rail call (engine.CallSpec.plan_hook) and its
     in-node exchange.  ``node``: the node's plane (ranks in local order);
@@ -86,12 +105,8 @@ class JointRailBudget:
         if not joins(codec):
             self._exchange(None)
             return codec
-        parts = self._exchange(codec.share_summary(backend.xp, reduced, self.length))
-        joined = [(i, p) for i, p in enumerate(parts) if p is not None]
-        if len(joined) < 2:         # nothing to share with
-            return codec
-        codecs = codec.shares_on_grid([p for _, p in joined], RAIL_SHARE_CAP)
-        return codecs[[i for i, _ in joined].index(self.node.rank)]
+        parts = self._exchange(codec.share_summary(reduced, self.length))
+        return rail_shares(codec, parts)[self.node.rank]
 
     def finish(self):
         """After the rail call: join the exchange with nothing if the call

@@ -207,10 +207,7 @@ def joint_costs(norms, budget_bits: float, padded_budget_bits: float, stats_bits
     ``padded_budget_bits`` as in :func:`allocate_xp` (inputs too short for
     their statistics).  Host work: a binary search over the candidate
     thresholds, each step a few binary searches per part."""
-    rec = {w: record_bits(w, hierarchical) for w in WIDTHS + (BF16_WIDTH,)}
-    steps = [(512.0, rec[4] - rec[2]), (17.0, rec[8] - rec[4])]
-    if bf16_class:
-        steps.append((S16, rec[BF16_WIDTH] - rec[8]))
+    rec, steps = _width_steps(hierarchical, bf16_class)
     parts = []
     for f, sb in zip(norms, stats_bits):
         F = np.asarray(f, dtype=np.float32).reshape(-1).astype(np.float64)
@@ -259,13 +256,6 @@ GRID_SHIFT = 48
 GRID_SIZE = 1 << (63 - GRID_SHIFT)          # non-negative float64 keys; index GRID_SIZE: +inf
 
 
-def grid_threshold(j: int) -> float:
-    """The threshold of grid index ``j`` (``GRID_SIZE``: +inf)."""
-    if j >= GRID_SIZE:
-        return float("inf")
-    return float(np.array([j << GRID_SHIFT], dtype=np.int64).view(np.float64)[0])
-
-
 def _width_steps(hierarchical: bool, bf16_class: bool):
     """(scale s, extra bits) of each width step: a super-group steps up where
     ``s F >= theta`` (2 -> 4 bits at s = 512, 4 -> 8 at 17, 8 -> 16 at S16)."""
@@ -276,23 +266,23 @@ def _width_steps(hierarchical: bool, bf16_class: bool):
     return rec, steps
 
 
-def grid_summary(xp, norm2, zero_class: bool = True, bf16_class: bool = False) -> tuple:
+def grid_summary(norm2, zero_class: bool = True, bf16_class: bool = False) -> tuple:
     """What one part contributes to :func:`joint_costs_on_grid`: (live
     super-groups, per width step (first key, counts of the keys of ``s F``
-    from it on)).  Computed where the norms are (NumPy or CuPy: integer
-    counts, the same on both); a few KB whatever the part's length."""
-    F = norm2.astype(np.float64)
-    live = F[F > 0] if zero_class else xp.abs(F)
+    from it on)), from the part's reduced squared norms on the host (a
+    device part copies them here once: a few hundred KB, one wait, where
+    counting on the device would read back per step); a few KB whatever
+    the part's length."""
+    F = np.asarray(norm2).astype(np.float64)
+    live = F[F > 0] if zero_class else np.abs(F)
     out = []
     for s, _ in _width_steps(True, bf16_class)[1]:
-        keys = xp.clip((s * live).view(np.int64) >> GRID_SHIFT, 0, GRID_SIZE - 1)
+        keys = np.clip((s * live).view(np.int64) >> GRID_SHIFT, 0, GRID_SIZE - 1)
         if keys.shape[0] == 0:
             out.append((0, np.zeros(0, dtype=np.int64)))
             continue
         lo = int(keys.min())
-        counts = xp.bincount(keys - lo)
-        out.append((lo, np.asarray(counts.get() if hasattr(counts, "get") else counts,
-                                   dtype=np.int64)))
+        out.append((lo, np.bincount(keys - lo).astype(np.int64)))
     return int(live.shape[0]), out
 
 
@@ -305,7 +295,7 @@ def joint_costs_on_grid(summaries, budget_bits: float, padded_budget_bits: float
     what is exchanged and searched is a few thousand counts a part, not the
     norms).
 
-    The rule: the threshold is the smallest grid value (``grid_threshold``)
+    The rule: the threshold is the smallest grid value
     whose total cost fits the budget, a part held at its cap keeping the
     smallest grid value its cap allows.  ``s F >= theta`` for a grid
     ``theta`` counts exactly from the keys of ``s F`` (``s F`` is exact in

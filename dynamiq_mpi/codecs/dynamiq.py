@@ -145,25 +145,32 @@ class DynamiQ(Codec):
         nsg = -(-int(length) // SUPER)
         return 32 * ((2 * nsg if self.centring else nsg) + 2)
 
-    def split_budget(self, norms, lengths, cap=None) -> list:
-        """Codecs for parts of ``lengths`` elements (their reduced norms, host
-        arrays, in a fixed order) under one allocation of the parts' whole
-        budget: part i planned with exactly the bits it gets there
-        (:func:`~dynamiq_mpi.codecs.allocation.joint_costs`); ``cap``: no
+    def _shared_budget(self, lengths, cap):
+        """(budget bits, padded budget bits, statistics bits per part, caps)
+        of one allocation over parts of ``lengths`` elements; ``cap``: no
         part above ``cap`` times its own budget (None: no limit)."""
-        lengths = [int(m) for m in lengths]
         stats = [self.stats_bits(m) for m in lengths]
         nsg = sum(-(-m // SUPER) for m in lengths)
         caps = None if cap is None else [cap * self.bits * m for m in lengths]
-        costs = joint_costs(norms, self.bits * sum(lengths), self.bits * nsg * SUPER + sum(stats),
-                            stats, self.hierarchical, self.zero_class, self.bf16_class, caps)
+        return self.bits * sum(lengths), self.bits * nsg * SUPER + sum(stats), stats, caps
+
+    def split_budget(self, norms, lengths) -> list:
+        """Codecs for parts of ``lengths`` elements (their reduced norms, host
+        arrays, in a fixed order) under one allocation of the parts' whole
+        budget: part i planned with exactly the bits it gets there
+        (:func:`~dynamiq_mpi.codecs.allocation.joint_costs`)."""
+        lengths = [int(m) for m in lengths]
+        budget, padded, stats, _ = self._shared_budget(lengths, None)
+        costs = joint_costs(norms, budget, padded, stats, self.hierarchical, self.zero_class,
+                            self.bf16_class)
         return [self.with_exact_bits(c, m) for c, m in zip(costs, lengths)]
 
-    def share_summary(self, xp, reduced, length: int) -> tuple:
+    def share_summary(self, reduced, length: int) -> tuple:
         """This part's summary for :meth:`shares_on_grid`: (length, the grid
-        summary of its reduced norms); small, computed where they are."""
-        return int(length), grid_summary(xp, self.reduced_norms(reduced, length),
-                                         self.zero_class, self.bf16_class)
+        summary of its reduced norms); small."""
+        norms = self.reduced_norms(reduced, length)
+        host = norms if isinstance(norms, np.ndarray) else norms.get()
+        return int(length), grid_summary(host, self.zero_class, self.bf16_class)
 
     def shares_on_grid(self, summaries, cap=None) -> list:
         """Codecs for the parts summarised (:meth:`share_summary`, in a fixed
@@ -172,11 +179,8 @@ class DynamiQ(Codec):
         no part above ``cap`` times its own budget: a hierarchical call's
         joint rail budget."""
         lengths = [m for m, _ in summaries]
-        stats = [self.stats_bits(m) for m in lengths]
-        nsg = sum(-(-m // SUPER) for m in lengths)
-        caps = None if cap is None else [cap * self.bits * m for m in lengths]
-        costs = joint_costs_on_grid([g for _, g in summaries], self.bits * sum(lengths),
-                                    self.bits * nsg * SUPER + sum(stats), stats,
+        budget, padded, stats, caps = self._shared_budget(lengths, cap)
+        costs = joint_costs_on_grid([g for _, g in summaries], budget, padded, stats,
                                     self.hierarchical, self.bf16_class, caps, lengths)
         return [self.with_exact_bits(c, m) for c, m in zip(costs, lengths)]
 

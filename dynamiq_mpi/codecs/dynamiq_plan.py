@@ -155,7 +155,7 @@ class _DynamiQPlan(Plan):
         self.nsg = nsg = -(-self.length // SUPER)
         head = 2 * nsg if codec.centring else nsg
         self.mean_sum = reduced[:nsg] if codec.centring else self._zeros("mean_sum", nsg)
-        self.norm2 = reduced[head - nsg:head]
+        self.norm2 = codec.reduced_norms(reduced, self.length)
         stats_bits = codec.stats_bits(self.length)
         hier = codec.hierarchical
         # The plan (widths, stable reorder, counts) by the compiled planner, on
@@ -165,7 +165,7 @@ class _DynamiQPlan(Plan):
         order = ws.take(xp, "dq.order", nsg, np.int64)
         stream_of_sg = ws.take(xp, "dq.stream_of_sg", nsg, np.int64)
         header = ws.take(xp, "dq.header", self.k.PLAN_HEADER, np.float64)
-        variable = codec.variable_width and codec.fixed_width is None
+        variable = codec.joins_budgets
         bf16_class = codec.bf16_class and variable
         padded_budget_bits = codec.bits * nsg * SUPER + stats_bits
         self.chunks = planned_chunks(n)
@@ -460,7 +460,7 @@ class _DynamiQPlan(Plan):
                     "slot_bytes": self.tiling.nbytes[0]}
         self._read_header()
         c = self.counts
-        variable = self.codec.variable_width and self.codec.fixed_width is None
+        variable = self.codec.joins_budgets
         info = {"layout": "fixed" if self.fixed else "exact",
                 "widths": {w: c[w] for w in (0,) + self.widths},
                 "threshold_u": theta_to_u(self.theta) if variable else float("nan"),

@@ -60,7 +60,7 @@ from ..codecs.base import DEFAULT_TILE_BYTES
 # simulation and the multi-process call (hierarchy.py) cut the same rails
 from ..call.hierarchy import (BLOCK, rail_blocks, rail_gather, rail_index,  # noqa: F401
                          rail_length, rail_scatter, rail_topology)
-from ..call.rail_budget import RAIL_BUDGETS, RAIL_SHARE_CAP, joins
+from ..call.rail_budget import RAIL_BUDGETS, applies, rail_shares
 from ..codecs import DEFAULT_CODEC
 from ..codecs.dynamiq import DynamiQ
 from .scale_sim import (ArraySource, LogNormalMixture, RankSource, _vnmse, reduced_statistics,
@@ -213,19 +213,13 @@ def _rail_codecs(codec, rail_budget, nodes, node_size, rails):
     """Each rail's codec: ``codec`` itself, or with ``rail_budget="joint"``
     its share of one allocation over the rails that have statistics
     (``rails``: (rail length, reduced statistics or None) per non-empty rail,
-    in rail order; dynamiq_mpi/call/rail_budget.py, the same rule)."""
+    in rail order; the collective's rule, dynamiq_mpi/call/rail_budget.py)."""
     check_rail_budget(rail_budget)
-    codecs = [codec] * len(rails)
-    if rail_budget != "joint" or nodes < 2 or node_size < 2 or not joins(codec):
-        return codecs
-    joined = [i for i, (_, reduced) in enumerate(rails) if reduced is not None]
-    if len(joined) < 2:
-        return codecs
-    shares = codec.shares_on_grid([codec.share_summary(np, np.asarray(rails[i][1]), rails[i][0])
-                                   for i in joined], RAIL_SHARE_CAP)
-    for i, c in zip(joined, shares):
-        codecs[i] = c
-    return codecs
+    if not applies(rail_budget, nodes, node_size, codec):
+        return [codec] * len(rails)
+    return rail_shares(codec, [None if reduced is None
+                               else codec.share_summary(np.asarray(reduced), length)
+                               for length, reduced in rails])
 
 
 def check_rail_budget(rail_budget):
@@ -352,7 +346,7 @@ def levels_simulate(xs, node_size, *, codec=None, topology="ring", op="sum", see
     live = [(l, blocks, [rail_gather(s, node_size, l) for s in sums])
             for l, blocks in enumerate(rail_blocks(length, node_size))
             if rail_length(length, node_size, l)]
-    joint = rail_budget == "joint" and joins(codec)
+    joint = applies(rail_budget, nodes, node_size, codec)
     codecs = _rail_codecs(codec, rail_budget, nodes, node_size, [
         (shards[0].shape[0],
          _rail_statistics(shards, codec, rail_topo, seed, counter, tile_bytes) if joint else None)

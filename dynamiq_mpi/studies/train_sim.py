@@ -186,6 +186,20 @@ def _grads(params):
     return [p.grad for p in params]
 
 
+def _set_grads(params, bucket, mean):
+    """The parameters of ``bucket`` (indices) take their slices of the
+    bucket's reduced ``mean`` as gradients (into ``.grad`` where it exists)."""
+    offset = 0
+    for i in bucket:
+        p = params[i]
+        part = mean[offset:offset + p.numel()].view_as(p)
+        if p.grad is None:
+            p.grad = part.clone()
+        else:
+            p.grad.copy_(part)
+        offset += p.numel()
+
+
 def _batched_grads(work, model, names, step, n, chunk, device):
     """(every rank's loss, {parameter name: (n, *shape) gradients}) in one
     vectorised pass: torch.func's grad of the workload's loss, vmapped over
@@ -265,12 +279,7 @@ def run(args) -> dict:
                 buckets = gradient_buckets([grads[name][0] for name in names], args.bucket_mb)
             for b in buckets:
                 mat = torch.cat([grads[names[i]].reshape(n, -1) for i in b], dim=1)
-                mean = reducer(list(mat.unbind(0)))
-                offset = 0
-                for i in b:
-                    k = params[i].numel()
-                    params[i].grad = mean[offset:offset + k].view_as(params[i]).clone()
-                    offset += k
+                _set_grads(params, b, reducer(list(mat.unbind(0))))
             del grads
             record["vnmse"].append([step, reducer.take_vnmse()])
         else:
@@ -285,12 +294,7 @@ def run(args) -> dict:
                 per_rank.append([torch.cat([params[i].grad.reshape(-1) for i in b])
                                  for b in buckets])
             for j, b in enumerate(buckets):
-                mean = reducer([per_rank[r][j] for r in range(n)])
-                offset = 0
-                for i in b:
-                    k = params[i].grad.numel()
-                    params[i].grad.copy_(mean[offset:offset + k].view_as(params[i].grad))
-                    offset += k
+                _set_grads(params, b, reducer([per_rank[r][j] for r in range(n)]))
             del per_rank
             record["vnmse"].append([step, reducer.take_vnmse()])
         opt.step()
