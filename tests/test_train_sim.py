@@ -197,3 +197,38 @@ def test_a_run_writes_its_curve_as_it_goes_and_reduces_on_the_host(tmp_path, mon
     b, _ = _sim(tmp_path, "b", "--ranks", "3", "--codec", CODEC, "--eval-every", "1",
                 "--reduce-on", "host")
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("workload", ["lm", "cls"])
+def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path, workload, monkeypatch):
+    """--max-seconds 0 stops after every step; the same command with
+    --checkpoint goes on from there: the parameters, the curves and the bits
+    counted end as a run of all its steps at once (the codec's call counter
+    and AdamW's moments carried over)."""
+    monkeypatch.setenv("DYNAMIQ_CACHE", str(tmp_path / "cache"))
+    seed = str(int(np.random.default_rng().integers(1000)))
+    run = ["--ranks", "3", "--codec", CODEC, "--seed", seed, "--workload", workload,
+           "--steps", "5", "--eval-every", "2"]
+    whole, whole_rec = _sim(tmp_path, "whole", *run)
+    ckpt = str(tmp_path / "run.ckpt")
+    part = [*TINY, *run, "--checkpoint", ckpt, "--max-seconds", "0",
+            "--dump", str(tmp_path / "part.npy"), "--json", str(tmp_path / "part.json")]
+    parts = [train_sim.main(part) for _ in range(5)]
+    assert [len(r["steps"]) for r in parts] == [1, 2, 3, 4, 5]
+    assert [len(r["evals"]) for r in parts] == [0, 1, 1, 2, 3]
+    assert [r.get("partial") for r in parts] == [True] * 4 + [None]
+    assert json.load(open(tmp_path / "part.json")).get("partial") is None
+    resumed = np.load(tmp_path / "part.npy")
+    assert np.array_equal(whole.view(np.uint32), resumed.view(np.uint32)), seed
+    for key in ("steps", "evals", "vnmse", "bits_per_coord", "final_val_loss"):
+        assert parts[-1][key] == whole_rec[key], key
+    # another run's checkpoint is refused, naming what differs
+    with pytest.raises(SystemExit, match="another run's: codec differ"):
+        _sim(tmp_path, "other", *[a if a != CODEC else "bf16" for a in run],
+             "--checkpoint", ckpt)
+
+
+def test_max_seconds_needs_a_checkpoint(capsys):
+    with pytest.raises(SystemExit):
+        train_sim.main([*TINY, "--max-seconds", "10"])
+    assert "give --checkpoint" in capsys.readouterr().err

@@ -20,7 +20,7 @@
 #   tests4 hier sockets4 flat4 torch4 ddp4
 # training (tools/device/train.sh):
 #   train         mpi_examples/train_lm.py, BF16 against DynamiQ (STEPS, SEEDS_*, CODECS_DQ, TRAIN_ARGS)
-#   train-sim     simulated ranks on one GPU (tools/device/train_sim.sh: RUNS, STEPS, DEADLINE)
+#   train-sim     simulated ranks on one GPU (tools/device/train_sim.sh: RUNS, HOST_RUNS, STATE, DEADLINE)
 # CUDA-aware MPI (tools/device/mpi_cuda.sh; carry .whl with the sources):
 #   mpi-cuda-build mpi-cuda-ext mpi-cuda-probe mpi-cuda-tests mpi-cuda-bench
 # A/B of two package versions, alternating (tools/device/package_ab.sh):

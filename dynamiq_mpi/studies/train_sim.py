@@ -87,11 +87,20 @@ def parse_args(argv):
                    help="run the real job instead (under mpiexec -n N: allreduce_gradients)")
     p.add_argument("--dump", default=None, help="write the final parameters here (.npy)")
     p.add_argument("--json", default=None)
+    p.add_argument("--checkpoint", default=None,
+                   help="save the run's state here at every evaluation (and at --max-seconds), "
+                        "and resume from it "
+                        "when it exists (the same bits as a run never stopped)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="stop after the first step that ends this many seconds into training, "
+                        "saving --checkpoint (the JSON stays partial; the same command goes on)")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     for k, v in PRESETS[args.preset].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.max_seconds is not None and not args.checkpoint:
+        p.error("--max-seconds stops a run part way: give --checkpoint to go on from there")
     if args.batched and args.real:
         p.error("--batched simulates ranks; a --real job computes one rank's gradient")
     if args.ranks < 1 or args.node_size < 1 or args.ranks % args.node_size:
@@ -111,6 +120,12 @@ class Reducer:
         self.counter = 0            # a real job's call counter: one per bucket
         self.err = self.norm = 0.0
         self.bits = self.coords = 0.0
+
+    def state(self):
+        return {"counter": self.counter, "bits": self.bits, "coords": self.coords}
+
+    def load_state(self, state):
+        self.counter, self.bits, self.coords = state["counter"], state["bits"], state["coords"]
 
     def take_vnmse(self):
         v = self.err / self.norm if self.norm > 0 else 0.0
@@ -258,12 +273,15 @@ def run(args) -> dict:
     sync = torch.cuda.synchronize if use_cuda else (lambda: None)
     record = {"config": dict(vars(args), n_params=sum(p.numel() for p in params),
                              device=torch.cuda.get_device_name(device) if use_cuda else "cpu",
-                             torch=torch.__version__),
+                             torch=str(torch.__version__)),
               "corpus": work.info, "steps": [], "evals": [], "vnmse": []}
     buckets = None
+    start, before = 0, 0.0
+    if args.checkpoint and not args.real:
+        start, before = _resume(args.checkpoint, record, model, opt, reducer)
     progress = _progress(args.steps, args.quiet or rank != 0)
     t0 = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(start, args.steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, args)
         losses = []
@@ -307,10 +325,23 @@ def run(args) -> dict:
             if "accuracy" in ev:
                 record.setdefault("accuracy", []).append([step + 1, ev["accuracy"]])
             if args.json and step + 1 < args.steps:     # a run cut short keeps its curve
-                _write(args.json, dict(record, partial=True))
+                _write(args.json, dict(record, partial=True,
+                                       seconds=before + time.perf_counter() - t0))
+            evaluated = True
+        else:
+            evaluated = False
         progress(step, record)
+        if args.checkpoint and not args.real and step + 1 < args.steps:
+            stop = args.max_seconds is not None and time.perf_counter() - t0 >= args.max_seconds
+            if stop or evaluated:
+                elapsed = before + time.perf_counter() - t0
+                _save(args.checkpoint, step + 1, elapsed, record, model, opt, reducer)
+            if stop:
+                if args.json:
+                    _write(args.json, dict(record, partial=True, seconds=elapsed))
+                return dict(record, partial=True, seconds=elapsed)
     sync()
-    record["seconds"] = time.perf_counter() - t0
+    record["seconds"] = before + time.perf_counter() - t0
     if reducer is not None and reducer.coords:
         record["bits_per_coord"] = reducer.bits / reducer.coords
     if record["evals"]:
@@ -324,6 +355,47 @@ def run(args) -> dict:
     if args.json and rank == 0:
         _write(args.json, record)
     return record
+
+
+# Resuming: what a run carries from one step to the next (the parameters,
+# AdamW's moments, the reducer's call counter and tallies, the curves); the
+# data of a step is drawn from the step number, so nothing else is needed.
+_NOT_THE_RUN = ("json", "checkpoint", "max_seconds", "quiet", "dump", "device", "torch",
+                "reduce_on", "rank_chunk")       # the same bits either way
+
+
+def _save(path, step, elapsed, record, model, opt, reducer):
+    import os
+
+    import torch
+    state = {"step": step, "seconds": elapsed, "record": record, "model": model.state_dict(),
+             "opt": opt.state_dict(), "reducer": reducer.state()}
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)         # a run killed mid-write keeps the last one
+
+
+def _resume(path, record, model, opt, reducer):
+    """(first step, seconds already trained) from ``path``; (0, 0) when it
+    does not exist yet.  A checkpoint of another run is refused."""
+    import os
+
+    import torch
+    if not os.path.exists(path):
+        return 0, 0.0
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    mine, theirs = record["config"], state["record"]["config"]
+    differ = sorted(k for k in set(mine) | set(theirs)
+                    if k not in _NOT_THE_RUN and mine.get(k) != theirs.get(k))
+    if differ:
+        raise SystemExit(f"--checkpoint {path} is another run's: {', '.join(differ)} differ "
+                         f"({', '.join(f'{k}={theirs.get(k)!r}' for k in differ)} there)")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["opt"])
+    reducer.load_state(state["reducer"])
+    for key in ("steps", "evals", "vnmse", "accuracy"):
+        if key in state["record"]:
+            record[key] = state["record"][key]
+    return state["step"], state["seconds"]
 
 
 def _write(path, record):
@@ -364,6 +436,12 @@ def _label(cfg):
 
 
 _PLAIN_BITS = {"fp32": 32.0, "bf16": 16.0}     # runs written before these were counted
+
+
+def _bits(run):
+    """Bits a coordinate of a run's reductions; None for a partial codec run
+    (counted when the run ends)."""
+    return run.get("bits_per_coord") or _PLAIN_BITS.get(run["config"]["codec"])
 
 
 def last_fifth_gain(run):
@@ -423,8 +501,7 @@ def table(paths, png=None) -> list:
                          accuracy=(statistics.mean(r["final_accuracy"] for r in done)
                                    if done and all("final_accuracy" in r for r in done)
                                    else None),
-                         bits=statistics.mean([r.get("bits_per_coord") or _PLAIN_BITS.get(
-                             r["config"]["codec"], 0.0) for r in rs])))
+                         bits=statistics.mean([b for b in map(_bits, rs) if b] or [0.0])))
     print(f"{'N':>4s} {'reduction':>36s} {'seeds':>7s} {'final val':>10s} {'spread':>8s} "
           f"{'/ BF16':>8s} {'steps to BF16':>14s} {'vNMSE':>9s} {'bits':>6s} {'acc':>6s} "
           f"{'last 1/5':>8s}")
@@ -446,23 +523,41 @@ def table(paths, png=None) -> list:
 
 
 def _plot(groups, png):
+    """One panel per (workload, N): validation loss against step (lm), or
+    accuracy (cls: its loss overfits while accuracy still climbs).  The
+    y range follows the runs that train: a diverged run is named in the
+    legend with its final value, off the chart."""
+    import statistics
+
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    ns = sorted({n for n, _ in groups})
-    fig, axes = plt.subplots(1, len(ns), figsize=(6 * len(ns), 4.5), squeeze=False)
-    for ax, n in zip(axes[0], ns):
-        for (m, label), rs in sorted(groups.items()):
-            if m != n:
-                continue
+    panels = {}
+    for (n, label), rs in sorted(groups.items()):
+        work = rs[0]["config"].get("workload", "lm")
+        panels.setdefault((work, n), []).append((label, rs))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, ((work, n), members) in zip(axes[0], sorted(panels.items())):
+        key = "accuracy" if work == "cls" else "evals"
+        curves = [(label, r[key]) for label, rs in members for r in rs if r.get(key)]
+        starts = [c[0][1] for _, c in curves]
+        lo = min(v for _, c in curves for _, v in c) if curves else 0.0
+        hi = statistics.median(starts) * 1.05 if starts else 1.0
+        for k, (label, rs) in enumerate(members):
             for i, r in enumerate(rs):
-                xs, ys = zip(*r["evals"]) if r["evals"] else ((), ())
-                ax.plot(xs, ys, label=label if i == 0 else None, alpha=0.8,
-                        color=f"C{sorted({lab for k, lab in groups if k == n}).index(label)}")
-        ax.set_title(f"N = {n} simulated ranks")
+                if not r.get(key):
+                    continue
+                xs, ys = zip(*r[key])
+                off = key == "evals" and ys[-1] > hi
+                name = f"{label} (off the chart: {ys[-1]:.2f})" if off else label
+                ax.plot(xs, ys, label=name if i == 0 else None, alpha=0.8, color=f"C{k}")
+        if key == "evals":
+            ax.set_ylim(lo - 0.03 * (hi - lo), hi)
+        ax.set_title(f"{work}, N = {n} simulated ranks")
         ax.set_xlabel("step")
-        ax.set_ylabel("validation loss (nats/byte)")
-        ax.legend(fontsize=8)
+        ax.set_ylabel("validation accuracy" if key == "accuracy" else
+                      "validation loss (nats/byte)")
+        ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
 

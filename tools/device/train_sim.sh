@@ -1,29 +1,35 @@
 #!/bin/bash
 # One GPU: cells of the simulated-ranks training table (docs/training.md,
-# `python -m dynamiq_mpi train-sim`).  RUNS: "N/codec/topology/node_size/seed"
-# entries (WORKLOAD=lm|cls, PRESET=small|compact, STEPS, TRAIN_ARGS such as
-# --batched, for all), run in the order given while DEADLINE seconds have not
-# passed; then
-# the table and the curves.  Output under $OUT: table.txt, train_sim_curves.png,
-# train_sim_runs.tgz (every run's JSON).
+# `python -m dynamiq_mpi train-sim`), resumable across device calls.
+#   RUNS="N/codec/topology/node_size/seed ..."  ("dynamiq": dynamiq:5:small_input=0)
+#   HOST_RUNS="..."    the same, with --reduce-on host (the codec in NumPy:
+#                      several runs share the GPU; MX, THC, OmniReduce, --node-size)
+#   WORKLOAD=lm|cls PRESET=compact STEPS TRAIN_ARGS (for all; e.g. --batched)
+#   DEADLINE=s         every run stops by then (seconds from now) and saves its state
+#   STATE=dir          the runs of an earlier call (JSON + checkpoints) to go on from
+# All runs at once (JOBS, default all).  Output under $OUT: table.txt,
+# train_sim_curves.png and train_sim_runs.tgz.part-* (every run's JSON and
+# checkpoint: `cat` the parts, unpack into STATE to go on in the next call).
+set -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT/runs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-DQ=dynamiq:5:small_input=0
-RUNS=${RUNS:-"8/bf16/ring/1/0 8/dynamiq/ring/1/0"}     # "dynamiq": $DQ
-DEADLINE=${DEADLINE:-450}
+HERE=$(dirname "${BASH_SOURCE[0]}")
 t0=$(date +%s)
-for run in $RUNS; do
-  IFS=/ read -r n codec topo k seed <<< "$run"
-  [[ $codec == dynamiq ]] && codec=$DQ
-  if (( $(date +%s) - t0 > DEADLINE )); then echo "skipped (deadline): $run"; continue; fi
-  name="${WORKLOAD:-lm}_${PRESET:-small}_n${n}_${codec//[:=]/-}_${topo}_k${k}_s${seed}"
-  s=$(date +%s)
-  timeout 300 python3 -m dynamiq_mpi train-sim --ranks "$n" --codec "$codec" --topology "$topo" \
-    --node-size "$k" --seed "$seed" --preset "${PRESET:-small}" ${STEPS:+--steps $STEPS} \
-    --workload "${WORKLOAD:-lm}" $TRAIN_ARGS --quiet --json "$OUT/runs/$name.json" \
-    || echo "failed: $run"
-  echo "$name: $(( $(date +%s) - s )) s"
-done
+[ -n "${STATE:-}" ] && [ -d "$STATE" ] && cp -r "$STATE"/. "$OUT/runs/"
+export TRAIN_ARGS=${TRAIN_ARGS:-} DEVICE=cuda PRESET=${PRESET:-compact} WORKLOAD=${WORKLOAD:-lm} 
+# a run stops after the first step past MAX_SECONDS: leave it ~40 s to start
+# and room for its last step and checkpoint
+export MAX_SECONDS=$(( ${DEADLINE:-450} - 60 ))
+n_dev=$(wc -w <<< "${RUNS:-}"); n_host=$(wc -w <<< "${HOST_RUNS:-}")
+[ "$n_dev" -gt 0 ] && RUNS="$RUNS" OUT=$OUT/runs JOBS=${JOBS:-$n_dev} \
+  bash "$HERE/../studies/train_sim_cells.sh" > "$OUT/device_runs.log" 2>&1 &
+[ "$n_host" -gt 0 ] && RUNS="$HOST_RUNS" OUT=$OUT/runs JOBS=${JOBS:-$n_host} \
+  TRAIN_ARGS="$TRAIN_ARGS --reduce-on host" \
+  bash "$HERE/../studies/train_sim_cells.sh" > "$OUT/host_runs.log" 2>&1 &
+wait
+grep -ahE "stopped|failed|have|: [0-9]+ s$|Error" "$OUT"/device_runs.log "$OUT"/host_runs.log
+echo "all runs: $(( $(date +%s) - t0 )) s"
 python3 -m dynamiq_mpi train-sim table "$OUT"/runs/*.json --png "$OUT/train_sim_curves.png" \
   | tee "$OUT/table.txt"
-tar czf "$OUT/train_sim_runs.tgz" -C "$OUT" runs && rm -r "$OUT/runs"
+# files come back at most 16 MiB each: the archive in parts (cat them to unpack)
+tar czf - -C "$OUT/runs" . | split -b 15M - "$OUT/train_sim_runs.tgz.part-" && rm -r "$OUT/runs"

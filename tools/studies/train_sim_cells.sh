@@ -1,28 +1,42 @@
 #!/bin/bash
 # Cells of the simulated-ranks training table on the CPU (or any one device),
 # JOBS at a time (docs/training.md, `python -m dynamiq_mpi train-sim`).
-#   RUNS="N/codec/topology/node_size/seed ..."   ("dynamiq": dynamiq:5:small_input=0)
+#   RUNS="N/codec/topology/node_size/seed[/workload] ..."   ("dynamiq": dynamiq:5:small_input=0;
+#        workload lm or cls, WORKLOAD's by default)
 #   PRESET=compact DEVICE=cpu JOBS=2 OUT=dir [STEPS=...] [WORKLOAD=lm|cls]
-#   [TRAIN_ARGS="--batched --reduce-on host"]
+#   [TRAIN_ARGS="--batched --reduce-on host"] [MAX_SECONDS=s]
 #   bash tools/studies/train_sim_cells.sh
-# Each run writes OUT/NAME.json (a run already there is skipped: re-running
-# resumes a queue); then the table of every run in OUT.
+# Each run writes OUT/NAME.json as it goes ("partial": true until it ends)
+# and its state to OUT/NAME.ckpt at every evaluation: a run already complete
+# is skipped, a partial one goes on from its checkpoint (the same bits), so
+# re-running resumes a queue.  MAX_SECONDS: each run stops at its first
+# evaluation after that many seconds (to fit a time-limited machine).
+# Then the table of every run in OUT.
 set -uo pipefail
 OUT=${OUT:-train_sim_out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PRESET=${PRESET:-compact} DEVICE=${DEVICE:-cpu} WORKLOAD=${WORKLOAD:-lm} OUT PY
-export STEPS=${STEPS:-} TRAIN_ARGS=${TRAIN_ARGS:-}
+export STEPS=${STEPS:-} TRAIN_ARGS=${TRAIN_ARGS:-} MAX_SECONDS=${MAX_SECONDS:-}
 one() {
-  IFS=/ read -r n codec topo k seed <<< "$1"
+  IFS=/ read -r n codec topo k seed work <<< "$1"
   [[ $codec == dynamiq ]] && codec=dynamiq:5:small_input=0
-  local name="${WORKLOAD}_${PRESET}_n${n}_${codec//[:=]/-}_${topo}_k${k}_s${seed}"
-  [[ -s "$OUT/$name.json" ]] && { echo "have $name"; return 0; }
+  work=${work:-$WORKLOAD}
+  local name="${work}_${PRESET}_n${n}_${codec//[:=]/-}_${topo}_k${k}_s${seed}"
+  local json="$OUT/$name.json"
+  if [[ -s $json ]] && ! grep -q '"partial": true' "$json"; then echo "have $name"; return 0; fi
   local s=$(date +%s)
-  OMP_NUM_THREADS=1 $PY -m dynamiq_mpi train-sim --preset "$PRESET" --device "$DEVICE" \
-    --workload "$WORKLOAD" --ranks "$n" --codec "$codec" --topology "$topo" --node-size "$k" \
-    --seed "$seed" ${STEPS:+--steps $STEPS} $TRAIN_ARGS --quiet --json "$OUT/$name.json.part" \
-    && mv "$OUT/$name.json.part" "$OUT/$name.json" && echo "$name: $(( $(date +%s) - s )) s" \
-    || echo "failed: $1"
+  if OMP_NUM_THREADS=1 $PY -m dynamiq_mpi train-sim --preset "$PRESET" --device "$DEVICE" \
+      --workload "$work" --ranks "$n" --codec "$codec" --topology "$topo" --node-size "$k" \
+      --seed "$seed" ${STEPS:+--steps $STEPS} $TRAIN_ARGS --quiet --json "$json" \
+      --checkpoint "$OUT/$name.ckpt" ${MAX_SECONDS:+--max-seconds $MAX_SECONDS}; then
+    if grep -q '"partial": true' "$json"; then
+      echo "$name: stopped at step $($PY -c "import json,sys; print(len(json.load(open(sys.argv[1]))['steps']))" "$json") after $(( $(date +%s) - s )) s"
+    else
+      rm -f "$OUT/$name.ckpt"; echo "$name: $(( $(date +%s) - s )) s"
+    fi
+  else
+    echo "failed: $1"
+  fi
 }
 export -f one
 printf '%s\n' ${RUNS:?RUNS is empty} | xargs -P "${JOBS:-2}" -I{} bash -c 'one {}'
