@@ -9,9 +9,10 @@ import dynamiq_mpi as dq
 from dynamiq_mpi.codecs.base import Codec
 from dynamiq_mpi.errors import NonFiniteInputError
 from dynamiq_mpi.studies.gradients import gradient_like
+from dynamiq_mpi.studies import scale_sim
 from dynamiq_mpi.studies.scale_sim import ArraySource, LogNormalMixture, scale_allreduce, supports
 
-from helpers import exact_sum, fresh_seed
+from helpers import exact_sum, fresh_seed, rank_inputs
 
 CODECS = {
     "dynamiq:5": dq.DynamiQ(bits=5, small_input=0),
@@ -27,6 +28,24 @@ CODECS = {
     "mxfp:e4m3": dq.MXFP("e4m3"),
     "mxfp:e3m2": dq.MXFP("e3m2"),
     "mxfp:e2m1": dq.MXFP("e2m1"),
+    "thc": dq.THC(),
+    "thc:4 levels, blocks <= 2^10": dq.THC(levels=4, max_block_log2=10),
+    "omnireduce": dq.OmniReduce(),
+    "omnireduce:0.2": dq.OmniReduce(density=0.2),
+}
+# The baselines whose plans read other local values than the input (THC: the
+# rotated input, a Hadamard block spanning rows of several ranks at one role;
+# OmniReduce: the union blocks only).  THC's default blocks (up to 2^23) split
+# a length by its binary expansion; max_block_log2 = 9 or 10 gives many
+# blocks of one size.
+BASELINES = {
+    "thc": dq.THC(),
+    "thc:4 levels, blocks <= 2^10": dq.THC(levels=4, max_block_log2=10),
+    "thc:agg_bits 12, blocks <= 2^9, rotation seed 3": dq.THC(agg_bits=12, max_block_log2=9,
+                                                              rotation_seed=3),
+    "omnireduce": dq.OmniReduce(),
+    "omnireduce:0.2": dq.OmniReduce(density=0.2),
+    "omnireduce:1.0": dq.OmniReduce(density=1.0),
 }
 
 
@@ -40,7 +59,7 @@ def _check(source, n, codec, topology, seed, counter=0, op="sum"):
                                        counter=counter, op=op, return_reports=True)
     res = scale_allreduce(source, n, codec=codec, topology=topology, seed=seed, counter=counter,
                           op=op)
-    assert _same_bits(res.out, outs[0]), (n, codec, topology)
+    assert _same_bits(res.out, outs[0]), (n, codec, topology, source.length, op, seed, counter)
     assert res.bits_per_coord == pytest.approx(reps[0].bits_per_coord, rel=1e-12)
     assert res.wire_bytes_total == reps[0].wire_bytes_total
     ref = exact_sum(xs) / (n if op == "mean" else 1)
@@ -61,7 +80,8 @@ def test_bit_identical_to_simulate_allreduce_synthetic(n, topology, name):
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 @pytest.mark.parametrize("topology", ["ring", "butterfly"])
-@pytest.mark.parametrize("name", ["dynamiq:5", "bf16", "exact", "mxfp:e4m3"])
+@pytest.mark.parametrize("name", ["dynamiq:5", "bf16", "exact", "mxfp:e4m3", "thc",
+                                  "omnireduce"])
 def test_bit_identical_to_simulate_allreduce_zero_supergroups(n, topology, name):
     # gradient_like: an embedding table whose rows are zero on every rank (0-bit class)
     seed = fresh_seed()
@@ -71,10 +91,41 @@ def test_bit_identical_to_simulate_allreduce_zero_supergroups(n, topology, name)
         assert res.codec_info["widths"][0] > 0     # the 0-bit class was exercised
 
 
+@pytest.mark.parametrize("topology,n", [("ring", 2), ("ring", 3), ("ring", 5), ("ring", 8),
+                                        ("butterfly", 2), ("butterfly", 4), ("butterfly", 8),
+                                        ("butterfly", 16)])
+@pytest.mark.parametrize("name", sorted(BASELINES))
+def test_baselines_bit_identical_to_simulate_allreduce(topology, n, name):
+    """THC and OmniReduce on fresh heavy-tailed inputs (block scales over
+    seven decades: OmniReduce's priorities and THC's ranges differ across
+    blocks and ranks), lengths not multiples of 256, sum and mean."""
+    seed = fresh_seed()
+    codec = BASELINES[name]
+    for length in (300 + seed % 200, 6 * 1024 + 37 + seed % 211):   # 2 and 25 rows of 256
+        source = ArraySource(rank_inputs(seed, n, length))
+        for op in ("sum", "mean"):
+            _check(source, n, codec, topology, seed % 100003, counter=1 + seed % 5, op=op)
+
+
+def test_thc_with_given_statistics():
+    # statistics handed in (no statistics pass): the adapter rotates every rank itself
+    seed = fresh_seed()
+    source = ArraySource(rank_inputs(seed, 4, 3000))
+    codec = BASELINES["thc:4 levels, blocks <= 2^10"]
+    keys = scale_sim.call_keys(seed % 1000, 2)
+    sim = scale_sim._Sim(source, 4, codec, "ring", scale_sim.DEFAULT_TILE_BYTES, np,
+                         scale_sim._Progress(0, "", False), keys)
+    stats = scale_sim._adapter_for(codec).reduce_stats(sim)
+    given = scale_allreduce(source, 4, codec=codec, seed=seed % 1000, counter=2, statistics=stats)
+    own = scale_allreduce(source, 4, codec=codec, seed=seed % 1000, counter=2)
+    assert _same_bits(given.out, own.out), seed
+
+
 def test_tile_size_and_more_ranks_than_records():
     # n larger than the number of super-groups: most chunks are empty
     source = LogNormalMixture(5 * 256, seed=3)
-    for codec in (CODECS["dynamiq:5"], CODECS["mxfp:e4m3"], CODECS["bf16"]):
+    for codec in (CODECS["dynamiq:5"], CODECS["mxfp:e4m3"], CODECS["bf16"], CODECS["thc"],
+                  CODECS["omnireduce"]):
         res = _check(source, 16, codec, "ring", seed=11)
         small = scale_allreduce(source, 16, codec=codec, seed=11, tile_bytes=300)
         assert _same_bits(small.out, res.out)
@@ -128,6 +179,7 @@ def test_edges():
     assert _same_bits(one.out, src.rank_vector(np, 0)) and one.vnmse == 0.0
 
     assert supports(dq.Exact()) and supports(dq.MXFP("e5m2"))
+    assert supports(dq.THC()) and supports(dq.OmniReduce())
 
     class Unknown(Codec):
         name = "unknown"
@@ -138,7 +190,8 @@ def test_edges():
         scale_allreduce(src, 6, codec=dq.Exact(), topology="butterfly")
     xs = [src.rank_vector(np, r) for r in range(4)]
     xs[2][17] = np.nan
-    for codec in (CODECS["dynamiq:5"], CODECS["mxfp:e4m3"]):
+    for codec in (CODECS["dynamiq:5"], CODECS["mxfp:e4m3"], CODECS["thc"],
+                  CODECS["omnireduce"]):
         with pytest.raises(NonFiniteInputError):
             dq.simulate_allreduce(xs, codec=codec, nonfinite="raise")
         assert all(np.isnan(o).all() for o in dq.simulate_allreduce(xs, codec=codec))

@@ -213,7 +213,11 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path, workload, 
     ckpt = str(tmp_path / "run.ckpt")
     part = [*TINY, *run, "--checkpoint", ckpt, "--max-seconds", "0",
             "--dump", str(tmp_path / "part.npy"), "--json", str(tmp_path / "part.json")]
-    parts = [train_sim.main(part) for _ in range(5)]
+    parts = [train_sim.main(part) for _ in range(2)]
+    # the table shows a run cut short by its last evaluation: loss@step
+    row, = train_sim.table([str(tmp_path / "part.json")])
+    assert row["final"] is None and row["partial"] == (2, parts[1]["evals"][-1][1])
+    parts += [train_sim.main(part) for _ in range(3)]
     assert [len(r["steps"]) for r in parts] == [1, 2, 3, 4, 5]
     assert [len(r["evals"]) for r in parts] == [0, 1, 1, 2, 3]
     assert [r.get("partial") for r in parts] == [True] * 4 + [None]

@@ -27,14 +27,17 @@ float32 sums run in the schedule's order (bit for bit the engine's), the
 local statistics of role ``v`` being computed from generated inputs; a
 codec's global local statistics (DynamiQ's non-finite flag and max |x|) are
 gathered per rank first (O(n) memory) and reduced afterwards, and maximum
-reductions (the MX block exponents) are order-free.
+reductions (the MX block exponents, THC's ranges, OmniReduce's priorities)
+are order-free.
 
 The result equals ``simulate_allreduce`` bit for bit (tests/test_scale_sim.py,
-n = 2, 4, 8, ring and butterfly, every codec with an adapter below).  Memory:
+n = 2 to 16, ring and butterfly, every codec with an adapter below).  Memory:
 a few vectors of the input's length plus O(n) numbers (and, for the
 butterfly, the compressed streams of the subtrees not yet added: at most
-log2(n) (log2(n) + 1) / 2 of them).  Work: every rank's input is
-generated once per pass (DynamiQ: three passes, two for its statistics).
+log2(n) (log2(n) + 1) / 2 of them), except for THC, which keeps every rank's
+rotated vector (n vectors: its Hadamard blocks mix rows of several ranks at
+one role).  Work: every rank's input is generated once per pass (DynamiQ:
+three passes, two for its statistics; THC: one, its statistics pass).
 
 Codecs need an adapter (``_adapter_for``): how a plan is bound to other local
 values and which input rows its stream units cover.  The adapters reach into
@@ -56,7 +59,9 @@ from ..codecs.base import DEFAULT_TILE_BYTES, Tiling
 from ..codecs.dynamiq import DynamiQ
 from ..codecs.mxfp import BLOCK as MX_BLOCK
 from ..codecs.mxfp import MXFP, _padded_blocks
+from ..codecs.omnireduce import OmniReduce
 from ..codecs.plain import BF16, ElementwisePlan, Exact
+from ..codecs.thc import THC
 from ..rng import call_keys
 from ..schedules import _trailing_ones
 from ..call.workspace import FRESH
@@ -83,8 +88,16 @@ def _chunk_of_unit(tiling, count):
 
 
 class _ElementwiseAdapter:
-    """Exact and BF16: no statistics; stream units are rows of 256 elements."""
+    """Exact and BF16: no statistics; stream units are rows of 256 elements.
+
+    The adapter interface: ``row`` (the source's row size), ``passes`` over
+    the ranks (for the progress bar), ``reads_input`` (whether ``bind`` needs
+    the generated rows), ``reduce_stats``, ``data_rows`` (the chunk of every
+    row), ``retile``, ``local_state(sim, x, ranks)`` (``ranks``: the rank of
+    every row of ``x``) and ``bind(plan, x, state)``."""
     row = SUPER
+    passes = 1
+    reads_input = True
 
     def reduce_stats(self, sim):
         return None, 0
@@ -106,20 +119,29 @@ class _MXAdapter(_ElementwiseAdapter):
     """MXFP: statistics reduced by maximum (order-free); stream units are
     blocks of 32."""
     row = MX_BLOCK
+    passes = 2
 
     def reduce_stats(self, sim):
         reduced = None
         for r in range(sim.n):
             x = sim.source.rank_vector(sim.xp, r)
-            stats, _ = sim.codec.local_stats(x, sim.backend, FRESH, keys=sim.keys)
+            stats, state = sim.codec.local_stats(x, sim.backend, FRESH, keys=sim.keys)
+            self.keep(sim, r, state)
             reduced = stats.copy() if reduced is None else sim.xp.maximum(reduced, stats)
             sim.tick()
         return reduced, int(reduced.nbytes)
 
+    def keep(self, sim, rank, state):
+        """Hook: a rank's local state, as the statistics pass computed it."""
+
     def bind(self, plan, x, state):
         plan.local = state
+        if plan.gpu:    # the fused kernels read the input itself, not the host blocks
+            plan.source = plan.k.Source(x)
 
-    def local_state(self, sim, x):
+    def local_state(self, sim, x, ranks):
+        if sim.backend.name == "gpu":
+            return None
         nb = -(-x.shape[0] // MX_BLOCK)
         return _padded_blocks(sim.xp, x, nb)
 
@@ -143,6 +165,8 @@ class _DynamiQAdapter:
     in float32 in the schedule's order; stream units are super-groups in the
     width-sorted order ``plan.order``."""
     row = SUPER
+    passes = 2
+    reads_input = True
 
     def __init__(self, codec):
         self._centring = bool(codec.centring)     # the local means are the only state
@@ -220,12 +244,71 @@ class _DynamiQAdapter:
         plan.x, plan.local_mean, plan._padded = x, mean, None
         plan.source = plan.k.Source(x, plan.order, 0, mean)
 
-    def local_state(self, sim, x):
+    def local_state(self, sim, x, ranks):
         _, mean = sim.codec.local_stats(x, sim.backend, FRESH, keys=sim.keys)
         return mean
 
     def needs_local_stats(self):
         return self._centring
+
+
+class _OmniAdapter(_MXAdapter):
+    """OmniReduce: one priority byte per block of 256, reduced by maximum
+    (order-free); the stream's units are the union blocks ``plan.union`` only,
+    and the plan reads this rank's values of them (``plan.values``)."""
+    row = SUPER
+
+    def data_rows(self, plan):
+        chunk = np.zeros(plan.nb, dtype=np.int64)        # blocks outside the union: unread
+        union = np.asarray(plan.backend.to_host(plan.union), dtype=np.int64)
+        chunk[union] = _chunk_of_unit(plan.tiling, plan.union_blocks)
+        return chunk
+
+    def local_state(self, sim, x, ranks):
+        blocks = sim.xp.zeros(len(ranks) * SUPER, dtype=np.float32)
+        blocks[:x.shape[0]] = x
+        return blocks.reshape(-1, SUPER)
+
+    def bind(self, plan, x, blocks):
+        plan.values = blocks[plan.union]
+
+
+class _THCAdapter(_MXAdapter):
+    """THC: one range byte per Hadamard block, reduced by maximum
+    (order-free); the plan reads the *rotated* input, and a Hadamard block
+    spans many rows of 256 (chunks of several ranks at one role), so role
+    ``v``'s rows are gathered from every rank's rotated vector, computed once
+    in the statistics pass: n x the padded length in memory (the one
+    exception to a memory independent of n).  The rotation (``runs``, key)
+    and so ``finish``'s inverse are the same on every rank."""
+    row = SUPER
+    reads_input = False
+
+    def __init__(self):
+        self._rotated = None                    # (n, padded) float32
+
+    def keep(self, sim, rank, state):
+        rotated = state[0]
+        if self._rotated is None:
+            self._rotated = sim.xp.empty((sim.n, rotated.shape[0]), dtype=np.float32)
+        self._rotated[rank] = rotated
+
+    def data_rows(self, plan):
+        return _chunk_of_unit(plan.tiling, plan.units)
+
+    def local_state(self, sim, x, ranks):
+        if self._rotated is None:               # statistics given: rotate every rank now
+            for r in range(sim.n):
+                _, state = sim.codec.local_stats(sim.source.rank_vector(sim.xp, r),
+                                                 sim.backend, FRESH, keys=sim.keys)
+                self.keep(sim, r, state)
+        xp = sim.xp
+        units = self._rotated.reshape(sim.n, -1, SUPER)
+        rows = units[xp.asarray(ranks), xp.arange(units.shape[1])]
+        return rows.reshape(-1)
+
+    def bind(self, plan, x, rotated):
+        plan.rotated = rotated
 
 
 def _adapter_for(codec):
@@ -235,6 +318,10 @@ def _adapter_for(codec):
         return _MXAdapter()
     if isinstance(codec, (Exact, BF16)):
         return _ElementwiseAdapter()
+    if isinstance(codec, THC):
+        return _THCAdapter()
+    if isinstance(codec, OmniReduce):
+        return _OmniAdapter()
     raise NotImplementedError(
         f"scale_allreduce has no adapter for codec {type(codec).__name__!r} "
         "(see _adapter_for in dynamiq_mpi/studies/scale_sim.py); use simulate_allreduce")
@@ -361,8 +448,7 @@ def scale_allreduce(source: RankSource, n: int, *, codec=None, topology="ring", 
     length = source.length
     run = codec.for_length(length)
     adapter = _adapter_for(run)
-    passes = 2 if isinstance(run, (DynamiQ, MXFP)) else 1
-    bar = _Progress(passes * n if n > 1 else 0, f"{run.name} n={n} {topology}", progress)
+    bar = _Progress(adapter.passes * n if n > 1 else 0, f"{run.name} n={n} {topology}", progress)
     sim = _Sim(source, n, run, topology, tile_bytes, xp, bar, call_keys(int(seed), int(counter)))
     seconds = {}
     t0 = time.perf_counter()
@@ -396,9 +482,11 @@ def scale_allreduce(source: RankSource, n: int, *, codec=None, topology="ring", 
         if total is not None:
             x, x64 = source.rows_with_exact(xp, ranks, adapter.row)
             xp.add(total, x if x64 is None else x64, out=total)
-        else:
+        elif adapter.reads_input:
             x = source.rows(xp, ranks, adapter.row)
-        state = adapter.local_state(sim, x) if adapter.needs_local_stats() else None
+        else:
+            x = None
+        state = adapter.local_state(sim, x, ranks) if adapter.needs_local_stats() else None
         adapter.bind(plan, x, state)
         sim.tick()
 

@@ -160,7 +160,6 @@ class Reducer:
         import torch
 
         from .. import simulate_allreduce
-        from ..codecs import MXFP
         from .scale_sim import ArraySource, scale_allreduce, supports
         if self.node_size > 1:          # the hierarchical call, on the host
             from .scale_levels import levels_simulate
@@ -177,9 +176,9 @@ class Reducer:
         else:
             arrays = [x.detach().cpu().numpy() for x in xs]
         # role by role: n codec calls over the whole bucket instead of every
-        # rank's program (n^2 small calls), the same bits; on CuPy arrays
-        # only where tests/gpu/test_scale_sim_gpu.py shows them equal
-        if supports(self.codec) and (not on_gpu or not isinstance(self.codec, MXFP)):
+        # rank's program (n^2 small calls), the same bits (on CuPy arrays
+        # too: tests/gpu/test_scale_sim_gpu.py)
+        if supports(self.codec):
             res = scale_allreduce(ArraySource(arrays), self.n, codec=self.codec,
                                   topology=self.topology, op="mean", seed=self.seed,
                                   counter=self.counter, xp=cupy if on_gpu else np, exact=False)
@@ -489,7 +488,11 @@ def table(paths, png=None) -> list:
         reach = [next((s for s, v in r["evals"] if target is not None and v <= target), None)
                  for r in done]
         vn = [v for r in rs for _, v in r["vnmse"]]
+        cut = [r for r in rs if "final_val_loss" not in r and r["evals"]]
+        reached = min((r["evals"][-1][0] for r in cut), default=None)
         rows.append(dict(ranks=n, reduction=label, seeds=sorted(seeds),
+                         partial=None if finals or reached is None else (reached, statistics.mean(
+                             dict(r["evals"])[reached] for r in cut)),
                          final=statistics.mean(finals) if finals else None,
                          spread=(max(finals) - min(finals)) if len(finals) > 1 else 0.0,
                          vs_bf16=(statistics.mean(finals) / target) if finals and target else None,
@@ -506,7 +509,8 @@ def table(paths, png=None) -> list:
           f"{'/ BF16':>8s} {'steps to BF16':>14s} {'vNMSE':>9s} {'bits':>6s} {'acc':>6s} "
           f"{'last 1/5':>8s}")
     for r in rows:
-        fin = f"{r['final']:.4f}" if r["final"] is not None else "-"
+        fin = (f"{r['final']:.4f}" if r["final"] is not None else
+               f"{r['partial'][1]:.4f}@{r['partial'][0]}" if r["partial"] else "-")
         ratio = (f"{r['vs_bf16']:.4f}" + ("" if r["paired"] else "*")) if r["vs_bf16"] else "-"
         steps = ",".join("-" if s is None else str(s) for s in r["steps_to_bf16"])
         vn = f"{r['vnmse']:.2e}" if r["vnmse"] else "-"
@@ -515,6 +519,8 @@ def table(paths, png=None) -> list:
               f"{r['spread']:8.4f} {ratio:>8s} {steps:>14s} {vn:>9s} {r['bits']:6.2f} "
               f"{'-' if r['accuracy'] is None else format(r['accuracy'], '.3f'):>6s} "
               f"{'-' if r['last_fifth'] is None else format(r['last_fifth'], '.1%'):>8s}")
+    if any(r["partial"] for r in rows):
+        print("# V@S: runs cut short; their mean validation loss at step S")
     if any(not r["paired"] for r in rows if r["vs_bf16"]):
         print("# *: against BF16's mean over other seeds (BF16 lacks one of the row's)")
     if png:
