@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch", exc_type=ImportError)
 pytest.importorskip("transformers", exc_type=ImportError)
 
-from dynamiq_mpi.studies import train_sim  # noqa: E402
+from dynamiq_mpi.studies import train_sim, train_sim_table  # noqa: E402
 from helpers import vnmse  # noqa: E402
 from test_launchers import _run, mpiexec  # noqa: E402
 
@@ -100,16 +100,16 @@ def test_hierarchical_reduction_and_the_table(tmp_path, capsys):
             train_sim.main([*TINY, "--ranks", "4", "--codec", codec, "--seed", str(seed),
                             "--eval-every", "3", "--json", str(out), *extra])
             paths.append(out)
-    rows = train_sim.table([str(p) for p in paths], png=str(tmp_path / "curves.png"))
+    rows = train_sim_table.table([str(p) for p in paths], png=str(tmp_path / "curves.png"))
     finals = {p.name: json.load(open(p))["final_val_loss"] for p in paths}
     bf16 = (finals["bf160.json"] + finals["bf161.json"]) / 2
     dq = (finals["dynamiq0.json"] + finals["dynamiq1.json"]) / 2
     row = next(r for r in rows if "nodes of 2" in r["reduction"])
     assert row["seeds"] == [0, 1] and row["paired"] and row["vs_bf16"] == pytest.approx(dq / bf16)
     assert 0 < row["vnmse"] < 0.5
-    assert train_sim.last_fifth_gain({"evals": [[5, 2.0], [8, 1.9], [10, 1.8]]}) == \
+    assert train_sim_table.last_fifth_gain({"evals": [[5, 2.0], [8, 1.9], [10, 1.8]]}) == \
         pytest.approx(0.1 / 1.9)
-    assert train_sim.last_fifth_gain({"evals": [[10, 1.8]]}) is None
+    assert train_sim_table.last_fifth_gain({"evals": [[10, 1.8]]}) is None
     assert (tmp_path / "curves.png").stat().st_size > 10_000
     assert "nodes of 2" in capsys.readouterr().out
 
@@ -215,7 +215,7 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path, workload, 
             "--dump", str(tmp_path / "part.npy"), "--json", str(tmp_path / "part.json")]
     parts = [train_sim.main(part) for _ in range(2)]
     # the table shows a run cut short by its last evaluation: loss@step
-    row, = train_sim.table([str(tmp_path / "part.json")])
+    row, = train_sim_table.table([str(tmp_path / "part.json")])
     assert row["final"] is None and row["partial"] == (2, parts[1]["evals"][-1][1])
     parts += [train_sim.main(part) for _ in range(3)]
     assert [len(r["steps"]) for r in parts] == [1, 2, 3, 4, 5]
@@ -224,12 +224,28 @@ def test_a_run_stopped_and_resumed_is_the_run_never_stopped(tmp_path, workload, 
     assert json.load(open(tmp_path / "part.json")).get("partial") is None
     resumed = np.load(tmp_path / "part.npy")
     assert np.array_equal(whole.view(np.uint32), resumed.view(np.uint32)), seed
-    for key in ("steps", "evals", "vnmse", "bits_per_coord", "final_val_loss"):
+    keys = ("steps", "evals", "vnmse", "bits_per_coord", "final_val_loss")
+    for key in keys + (("accuracy", "final_accuracy") if workload == "cls" else ()):
         assert parts[-1][key] == whole_rec[key], key
+    assert [s["first_step"] for s in parts[-1]["segments"]] == [0, 1, 2, 3, 4]
     # another run's checkpoint is refused, naming what differs
     with pytest.raises(SystemExit, match="another run's: codec differ"):
         _sim(tmp_path, "other", *[a if a != CODEC else "bf16" for a in run],
              "--checkpoint", ckpt)
+
+
+def test_a_checkpoint_from_another_device_is_refused(tmp_path):
+    """The GPU trains under BF16 autocast: a CPU checkpoint must not go on
+    there (nor the reverse), whatever else matches."""
+    ckpt = str(tmp_path / "run.ckpt")
+    run = [*TINY, "--ranks", "2", "--codec", "bf16", "--eval-every", "1", "--checkpoint", ckpt,
+           "--max-seconds", "0", "--json", str(tmp_path / "run.json")]
+    train_sim.main(run)
+    state = torch.load(ckpt, weights_only=True)
+    state["record"]["config"]["device"] = "NVIDIA H100 80GB HBM3"
+    torch.save(state, ckpt)
+    with pytest.raises(SystemExit, match="another run's: device differ"):
+        train_sim.main(run)
 
 
 def test_max_seconds_needs_a_checkpoint(capsys):

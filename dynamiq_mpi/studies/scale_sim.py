@@ -431,7 +431,7 @@ def scale_allreduce(source: RankSource, n: int, *, codec=None, topology="ring", 
     """The all-reduce of ``n`` ranks whose inputs ``source`` produces, one
     role at a time (see the module docstring): the same result as
     ``simulate_allreduce([source.rank_vector(np, r) for r in range(n)], ...)``
-    in memory independent of ``n``.  ``exact=True`` also sums the inputs in
+    in memory independent of ``n`` (THC: n rotated vectors).  ``exact=True`` sums the inputs in
     float64 on the way (for the vNMSE).  ``xp``: numpy (default) or cupy.
     ``progress``: a progress bar (tqdm) or lines on stderr.  ``detailed``: the
     codec's detailed report (DynamiQ: the width of every super-group).

@@ -101,6 +101,8 @@ def parse_args(argv):
             setattr(args, k, v)
     if args.max_seconds is not None and not args.checkpoint:
         p.error("--max-seconds stops a run part way: give --checkpoint to go on from there")
+    if args.real and args.checkpoint:
+        p.error("--checkpoint resumes a simulated run; a --real job is not checkpointed")
     if args.batched and args.real:
         p.error("--batched simulates ranks; a --real job computes one rank's gradient")
     if args.ranks < 1 or args.node_size < 1 or args.ranks % args.node_size:
@@ -185,6 +187,8 @@ class Reducer:
             self._count(res.bits_per_coord, xs[0].numel())
             return (torch.from_dlpack(res.out) if on_gpu
                     else torch.from_numpy(res.out).to(device))
+        # a codec without a role-by-role adapter (none of bench's today): every
+        # rank's program
         outs, reps = simulate_allreduce(arrays, codec=self.codec, topology=self.topology,
                                         op="mean", seed=self.seed, counter=self.counter,
                                         return_reports=True)
@@ -278,6 +282,10 @@ def run(args) -> dict:
     start, before = 0, 0.0
     if args.checkpoint and not args.real:
         start, before = _resume(args.checkpoint, record, model, opt, reducer)
+    # each stint of a resumed run: where it ran (a run may go on on another GPU)
+    record.setdefault("segments", []).append(
+        {"first_step": start, "device": record["config"]["device"],
+         "torch": record["config"]["torch"]})
     progress = _progress(args.steps, args.quiet or rank != 0)
     t0 = time.perf_counter()
     for step in range(start, args.steps):
@@ -324,8 +332,7 @@ def run(args) -> dict:
             if "accuracy" in ev:
                 record.setdefault("accuracy", []).append([step + 1, ev["accuracy"]])
             if args.json and step + 1 < args.steps:     # a run cut short keeps its curve
-                _write(args.json, dict(record, partial=True,
-                                       seconds=before + time.perf_counter() - t0))
+                _write(args.json, _partial(record, before + time.perf_counter() - t0, reducer))
             evaluated = True
         else:
             evaluated = False
@@ -337,8 +344,8 @@ def run(args) -> dict:
                 _save(args.checkpoint, step + 1, elapsed, record, model, opt, reducer)
             if stop:
                 if args.json:
-                    _write(args.json, dict(record, partial=True, seconds=elapsed))
-                return dict(record, partial=True, seconds=elapsed)
+                    _write(args.json, _partial(record, elapsed, reducer))
+                return _partial(record, elapsed, reducer)
     sync()
     record["seconds"] = before + time.perf_counter() - t0
     if reducer is not None and reducer.coords:
@@ -360,7 +367,15 @@ def run(args) -> dict:
 # AdamW's moments, the reducer's call counter and tallies, the curves); the
 # data of a step is drawn from the step number, so nothing else is needed.
 _NOT_THE_RUN = ("json", "checkpoint", "max_seconds", "quiet", "dump", "device", "torch",
-                "reduce_on", "rank_chunk")       # the same bits either way
+                "reduce_on")       # where the codec runs: the same bits either way
+
+
+def _partial(record, elapsed, reducer):
+    """The record of a run cut short: its curves so far, the bits counted."""
+    out = dict(record, partial=True, seconds=elapsed)
+    if reducer is not None and reducer.coords:
+        out["bits_per_coord"] = reducer.bits / reducer.coords
+    return out
 
 
 def _save(path, step, elapsed, record, model, opt, reducer):
@@ -385,21 +400,27 @@ def _resume(path, record, model, opt, reducer):
     mine, theirs = record["config"], state["record"]["config"]
     differ = sorted(k for k in set(mine) | set(theirs)
                     if k not in _NOT_THE_RUN and mine.get(k) != theirs.get(k))
+    if (mine["device"] == "cpu") != (theirs["device"] == "cpu"):
+        differ.append("device")     # the GPU trains under BF16 autocast, the CPU in float32
+    if record["corpus"].get("sha256") != state["record"]["corpus"].get("sha256"):
+        differ.append("corpus")     # another Python's standard library: other data
     if differ:
         raise SystemExit(f"--checkpoint {path} is another run's: {', '.join(differ)} differ "
                          f"({', '.join(f'{k}={theirs.get(k)!r}' for k in differ)} there)")
     model.load_state_dict(state["model"])
     opt.load_state_dict(state["opt"])
     reducer.load_state(state["reducer"])
-    for key in ("steps", "evals", "vnmse", "accuracy"):
+    for key in ("steps", "evals", "vnmse", "accuracy", "segments"):
         if key in state["record"]:
             record[key] = state["record"][key]
     return state["step"], state["seconds"]
 
 
 def _write(path, record):
-    with open(path, "w") as f:
+    import os
+    with open(path + ".tmp", "w") as f:
         json.dump(record, f, indent=1)
+    os.replace(path + ".tmp", path)       # a run killed mid-write keeps its last JSON
 
 
 def _progress(total, quiet):
@@ -426,148 +447,6 @@ def _progress(total, quiet):
     return line
 
 
-# --------------------------------------------------------------------- the table
-def _label(cfg):
-    hier = f" nodes of {cfg['node_size']}" if cfg.get("node_size", 1) > 1 else ""
-    topo = "" if cfg["codec"] in ("fp32", "bf16") else f" {cfg['topology']}"
-    work = "" if cfg.get("workload", "lm") == "lm" else f"{cfg['workload']}: "
-    return f"{work}{cfg['codec']}{topo}{hier}"
-
-
-_PLAIN_BITS = {"fp32": 32.0, "bf16": 16.0}     # runs written before these were counted
-
-
-def _bits(run):
-    """Bits a coordinate of a run's reductions; None for a partial codec run
-    (counted when the run ends)."""
-    return run.get("bits_per_coord") or _PLAIN_BITS.get(run["config"]["codec"])
-
-
-def last_fifth_gain(run):
-    """How much the validation loss fell over the last fifth of the run's
-    steps, relative to where that fifth began (issue 32 asks under 1 % of
-    BF16's: a run long enough to compare final losses); None without evals."""
-    evals = run.get("evals") or []
-    if len(evals) < 2:
-        return None
-    last_step, final = evals[-1]
-    start = last_step - last_step / 5
-    before = [v for s, v in evals if s <= start]
-    return (before[-1] - final) / before[-1] if before else None
-
-
-def table(paths, png=None) -> list:
-    """Rows per (N, reduction): mean final validation loss over seeds, the
-    seeds' spread, its ratio to BF16's mean over the *same seeds* at the
-    same N (all of BF16's where it lacks one of them), the step each run
-    first reached that BF16 mean, the mean vNMSE along the run, the final
-    accuracy (cls) and the largest fall of the validation loss over the last
-    fifth of a run (under 1 %: long enough)."""
-    import statistics
-    runs = []
-    for p in paths:             # a run's JSON, or a collection {"runs": [...]}
-        with open(p) as f:
-            doc = json.load(f)
-        runs.extend(doc["runs"] if "runs" in doc else [doc])
-    groups = {}
-    for r in runs:
-        cfg = r["config"]
-        groups.setdefault((cfg["ranks"], _label(cfg)), []).append(r)
-    rows = []
-    for (n, label), rs in sorted(groups.items()):
-        done = [r for r in rs if "final_val_loss" in r]
-        finals = [r["final_val_loss"] for r in done]
-        work = rs[0]["config"].get("workload", "lm")
-        bf16_label = "bf16" if work == "lm" else f"{work}: bf16"
-        bf16 = {r["config"]["seed"]: r["final_val_loss"]
-                for r in groups.get((n, bf16_label), []) if "final_val_loss" in r}
-        seeds = [r["config"]["seed"] for r in done]
-        paired = [bf16[s] for s in seeds if s in bf16]
-        target = (statistics.mean(paired) if len(paired) == len(seeds) and paired
-                  else statistics.mean(bf16.values()) if bf16 else None)
-        reach = [next((s for s, v in r["evals"] if target is not None and v <= target), None)
-                 for r in done]
-        vn = [v for r in rs for _, v in r["vnmse"]]
-        cut = [r for r in rs if "final_val_loss" not in r and r["evals"]]
-        reached = min((r["evals"][-1][0] for r in cut), default=None)
-        rows.append(dict(ranks=n, reduction=label, seeds=sorted(seeds),
-                         partial=None if finals or reached is None else (reached, statistics.mean(
-                             dict(r["evals"])[reached] for r in cut)),
-                         final=statistics.mean(finals) if finals else None,
-                         spread=(max(finals) - min(finals)) if len(finals) > 1 else 0.0,
-                         vs_bf16=(statistics.mean(finals) / target) if finals and target else None,
-                         paired=len(paired) == len(seeds) and bool(paired),
-                         steps_to_bf16=reach,
-                         vnmse=statistics.mean(vn) if vn else None,
-                         last_fifth=max((g for g in map(last_fifth_gain, done) if g is not None),
-                                        default=None),
-                         accuracy=(statistics.mean(r["final_accuracy"] for r in done)
-                                   if done and all("final_accuracy" in r for r in done)
-                                   else None),
-                         bits=statistics.mean([b for b in map(_bits, rs) if b] or [0.0])))
-    print(f"{'N':>4s} {'reduction':>36s} {'seeds':>7s} {'final val':>10s} {'spread':>8s} "
-          f"{'/ BF16':>8s} {'steps to BF16':>14s} {'vNMSE':>9s} {'bits':>6s} {'acc':>6s} "
-          f"{'last 1/5':>8s}")
-    for r in rows:
-        fin = (f"{r['final']:.4f}" if r["final"] is not None else
-               f"{r['partial'][1]:.4f}@{r['partial'][0]}" if r["partial"] else "-")
-        ratio = (f"{r['vs_bf16']:.4f}" + ("" if r["paired"] else "*")) if r["vs_bf16"] else "-"
-        steps = ",".join("-" if s is None else str(s) for s in r["steps_to_bf16"])
-        vn = f"{r['vnmse']:.2e}" if r["vnmse"] else "-"
-        seeds = ",".join(map(str, r["seeds"]))
-        print(f"{r['ranks']:>4d} {r['reduction']:>36s} {seeds:>7s} {fin:>10s} "
-              f"{r['spread']:8.4f} {ratio:>8s} {steps:>14s} {vn:>9s} {r['bits']:6.2f} "
-              f"{'-' if r['accuracy'] is None else format(r['accuracy'], '.3f'):>6s} "
-              f"{'-' if r['last_fifth'] is None else format(r['last_fifth'], '.1%'):>8s}")
-    if any(r["partial"] for r in rows):
-        print("# V@S: runs cut short; their mean validation loss at step S")
-    if any(not r["paired"] for r in rows if r["vs_bf16"]):
-        print("# *: against BF16's mean over other seeds (BF16 lacks one of the row's)")
-    if png:
-        _plot(groups, png)
-    return rows
-
-
-def _plot(groups, png):
-    """One panel per (workload, N): validation loss against step (lm), or
-    accuracy (cls: its loss overfits while accuracy still climbs).  The
-    y range follows the runs that train: a diverged run is named in the
-    legend with its final value, off the chart."""
-    import statistics
-
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    panels = {}
-    for (n, label), rs in sorted(groups.items()):
-        work = rs[0]["config"].get("workload", "lm")
-        panels.setdefault((work, n), []).append((label, rs))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    for ax, ((work, n), members) in zip(axes[0], sorted(panels.items())):
-        key = "accuracy" if work == "cls" else "evals"
-        curves = [(label, r[key]) for label, rs in members for r in rs if r.get(key)]
-        starts = [c[0][1] for _, c in curves]
-        lo = min(v for _, c in curves for _, v in c) if curves else 0.0
-        hi = statistics.median(starts) * 1.05 if starts else 1.0
-        for k, (label, rs) in enumerate(members):
-            for i, r in enumerate(rs):
-                if not r.get(key):
-                    continue
-                xs, ys = zip(*r[key])
-                off = key == "evals" and ys[-1] > hi
-                name = f"{label} (off the chart: {ys[-1]:.2f})" if off else label
-                ax.plot(xs, ys, label=name if i == 0 else None, alpha=0.8, color=f"C{k}")
-        if key == "evals":
-            ax.set_ylim(lo - 0.03 * (hi - lo), hi)
-        ax.set_title(f"{work}, N = {n} simulated ranks")
-        ax.set_xlabel("step")
-        ax.set_ylabel("validation accuracy" if key == "accuracy" else
-                      "validation loss (nats/byte)")
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "table":
@@ -575,5 +454,6 @@ def main(argv=None):
         p.add_argument("runs", nargs="+")
         p.add_argument("--png", default=None)
         a = p.parse_args(argv[1:])
+        from .train_sim_table import table
         return table(a.runs, a.png)
     return run(parse_args(argv))

@@ -2,8 +2,9 @@
 # One GPU: cells of the simulated-ranks training table (docs/training.md,
 # `python -m dynamiq_mpi train-sim`), resumable across device calls.
 #   RUNS="N/codec/topology/node_size/seed ..."  ("dynamiq": dynamiq:5:small_input=0)
-#   HOST_RUNS="..."    the same, with --reduce-on host (the codec in NumPy:
-#                      several runs share the GPU; MX, THC, OmniReduce, --node-size)
+#   HOST_RUNS="..."    the same, with --reduce-on host (the codec in NumPy, the
+#                      same bits: the host's cores take a share; --node-size runs
+#                      reduce there anyway)
 #   WORKLOAD=lm|cls PRESET=compact STEPS TRAIN_ARGS (for all; e.g. --batched)
 #   DEADLINE=s         every run stops by then (seconds from now) and saves its state
 #   STATE=dir          the runs of an earlier call (JSON + checkpoints) to go on from
@@ -15,12 +16,15 @@ OUT=${OUT:-device_out}; mkdir -p "$OUT/runs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 HERE=$(dirname "${BASH_SOURCE[0]}")
 t0=$(date +%s)
-[ -n "${STATE:-}" ] && [ -d "$STATE" ] && cp -r "$STATE"/. "$OUT/runs/"
+if [ -n "${STATE:-}" ]; then
+  [ -d "$STATE" ] || { echo "STATE=$STATE is no directory" >&2; exit 2; }
+  cp -r "$STATE"/. "$OUT/runs/"
+fi
 export TRAIN_ARGS=${TRAIN_ARGS:-} DEVICE=cuda PRESET=${PRESET:-compact} WORKLOAD=${WORKLOAD:-lm} 
-# a run stops after the first step past MAX_SECONDS: leave it ~40 s to start
-# and room for its last step and checkpoint
-export MAX_SECONDS=$(( ${DEADLINE:-450} - 60 ))
+# every run stops in time to end by then (train_sim_cells.sh: END_AT)
+export END_AT=$(( t0 + ${DEADLINE:-450} ))
 n_dev=$(wc -w <<< "${RUNS:-}"); n_host=$(wc -w <<< "${HOST_RUNS:-}")
+(( n_dev + n_host )) || { echo "RUNS and HOST_RUNS are empty" >&2; exit 2; }
 [ "$n_dev" -gt 0 ] && RUNS="$RUNS" OUT=$OUT/runs JOBS=${JOBS:-$n_dev} \
   bash "$HERE/../studies/train_sim_cells.sh" > "$OUT/device_runs.log" 2>&1 &
 [ "$n_host" -gt 0 ] && RUNS="$HOST_RUNS" OUT=$OUT/runs JOBS=${JOBS:-$n_host} \

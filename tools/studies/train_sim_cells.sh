@@ -4,32 +4,42 @@
 #   RUNS="N/codec/topology/node_size/seed[/workload] ..."   ("dynamiq": dynamiq:5:small_input=0;
 #        workload lm or cls, WORKLOAD's by default)
 #   PRESET=compact DEVICE=cpu JOBS=2 OUT=dir [STEPS=...] [WORKLOAD=lm|cls]
-#   [TRAIN_ARGS="--batched --reduce-on host"] [MAX_SECONDS=s]
+#   [TRAIN_ARGS="--batched --reduce-on host"] [MAX_SECONDS=s] [END_AT=epoch seconds]
 #   bash tools/studies/train_sim_cells.sh
 # Each run writes OUT/NAME.json as it goes ("partial": true until it ends)
 # and its state to OUT/NAME.ckpt at every evaluation: a run already complete
 # is skipped, a partial one goes on from its checkpoint (the same bits), so
-# re-running resumes a queue.  MAX_SECONDS: each run stops at its first
-# evaluation after that many seconds (to fit a time-limited machine).
+# re-running resumes a queue.  To fit a time-limited machine, each run stops
+# after the first step past MAX_SECONDS of training, or early enough to end
+# by END_AT (a run that would start too late is skipped).
 # Then the table of every run in OUT.
 set -uo pipefail
 OUT=${OUT:-train_sim_out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 export PRESET=${PRESET:-compact} DEVICE=${DEVICE:-cpu} WORKLOAD=${WORKLOAD:-lm} OUT PY
-export STEPS=${STEPS:-} TRAIN_ARGS=${TRAIN_ARGS:-} MAX_SECONDS=${MAX_SECONDS:-}
+export STEPS=${STEPS:-} TRAIN_ARGS=${TRAIN_ARGS:-} MAX_SECONDS=${MAX_SECONDS:-} END_AT=${END_AT:-}
+complete() {    # a run's JSON that parses and was written at its end (dated, not partial)
+  $PY -c "import json,sys; d=json.load(open(sys.argv[1])); sys.exit(d.get('partial') or 'date' not in d)" "$1" 2>/dev/null
+}
+export -f complete
 one() {
   IFS=/ read -r n codec topo k seed work <<< "$1"
   [[ $codec == dynamiq ]] && codec=dynamiq:5:small_input=0
   work=${work:-$WORKLOAD}
   local name="${work}_${PRESET}_n${n}_${codec//[:=]/-}_${topo}_k${k}_s${seed}"
   local json="$OUT/$name.json"
-  if [[ -s $json ]] && ! grep -q '"partial": true' "$json"; then echo "have $name"; return 0; fi
-  local s=$(date +%s)
+  if [[ -s $json ]] && complete "$json"; then echo "have $name"; return 0; fi
+  local s=$(date +%s) limit=$MAX_SECONDS
+  if [[ -n $END_AT ]]; then     # start-up, the last step and the checkpoint: 90 s
+    local left=$(( END_AT - s - 90 ))
+    (( left < 30 )) && { echo "skipped (deadline): $1"; return 0; }
+    [[ -z $limit ]] || (( left < limit )) && limit=$left
+  fi
   if OMP_NUM_THREADS=1 $PY -m dynamiq_mpi train-sim --preset "$PRESET" --device "$DEVICE" \
       --workload "$work" --ranks "$n" --codec "$codec" --topology "$topo" --node-size "$k" \
       --seed "$seed" ${STEPS:+--steps $STEPS} $TRAIN_ARGS --quiet --json "$json" \
-      --checkpoint "$OUT/$name.ckpt" ${MAX_SECONDS:+--max-seconds $MAX_SECONDS}; then
-    if grep -q '"partial": true' "$json"; then
+      --checkpoint "$OUT/$name.ckpt" ${limit:+--max-seconds $limit}; then
+    if ! complete "$json"; then
       echo "$name: stopped at step $($PY -c "import json,sys; print(len(json.load(open(sys.argv[1]))['steps']))" "$json") after $(( $(date +%s) - s )) s"
     else
       rm -f "$OUT/$name.ckpt"; echo "$name: $(( $(date +%s) - s )) s"
@@ -40,4 +50,4 @@ one() {
 }
 export -f one
 printf '%s\n' ${RUNS:?RUNS is empty} | xargs -P "${JOBS:-2}" -I{} bash -c 'one {}'
-$PY -m dynamiq_mpi train-sim table "$OUT"/*.json
+compgen -G "$OUT/*.json" > /dev/null && $PY -m dynamiq_mpi train-sim table "$OUT"/*.json

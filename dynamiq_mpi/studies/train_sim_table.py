@@ -1,0 +1,150 @@
+"""``python -m dynamiq_mpi train-sim table RUNS.json... [--png FIG]``: the
+table of the simulated-ranks training runs (train_sim.py writes their JSON)
+and their curves.  A run's JSON, or a collection ``{"runs": [...]}``."""
+from __future__ import annotations
+
+import json
+
+
+def _label(cfg):
+    hier = f" nodes of {cfg['node_size']}" if cfg.get("node_size", 1) > 1 else ""
+    topo = "" if cfg["codec"] in ("fp32", "bf16") else f" {cfg['topology']}"
+    work = "" if cfg.get("workload", "lm") == "lm" else f"{cfg['workload']}: "
+    return f"{work}{cfg['codec']}{topo}{hier}"
+
+
+_PLAIN_BITS = {"fp32": 32.0, "bf16": 16.0}     # runs written before these were counted
+
+
+def _bits(run):
+    """Bits a coordinate of a run's reductions; None for a partial codec run
+    (counted when the run ends)."""
+    return run.get("bits_per_coord") or _PLAIN_BITS.get(run["config"]["codec"])
+
+
+def last_fifth_gain(run):
+    """How much the validation loss fell over the last fifth of the run's
+    steps, relative to where that fifth began (issue 32 asks under 1 % of
+    BF16's: a run long enough to compare final losses); None without evals."""
+    evals = run.get("evals") or []
+    if len(evals) < 2:
+        return None
+    last_step, final = evals[-1]
+    start = last_step - last_step / 5
+    before = [v for s, v in evals if s <= start]
+    return (before[-1] - final) / before[-1] if before else None
+
+
+def table(paths, png=None) -> list:
+    """Rows per (N, reduction): mean final validation loss over seeds, the
+    seeds' spread, its ratio to BF16's mean over the *same seeds* at the
+    same N (all of BF16's where it lacks one of them), the step each run
+    first reached that BF16 mean, the mean vNMSE along the run, the final
+    accuracy (cls) and the largest fall of the validation loss over the last
+    fifth of a run (under 1 %: long enough)."""
+    import statistics
+    runs = []
+    for p in paths:             # a run's JSON, or a collection {"runs": [...]}
+        with open(p) as f:
+            doc = json.load(f)
+        runs.extend(doc["runs"] if "runs" in doc else [doc])
+    groups = {}
+    for r in runs:
+        cfg = r["config"]
+        groups.setdefault((cfg["ranks"], _label(cfg)), []).append(r)
+    rows = []
+    for (n, label), rs in sorted(groups.items()):
+        done = [r for r in rs if "final_val_loss" in r]
+        finals = [r["final_val_loss"] for r in done]
+        work = rs[0]["config"].get("workload", "lm")
+        bf16_label = "bf16" if work == "lm" else f"{work}: bf16"
+        bf16 = {r["config"]["seed"]: r["final_val_loss"]
+                for r in groups.get((n, bf16_label), []) if "final_val_loss" in r}
+        seeds = [r["config"]["seed"] for r in done]
+        paired = [bf16[s] for s in seeds if s in bf16]
+        target = (statistics.mean(paired) if len(paired) == len(seeds) and paired
+                  else statistics.mean(bf16.values()) if bf16 else None)
+        reach = [next((s for s, v in r["evals"] if target is not None and v <= target), None)
+                 for r in done]
+        vn = [v for r in rs for _, v in r["vnmse"]]
+        cut = [r for r in rs if "final_val_loss" not in r and r["evals"]]
+        common = set.intersection(*(set(s for s, _ in r["evals"]) for r in cut)) if cut else ()
+        reached = max(common, default=None)     # the last step every cut run evaluated
+        cut_seeds = sorted(r["config"]["seed"] for r in cut)
+        rows.append(dict(ranks=n, reduction=label, seeds=sorted(seeds) if finals else cut_seeds,
+                         partial=None if finals or reached is None else (reached, statistics.mean(
+                             dict(r["evals"])[reached] for r in cut)),
+                         final=statistics.mean(finals) if finals else None,
+                         spread=(max(finals) - min(finals)) if len(finals) > 1 else 0.0,
+                         vs_bf16=(statistics.mean(finals) / target) if finals and target else None,
+                         paired=len(paired) == len(seeds) and bool(paired),
+                         steps_to_bf16=reach,
+                         vnmse=statistics.mean(vn) if vn else None,
+                         last_fifth=max((g for g in map(last_fifth_gain, done) if g is not None),
+                                        default=None),
+                         accuracy=(statistics.mean(r["final_accuracy"] for r in done)
+                                   if done and all("final_accuracy" in r for r in done)
+                                   else None),
+                         bits=statistics.mean([b for b in map(_bits, rs) if b] or [0.0])))
+    print(f"{'N':>4s} {'reduction':>36s} {'seeds':>7s} {'final val':>10s} {'spread':>8s} "
+          f"{'/ BF16':>8s} {'steps to BF16':>14s} {'vNMSE':>9s} {'bits':>6s} {'acc':>6s} "
+          f"{'last 1/5':>8s}")
+    for r in rows:
+        fin = (f"{r['final']:.4f}" if r["final"] is not None else
+               f"{r['partial'][1]:.4f}@{r['partial'][0]}" if r["partial"] else "-")
+        ratio = (f"{r['vs_bf16']:.4f}" + ("" if r["paired"] else "*")) if r["vs_bf16"] else "-"
+        steps = ",".join("-" if s is None else str(s) for s in r["steps_to_bf16"])
+        vn = f"{r['vnmse']:.2e}" if r["vnmse"] else "-"
+        seeds = ",".join(map(str, r["seeds"]))
+        print(f"{r['ranks']:>4d} {r['reduction']:>36s} {seeds:>7s} {fin:>10s} "
+              f"{r['spread']:8.4f} {ratio:>8s} {steps:>14s} {vn:>9s} {r['bits']:6.2f} "
+              f"{'-' if r['accuracy'] is None else format(r['accuracy'], '.3f'):>6s} "
+              f"{'-' if r['last_fifth'] is None else format(r['last_fifth'], '.1%'):>8s}")
+    if any(r["partial"] for r in rows):
+        print("# V@S: runs cut short; their mean validation loss at step S")
+    if any(not r["paired"] for r in rows if r["vs_bf16"]):
+        print("# *: against BF16's mean over other seeds (BF16 lacks one of the row's)")
+    if png:
+        _plot(groups, png)
+    return rows
+
+
+def _plot(groups, png):
+    """One panel per (workload, N): validation loss against step (lm), or
+    accuracy (cls: its loss overfits while accuracy still climbs).  The
+    y range follows the runs that train: a diverged run is named in the
+    legend with its final value, off the chart."""
+    import math
+    import statistics
+
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    panels = {}
+    for (n, label), rs in sorted(groups.items()):
+        work = rs[0]["config"].get("workload", "lm")
+        panels.setdefault((work, n), []).append((label, rs))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, ((work, n), members) in zip(axes[0], sorted(panels.items())):
+        key = "accuracy" if work == "cls" else "evals"
+        curves = [(label, r[key]) for label, rs in members for r in rs if r.get(key)]
+        starts = [c[0][1] for _, c in curves if math.isfinite(c[0][1])]
+        lo = min((v for _, c in curves for _, v in c if math.isfinite(v)), default=0.0)
+        hi = statistics.median(starts) * 1.05 if starts else 1.0
+        for k, (label, rs) in enumerate(members):
+            for i, r in enumerate(rs):
+                if not r.get(key):
+                    continue
+                xs, ys = zip(*r[key])
+                off = key == "evals" and not ys[-1] <= hi      # NaN too
+                name = f"{label} (off the chart: {ys[-1]:.2f})" if off else label
+                ax.plot(xs, ys, label=name if i == 0 else None, alpha=0.8, color=f"C{k}")
+        if key == "evals":
+            ax.set_ylim(lo - 0.03 * (hi - lo), hi)
+        ax.set_title(f"{work}, N = {n} simulated ranks")
+        ax.set_xlabel("step")
+        ax.set_ylabel("validation accuracy" if key == "accuracy" else
+                      "validation loss (nats/byte)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
