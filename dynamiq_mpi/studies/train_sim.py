@@ -9,9 +9,10 @@ Every rank's micro-batch gradient is computed by its own backward pass of the
 one model (data-parallel replicas hold the same parameters, so one model
 serves them all, rank after rank); the gradients are cut into the buckets of
 ``dynamiq_mpi.torch.allreduce_gradients`` (``gradient_buckets``) and each
-bucket is all-reduced with every rank's input by the real codec:
-``simulate_allreduce`` (the engine of a real job, CuPy arrays on a GPU), or
-``levels_simulate`` for ``--node-size`` (the hierarchical call; on the host).
+bucket is all-reduced with every rank's input by the real codec, walked role
+by role (``scale_allreduce``: ``simulate_allreduce``'s bits, which are a real
+job's; CuPy arrays on a GPU), or ``levels_simulate`` for ``--node-size`` (the
+hierarchical call; on the host).
 The call counter advances per bucket as a real job's does, so at N = 2 the
 gradients equal a real two-rank job's bit for bit: ``--real`` runs that job
 (under ``mpiexec -n N``, ``allreduce_gradients`` with a ``HookState``), and
