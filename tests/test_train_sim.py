@@ -252,3 +252,33 @@ def test_max_seconds_needs_a_checkpoint(capsys):
     with pytest.raises(SystemExit):
         train_sim.main([*TINY, "--max-seconds", "10"])
     assert "give --checkpoint" in capsys.readouterr().err
+
+
+def test_the_cells_script_resumes_a_queue(tmp_path, monkeypatch):
+    """tools/studies/train_sim_cells.sh: with MAX_SECONDS=0 each call takes
+    every run one step further from its checkpoint, a complete run is then
+    skipped ("have"), and a run that could not end by END_AT is not started."""
+    import os
+    import subprocess
+    import sys
+    import time
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                          "tools", "studies", "train_sim_cells.sh")
+    out = tmp_path / "cells"
+    env = dict(os.environ, PYTHON=sys.executable, OUT=str(out), PRESET="tiny", STEPS="2",
+               MAX_SECONDS="0", TRAIN_ARGS="--eval-every 1", RUNS="2/dynamiq/ring/1/0",
+               DYNAMIQ_CACHE=str(tmp_path / "cache"))
+    logs = [subprocess.run(["bash", script], env=env, capture_output=True, text=True,
+                           timeout=300).stdout for _ in range(3)]
+    name = "lm_tiny_n2_dynamiq-5-small_input-0_ring_k1_s0"
+    assert f"{name}: stopped at step 1" in logs[0], logs[0]
+    assert f"{name}: " in logs[1] and "stopped" not in logs[1], logs[1]
+    assert f"have {name}" in logs[2], logs[2]
+    record = json.load(open(out / f"{name}.json"))
+    assert "partial" not in record and len(record["steps"]) == 2
+    assert [s["first_step"] for s in record["segments"]] == [0, 1]
+    assert not (out / f"{name}.ckpt").exists()          # removed once the run ends
+    late = dict(env, OUT=str(tmp_path / "late"), END_AT=str(int(time.time()) + 60))
+    log = subprocess.run(["bash", script], env=late, capture_output=True, text=True,
+                         timeout=300).stdout
+    assert "skipped (deadline): 2/dynamiq/ring/1/0" in log, log
