@@ -115,10 +115,10 @@ class _ElementwiseAdapter:
         return False
 
 
-class _MXAdapter(_ElementwiseAdapter):
-    """MXFP: statistics reduced by maximum (order-free); stream units are
-    blocks of 32."""
-    row = MX_BLOCK
+class _MaxStatsAdapter(_ElementwiseAdapter):
+    """Codecs whose statistics reduce by maximum (order-free): one pass over
+    the ranks, each rank's local state offered to ``keep``; the plan then
+    needs every role's local state."""
     passes = 2
 
     def reduce_stats(self, sim):
@@ -134,6 +134,14 @@ class _MXAdapter(_ElementwiseAdapter):
     def keep(self, sim, rank, state):
         """Hook: a rank's local state, as the statistics pass computed it."""
 
+    def needs_local_stats(self):
+        return True
+
+
+class _MXAdapter(_MaxStatsAdapter):
+    """MXFP: block exponents reduced by maximum; stream units are blocks of 32."""
+    row = MX_BLOCK
+
     def bind(self, plan, x, state):
         plan.local = state
         if plan.gpu:    # the fused kernels read the input itself, not the host blocks
@@ -144,9 +152,6 @@ class _MXAdapter(_ElementwiseAdapter):
             return None
         nb = -(-x.shape[0] // MX_BLOCK)
         return _padded_blocks(sim.xp, x, nb)
-
-    def needs_local_stats(self):
-        return True
 
 
 def _row_absmax(xp, x, nrows):
@@ -252,12 +257,10 @@ class _DynamiQAdapter:
         return self._centring
 
 
-class _OmniAdapter(_MXAdapter):
+class _OmniAdapter(_MaxStatsAdapter):
     """OmniReduce: one priority byte per block of 256, reduced by maximum
     (order-free); the stream's units are the union blocks ``plan.union`` only,
     and the plan reads this rank's values of them (``plan.values``)."""
-    row = SUPER
-
     def data_rows(self, plan):
         chunk = np.zeros(plan.nb, dtype=np.int64)        # blocks outside the union: unread
         union = np.asarray(plan.backend.to_host(plan.union), dtype=np.int64)
@@ -273,7 +276,7 @@ class _OmniAdapter(_MXAdapter):
         plan.values = blocks[plan.union]
 
 
-class _THCAdapter(_MXAdapter):
+class _THCAdapter(_MaxStatsAdapter):
     """THC: one range byte per Hadamard block, reduced by maximum
     (order-free); the plan reads the *rotated* input, and a Hadamard block
     spans many rows of 256 (chunks of several ranks at one role), so role
@@ -281,7 +284,6 @@ class _THCAdapter(_MXAdapter):
     in the statistics pass: n x the padded length in memory (the one
     exception to a memory independent of n).  The rotation (``runs``, key)
     and so ``finish``'s inverse are the same on every rank."""
-    row = SUPER
     reads_input = False
 
     def __init__(self):

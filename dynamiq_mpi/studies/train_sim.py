@@ -130,6 +130,9 @@ class Reducer:
     def load_state(self, state):
         self.counter, self.bits, self.coords = state["counter"], state["bits"], state["coords"]
 
+    def bits_per_coord(self):
+        return self.bits / self.coords
+
     def take_vnmse(self):
         v = self.err / self.norm if self.norm > 0 else 0.0
         self.err = self.norm = 0.0
@@ -325,32 +328,28 @@ def run(args) -> dict:
             record["vnmse"].append([step, reducer.take_vnmse()])
         opt.step()
         record["steps"].append([step, sum(losses) / len(losses)])
-        if rank == 0 and args.eval_every and ((step + 1) % args.eval_every == 0
-                                              or step + 1 == args.steps):
+        evaluated = rank == 0 and bool(args.eval_every) and (
+            (step + 1) % args.eval_every == 0 or step + 1 == args.steps)
+        if evaluated:
             sync()
             ev = work.evaluate()
             record["evals"].append([step + 1, ev["val_loss"]])
             if "accuracy" in ev:
                 record.setdefault("accuracy", []).append([step + 1, ev["accuracy"]])
-            if args.json and step + 1 < args.steps:     # a run cut short keeps its curve
-                _write(args.json, _partial(record, before + time.perf_counter() - t0, reducer))
-            evaluated = True
-        else:
-            evaluated = False
         progress(step, record)
-        if args.checkpoint and not args.real and step + 1 < args.steps:
-            stop = args.max_seconds is not None and time.perf_counter() - t0 >= args.max_seconds
-            if stop or evaluated:
-                elapsed = before + time.perf_counter() - t0
-                _save(args.checkpoint, step + 1, elapsed, record, model, opt, reducer)
+        stop = args.max_seconds is not None and time.perf_counter() - t0 >= args.max_seconds
+        if step + 1 < args.steps and (evaluated or stop):
+            partial = _partial(record, before + time.perf_counter() - t0, reducer)
+            if args.json:                       # a run cut short keeps its curve
+                _write(args.json, partial)
+            if args.checkpoint:
+                _save(args.checkpoint, step + 1, partial["seconds"], record, model, opt, reducer)
             if stop:
-                if args.json:
-                    _write(args.json, _partial(record, elapsed, reducer))
-                return _partial(record, elapsed, reducer)
+                return partial
     sync()
     record["seconds"] = before + time.perf_counter() - t0
     if reducer is not None and reducer.coords:
-        record["bits_per_coord"] = reducer.bits / reducer.coords
+        record["bits_per_coord"] = reducer.bits_per_coord()
     if record["evals"]:
         record["final_val_loss"] = record["evals"][-1][1]
     if record.get("accuracy"):
@@ -375,18 +374,15 @@ def _partial(record, elapsed, reducer):
     """The record of a run cut short: its curves so far, the bits counted."""
     out = dict(record, partial=True, seconds=elapsed)
     if reducer is not None and reducer.coords:
-        out["bits_per_coord"] = reducer.bits / reducer.coords
+        out["bits_per_coord"] = reducer.bits_per_coord()
     return out
 
 
 def _save(path, step, elapsed, record, model, opt, reducer):
-    import os
-
     import torch
     state = {"step": step, "seconds": elapsed, "record": record, "model": model.state_dict(),
              "opt": opt.state_dict(), "reducer": reducer.state()}
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)         # a run killed mid-write keeps the last one
+    _replace(path, lambda tmp: torch.save(state, tmp))
 
 
 def _resume(path, record, model, opt, reducer):
@@ -417,11 +413,18 @@ def _resume(path, record, model, opt, reducer):
     return state["step"], state["seconds"]
 
 
-def _write(path, record):
+def _replace(path, write):
+    """``write(tmp)``, then the rename: a run killed mid-write keeps its last file."""
     import os
-    with open(path + ".tmp", "w") as f:
-        json.dump(record, f, indent=1)
-    os.replace(path + ".tmp", path)       # a run killed mid-write keeps its last JSON
+    write(path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def _write(path, record):
+    def dump(tmp):
+        with open(tmp, "w") as f:
+            json.dump(record, f, indent=1)
+    _replace(path, dump)
 
 
 def _progress(total, quiet):

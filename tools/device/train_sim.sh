@@ -25,6 +25,8 @@ export TRAIN_ARGS=${TRAIN_ARGS:-} DEVICE=cuda PRESET=${PRESET:-compact} WORKLOAD
 export END_AT=$(( t0 + ${DEADLINE:-450} ))
 n_dev=$(wc -w <<< "${RUNS:-}"); n_host=$(wc -w <<< "${HOST_RUNS:-}")
 (( n_dev + n_host )) || { echo "RUNS and HOST_RUNS are empty" >&2; exit 2; }
+# the two queues run side by side; the one table comes after both
+export NO_TABLE=1
 [ "$n_dev" -gt 0 ] && RUNS="$RUNS" OUT=$OUT/runs JOBS=${JOBS:-$n_dev} \
   bash "$HERE/../studies/train_sim_cells.sh" > "$OUT/device_runs.log" 2>&1 &
 [ "$n_host" -gt 0 ] && RUNS="$HOST_RUNS" OUT=$OUT/runs JOBS=${JOBS:-$n_host} \

@@ -12,7 +12,7 @@
 # re-running resumes a queue.  To fit a time-limited machine, each run stops
 # after the first step past MAX_SECONDS of training, or early enough to end
 # by END_AT (a run that would start too late is skipped).
-# Then the table of every run in OUT.
+# Then the table of every run in OUT (unless NO_TABLE is set).
 set -uo pipefail
 OUT=${OUT:-train_sim_out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -50,4 +50,5 @@ one() {
 }
 export -f one
 printf '%s\n' ${RUNS:?RUNS is empty} | xargs -P "${JOBS:-2}" -I{} bash -c 'one {}'
-compgen -G "$OUT/*.json" > /dev/null && $PY -m dynamiq_mpi train-sim table "$OUT"/*.json
+[[ -n ${NO_TABLE:-} ]] || ! compgen -G "$OUT/*.json" > /dev/null ||
+  $PY -m dynamiq_mpi train-sim table "$OUT"/*.json
