@@ -270,7 +270,7 @@ def test_the_cells_script_resumes_a_queue(tmp_path, monkeypatch):
                DYNAMIQ_CACHE=str(tmp_path / "cache"))
     logs = [subprocess.run(["bash", script], env=env, capture_output=True, text=True,
                            timeout=300).stdout for _ in range(3)]
-    name = "lm_tiny_n2_dynamiq-5-small_input-0_ring_k1_s0"
+    name = "lm_tiny_n2_dynamiq-5-small_input-0_ring_k1_s0_t2"     # steps not the preset's
     assert f"{name}: stopped at step 1" in logs[0], logs[0]
     assert f"{name}: " in logs[1] and "stopped" not in logs[1], logs[1]
     assert f"have {name}" in logs[2], logs[2]
@@ -278,7 +278,40 @@ def test_the_cells_script_resumes_a_queue(tmp_path, monkeypatch):
     assert "partial" not in record and len(record["steps"]) == 2
     assert [s["first_step"] for s in record["segments"]] == [0, 1]
     assert not (out / f"{name}.ckpt").exists()          # removed once the run ends
-    late = dict(env, OUT=str(tmp_path / "late"), END_AT=str(int(time.time()) + 60))
+    late = dict(env, OUT=str(tmp_path / "late"), END_AT=str(int(time.time()) + 60),
+                RUNS="2/dynamiq/ring/1/0/lm/3/1")           # a run's own steps and batch
     log = subprocess.run(["bash", script], env=late, capture_output=True, text=True,
                          timeout=300).stdout
-    assert "skipped (deadline): 2/dynamiq/ring/1/0" in log, log
+    assert "skipped (deadline): 2/dynamiq/ring/1/0/lm/3/1" in log, log
+
+
+def test_the_table_keeps_run_lengths_and_batches_apart(tmp_path):
+    """Runs of another length or batch are other rows, each compared with the
+    BF16 of its own length and batch; the last fifth is read off the seeds'
+    mean curve (and the worst seed)."""
+    rng = np.random.default_rng()
+
+    def record(codec, seed, steps, batch, curve):
+        cfg = dict(ranks=4, codec=codec, topology="ring", node_size=1, seed=seed,
+                   workload="lm", steps=steps, batch=batch)
+        evals = [[s, v] for s, v in curve]
+        return dict(config=cfg, evals=evals, vnmse=[[1, 0.0]], final_val_loss=evals[-1][1],
+                    bits_per_coord=None if codec == "bf16" else 5.0)
+    base = float(rng.uniform(1.0, 2.0))
+    runs = [record("bf16", 0, 10, 4, [(8, base * 1.1), (10, base)]),
+            record("bf16", 1, 10, 4, [(8, base * 1.3), (10, base * 1.2)]),
+            record("bf16", 0, 10, 8, [(8, base), (10, base * 0.5)]),
+            record("dynamiq:5", 0, 10, 4, [(8, base), (10, base * 1.05)]),
+            record("dynamiq:5", 0, 20, 4, [(16, base), (20, base)])]
+    path = tmp_path / "runs.json"
+    path.write_text(json.dumps({"runs": runs}))
+    rows = {(r["reduction"], r["length"], r["batch"]): r for r in train_sim_table.table([str(path)])}
+    assert set(rows) == {("bf16", 10, 4), ("bf16", 10, 8), ("dynamiq:5 ring", 10, 4),
+                         ("dynamiq:5 ring", 20, 4)}
+    bf16 = rows[("bf16", 10, 4)]
+    assert bf16["final"] == pytest.approx(base * 1.1)
+    assert bf16["last_fifth_mean"] == pytest.approx(1 - 1.1 / 1.2)      # the mean curve's
+    assert bf16["last_fifth"] == pytest.approx(1 - 1 / 1.1)             # the worst seed's
+    assert rows[("bf16", 10, 8)]["last_fifth"] == pytest.approx(0.5)
+    assert rows[("dynamiq:5 ring", 10, 4)]["vs_bf16"] == pytest.approx(1.05)   # seed 0's BF16
+    assert rows[("dynamiq:5 ring", 20, 4)]["vs_bf16"] is None           # no BF16 of 20 steps

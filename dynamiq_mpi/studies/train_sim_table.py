@@ -35,13 +35,24 @@ def last_fifth_gain(run):
     return (before[-1] - final) / before[-1] if before else None
 
 
+def _pct(v):
+    return "-" if v is None else format(v, ".1%")
+
+
+def mean_curve(runs):
+    """The seeds' mean validation curve, at the steps every run evaluated."""
+    import statistics
+    common = set.intersection(*(set(s for s, _ in r["evals"]) for r in runs))
+    return [[s, statistics.mean(dict(r["evals"])[s] for r in runs)] for s in sorted(common)]
+
+
 def table(paths, png=None) -> list:
-    """Rows per (N, reduction): mean final validation loss over seeds, the
+    """Rows per (N, reduction, run length, sequences a rank): mean final validation loss over seeds, the
     seeds' spread, its ratio to BF16's mean over the *same seeds* at the
-    same N (all of BF16's where it lacks one of them), the step each run
+    same N, length and batch (all of BF16's where it lacks one of them), the step each run
     first reached that BF16 mean, the mean vNMSE along the run, the final
     accuracy (cls) and the largest fall of the validation loss over the last
-    fifth of a run (under 1 %: long enough)."""
+    fifth of the seeds' mean curve and of one run at most (under 1 %: long enough)."""
     import statistics
     runs = []
     for p in paths:             # a run's JSON, or a collection {"runs": [...]}
@@ -51,15 +62,15 @@ def table(paths, png=None) -> list:
     groups = {}
     for r in runs:
         cfg = r["config"]
-        groups.setdefault((cfg["ranks"], _label(cfg)), []).append(r)
+        groups.setdefault((cfg["ranks"], _label(cfg), cfg["steps"], cfg["batch"]), []).append(r)
     rows = []
-    for (n, label), rs in sorted(groups.items()):
+    for (n, label, length, batch), rs in sorted(groups.items()):
         done = [r for r in rs if "final_val_loss" in r]
         finals = [r["final_val_loss"] for r in done]
         work = rs[0]["config"].get("workload", "lm")
         bf16_label = "bf16" if work == "lm" else f"{work}: bf16"
         bf16 = {r["config"]["seed"]: r["final_val_loss"]
-                for r in groups.get((n, bf16_label), []) if "final_val_loss" in r}
+                for r in groups.get((n, bf16_label, length, batch), []) if "final_val_loss" in r}
         seeds = [r["config"]["seed"] for r in done]
         paired = [bf16[s] for s in seeds if s in bf16]
         target = (statistics.mean(paired) if len(paired) == len(seeds) and paired
@@ -71,7 +82,7 @@ def table(paths, png=None) -> list:
         common = set.intersection(*(set(s for s, _ in r["evals"]) for r in cut)) if cut else ()
         reached = max(common, default=None)     # the last step every cut run evaluated
         cut_seeds = sorted(r["config"]["seed"] for r in cut)
-        rows.append(dict(ranks=n, reduction=label, seeds=sorted(seeds) if finals else cut_seeds,
+        rows.append(dict(ranks=n, reduction=label, length=length, batch=batch, seeds=sorted(seeds) if finals else cut_seeds,
                          partial=None if finals or reached is None else (reached, statistics.mean(
                              dict(r["evals"])[reached] for r in cut)),
                          final=statistics.mean(finals) if finals else None,
@@ -82,13 +93,15 @@ def table(paths, png=None) -> list:
                          vnmse=statistics.mean(vn) if vn else None,
                          last_fifth=max((g for g in map(last_fifth_gain, done) if g is not None),
                                         default=None),
+                         last_fifth_mean=(last_fifth_gain({"evals": mean_curve(done)})
+                                          if done else None),
                          accuracy=(statistics.mean(r["final_accuracy"] for r in done)
                                    if done and all("final_accuracy" in r for r in done)
                                    else None),
                          bits=statistics.mean([b for b in map(_bits, rs) if b] or [0.0])))
-    print(f"{'N':>4s} {'reduction':>36s} {'seeds':>7s} {'final val':>10s} {'spread':>8s} "
+    print(f"{'N':>4s} {'steps':>5s} {'batch':>5s} {'reduction':>36s} {'seeds':>7s} {'final val':>10s} {'spread':>8s} "
           f"{'/ BF16':>8s} {'steps to BF16':>14s} {'vNMSE':>9s} {'bits':>6s} {'acc':>6s} "
-          f"{'last 1/5':>8s}")
+          f"{'last 1/5 mean, max':>18s}")
     for r in rows:
         fin = (f"{r['final']:.4f}" if r["final"] is not None else
                f"{r['partial'][1]:.4f}@{r['partial'][0]}" if r["partial"] else "-")
@@ -96,10 +109,12 @@ def table(paths, png=None) -> list:
         steps = ",".join("-" if s is None else str(s) for s in r["steps_to_bf16"])
         vn = f"{r['vnmse']:.2e}" if r["vnmse"] else "-"
         seeds = ",".join(map(str, r["seeds"]))
-        print(f"{r['ranks']:>4d} {r['reduction']:>36s} {seeds:>7s} {fin:>10s} "
+        print(f"{r['ranks']:>4d} {r['length']:>5d} {r['batch']:>5d} {r['reduction']:>36s} {seeds:>7s} {fin:>10s} "
               f"{r['spread']:8.4f} {ratio:>8s} {steps:>14s} {vn:>9s} {r['bits']:6.2f} "
               f"{'-' if r['accuracy'] is None else format(r['accuracy'], '.3f'):>6s} "
-              f"{'-' if r['last_fifth'] is None else format(r['last_fifth'], '.1%'):>8s}")
+              f"{_pct(r['last_fifth_mean']):>9s},{_pct(r['last_fifth']):>8s}")
+    print("# last 1/5: the validation loss's fall over the last fifth of the steps, of the "
+          "seeds' mean curve and the largest of one seed's")
     if any(r["partial"] for r in rows):
         print("# V@S: runs cut short; their mean validation loss at step S")
     if any(not r["paired"] for r in rows if r["vs_bf16"]):
@@ -110,7 +125,7 @@ def table(paths, png=None) -> list:
 
 
 def _plot(groups, png):
-    """One panel per (workload, N): validation loss against step (lm), or
+    """One panel per (workload, N, run length, batch): validation loss against step (lm), or
     accuracy (cls: its loss overfits while accuracy still climbs).  The
     y range follows the runs that train: a diverged run is named in the
     legend with its final value, off the chart."""
@@ -121,11 +136,11 @@ def _plot(groups, png):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     panels = {}
-    for (n, label), rs in sorted(groups.items()):
+    for (n, label, length, batch), rs in sorted(groups.items()):
         work = rs[0]["config"].get("workload", "lm")
-        panels.setdefault((work, n), []).append((label, rs))
+        panels.setdefault((work, n, length, batch), []).append((label, rs))
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    for ax, ((work, n), members) in zip(axes[0], sorted(panels.items())):
+    for ax, ((work, n, length, batch), members) in zip(axes[0], sorted(panels.items())):
         key = "accuracy" if work == "cls" else "evals"
         curves = [(label, r[key]) for label, rs in members for r in rs if r.get(key)]
         starts = [c[0][1] for _, c in curves if math.isfinite(c[0][1])]
@@ -141,7 +156,8 @@ def _plot(groups, png):
                 ax.plot(xs, ys, label=name if i == 0 else None, alpha=0.8, color=f"C{k}")
         if key == "evals":
             ax.set_ylim(lo - 0.03 * (hi - lo), hi)
-        ax.set_title(f"{work}, N = {n} simulated ranks")
+        ax.set_title(f"{work}, N = {n} simulated ranks, {length} steps of {batch} a rank",
+                     fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel("validation accuracy" if key == "accuracy" else
                       "validation loss (nats/byte)")

@@ -1,8 +1,10 @@
 #!/bin/bash
 # Cells of the simulated-ranks training table on the CPU (or any one device),
 # JOBS at a time (docs/training.md, `python -m dynamiq_mpi train-sim`).
-#   RUNS="N/codec/topology/node_size/seed[/workload] ..."   ("dynamiq": dynamiq:5:small_input=0;
-#        workload lm or cls, WORKLOAD's by default)
+#   RUNS="N/codec/topology/node_size/seed[/workload[/steps[/batch]]] ..."
+#        ("dynamiq": dynamiq:5:small_input=0; workload lm or cls, WORKLOAD's by default;
+#        steps STEPS's, else the preset's; batch: sequences a rank, the preset's by default;
+#        a run of other steps or batch is named ..._tSTEPS_bBATCH)
 #   PRESET=compact DEVICE=cpu JOBS=2 OUT=dir [STEPS=...] [WORKLOAD=lm|cls]
 #   [TRAIN_ARGS="--batched --reduce-on host"] [MAX_SECONDS=s] [END_AT=epoch seconds]
 #   bash tools/studies/train_sim_cells.sh
@@ -23,10 +25,10 @@ complete() {    # a run's JSON that parses and was written at its end (dated, no
 }
 export -f complete
 one() {
-  IFS=/ read -r n codec topo k seed work <<< "$1"
+  IFS=/ read -r n codec topo k seed work steps batch <<< "$1"
   [[ $codec == dynamiq ]] && codec=dynamiq:5:small_input=0
-  work=${work:-$WORKLOAD}
-  local name="${work}_${PRESET}_n${n}_${codec//[:=]/-}_${topo}_k${k}_s${seed}"
+  work=${work:-$WORKLOAD}; steps=${steps:-$STEPS}
+  local name="${work}_${PRESET}_n${n}_${codec//[:=]/-}_${topo}_k${k}_s${seed}${steps:+_t$steps}${batch:+_b$batch}"
   local json="$OUT/$name.json"
   if [[ -s $json ]] && complete "$json"; then echo "have $name"; return 0; fi
   local s=$(date +%s) limit=$MAX_SECONDS
@@ -37,7 +39,7 @@ one() {
   fi
   if OMP_NUM_THREADS=1 $PY -m dynamiq_mpi train-sim --preset "$PRESET" --device "$DEVICE" \
       --workload "$work" --ranks "$n" --codec "$codec" --topology "$topo" --node-size "$k" \
-      --seed "$seed" ${STEPS:+--steps $STEPS} $TRAIN_ARGS --quiet --json "$json" \
+      --seed "$seed" ${steps:+--steps $steps} ${batch:+--batch $batch} $TRAIN_ARGS --quiet --json "$json" \
       --checkpoint "$OUT/$name.ckpt" ${limit:+--max-seconds $limit}; then
     if ! complete "$json"; then
       echo "$name: stopped at step $($PY -c "import json,sys; print(len(json.load(open(sys.argv[1]))['steps']))" "$json") after $(( $(date +%s) - s )) s"
