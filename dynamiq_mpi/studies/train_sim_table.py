@@ -139,8 +139,10 @@ def _plot(groups, png):
     for (n, label, length, batch), rs in sorted(groups.items()):
         work = rs[0]["config"].get("workload", "lm")
         panels.setdefault((work, n, length, batch), []).append((label, rs))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    for ax, ((work, n, length, batch), members) in zip(axes[0], sorted(panels.items())):
+    fig, axes = plt.subplots(2, len(panels), figsize=(6 * len(panels), 8.5), squeeze=False,
+                             gridspec_kw=dict(height_ratios=[4.5, 4]))
+    for ax, zoom, ((work, n, length, batch), members) in zip(axes[0], axes[1],
+                                                             sorted(panels.items())):
         key = "accuracy" if work == "cls" else "evals"
         curves = [(label, r[key]) for label, rs in members for r in rs if r.get(key)]
         starts = [c[0][1] for _, c in curves if math.isfinite(c[0][1])]
@@ -162,5 +164,33 @@ def _plot(groups, png):
         ax.set_ylabel("validation accuracy" if key == "accuracy" else
                       "validation loss (nats/byte)")
         ax.legend(fontsize=7)
+        _zoom(zoom, members, key, length)
     fig.tight_layout()
     fig.savefig(png, dpi=110)
+
+
+def _zoom(ax, members, key, length):
+    """The last 40 % of the steps, at the scale where the codecs that keep
+    up with BF16 differ: the runs whose final value lies within 5 % of the
+    panel's median final (the others are left out of this view)."""
+    import statistics
+    start = 0.6 * length
+    runs = [(k, r[key]) for k, (_, rs) in enumerate(members) for r in rs if r.get(key)]
+    finals = [c[-1][1] for _, c in runs if c[-1][1] == c[-1][1]]
+    if not finals:
+        return
+    mid = statistics.median(finals)
+    near = [(k, [(s, v) for s, v in c if s >= start]) for k, c in runs
+            if abs(c[-1][1] - mid) <= 0.05 * abs(mid)]
+    values = [v for _, c in near for _, v in c]
+    for k, c in near:
+        if c:
+            ax.plot(*zip(*c), alpha=0.8, color=f"C{k}", marker=".", markersize=3)
+    if values:
+        pad = 0.05 * (max(values) - min(values) or 1e-3)
+        ax.set_ylim(min(values) - pad, max(values) + pad)
+    ax.set_xlim(start, length)
+    ax.set_title(f"the last 40 % of the steps (runs ending within 5 % of the median; "
+                 f"{len(near)} of {len(runs)})", fontsize=9)
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
