@@ -47,12 +47,13 @@ def mean_curve(runs):
 
 
 def table(paths, png=None) -> list:
-    """Rows per (N, reduction, run length, sequences a rank): mean final validation loss over seeds, the
-    seeds' spread, its ratio to BF16's mean over the *same seeds* at the
-    same N, length and batch (all of BF16's where it lacks one of them), the step each run
-    first reached that BF16 mean, the mean vNMSE along the run, the final
-    accuracy (cls) and the largest fall of the validation loss over the last
-    fifth of the seeds' mean curve and of one run at most (under 1 %: long enough)."""
+    """Rows per (N, reduction, run length, sequences a rank): mean final
+    validation loss over seeds, the seeds' spread, its ratio to BF16's mean
+    over the *same seeds* at the same N, length and batch (all of BF16's
+    where it lacks one of them), the step each run first reached that BF16
+    mean, the mean vNMSE along the run, the final accuracy (cls) and the
+    fall of the validation loss over the last fifth, of the seeds' mean
+    curve and of one seed at most (under 1 %: long enough)."""
     import statistics
     runs = []
     for p in paths:             # a run's JSON, or a collection {"runs": [...]}
@@ -82,7 +83,8 @@ def table(paths, png=None) -> list:
         common = set.intersection(*(set(s for s, _ in r["evals"]) for r in cut)) if cut else ()
         reached = max(common, default=None)     # the last step every cut run evaluated
         cut_seeds = sorted(r["config"]["seed"] for r in cut)
-        rows.append(dict(ranks=n, reduction=label, length=length, batch=batch, seeds=sorted(seeds) if finals else cut_seeds,
+        rows.append(dict(ranks=n, reduction=label, length=length, batch=batch,
+                         seeds=sorted(seeds) if finals else cut_seeds,
                          partial=None if finals or reached is None else (reached, statistics.mean(
                              dict(r["evals"])[reached] for r in cut)),
                          final=statistics.mean(finals) if finals else None,
@@ -99,7 +101,8 @@ def table(paths, png=None) -> list:
                                    if done and all("final_accuracy" in r for r in done)
                                    else None),
                          bits=statistics.mean([b for b in map(_bits, rs) if b] or [0.0])))
-    print(f"{'N':>4s} {'steps':>5s} {'batch':>5s} {'reduction':>36s} {'seeds':>7s} {'final val':>10s} {'spread':>8s} "
+    print(f"{'N':>4s} {'steps':>5s} {'batch':>5s} {'reduction':>36s} {'seeds':>7s} "
+          f"{'final val':>10s} {'spread':>8s} "
           f"{'/ BF16':>8s} {'steps to BF16':>14s} {'vNMSE':>9s} {'bits':>6s} {'acc':>6s} "
           f"{'last 1/5 mean, max':>18s}")
     for r in rows:
@@ -109,7 +112,8 @@ def table(paths, png=None) -> list:
         steps = ",".join("-" if s is None else str(s) for s in r["steps_to_bf16"])
         vn = f"{r['vnmse']:.2e}" if r["vnmse"] else "-"
         seeds = ",".join(map(str, r["seeds"]))
-        print(f"{r['ranks']:>4d} {r['length']:>5d} {r['batch']:>5d} {r['reduction']:>36s} {seeds:>7s} {fin:>10s} "
+        print(f"{r['ranks']:>4d} {r['length']:>5d} {r['batch']:>5d} {r['reduction']:>36s} "
+              f"{seeds:>7s} {fin:>10s} "
               f"{r['spread']:8.4f} {ratio:>8s} {steps:>14s} {vn:>9s} {r['bits']:6.2f} "
               f"{'-' if r['accuracy'] is None else format(r['accuracy'], '.3f'):>6s} "
               f"{_pct(r['last_fifth_mean']):>9s},{_pct(r['last_fifth']):>8s}")
@@ -125,10 +129,11 @@ def table(paths, png=None) -> list:
 
 
 def _plot(groups, png):
-    """One panel per (workload, N, run length, batch): validation loss against step (lm), or
-    accuracy (cls: its loss overfits while accuracy still climbs).  The
-    y range follows the runs that train: a diverged run is named in the
-    legend with its final value, off the chart."""
+    """One panel per (workload, N, run length, batch): validation loss
+    against step (lm), or accuracy (cls: its loss overfits while accuracy
+    still climbs).  The y range follows the runs that train: a diverged run
+    is named in the legend with its final value, off the chart.  Below each,
+    the last 40 % of the steps zoomed (``_zoom``)."""
     import math
     import statistics
 
@@ -173,10 +178,11 @@ def _zoom(ax, members, key, length):
     """The last 40 % of the steps, at the scale where the codecs that keep
     up with BF16 differ: the runs whose final value lies within 5 % of the
     panel's median final (the others are left out of this view)."""
+    import math
     import statistics
     start = 0.6 * length
     runs = [(k, r[key]) for k, (_, rs) in enumerate(members) for r in rs if r.get(key)]
-    finals = [c[-1][1] for _, c in runs if c[-1][1] == c[-1][1]]
+    finals = [c[-1][1] for _, c in runs if math.isfinite(c[-1][1])]
     if not finals:
         return
     mid = statistics.median(finals)

@@ -28,7 +28,8 @@ one() {
   IFS=/ read -r n codec topo k seed work steps batch <<< "$1"
   [[ $codec == dynamiq ]] && codec=dynamiq:5:small_input=0
   work=${work:-$WORKLOAD}; steps=${steps:-$STEPS}
-  local name="${work}_${PRESET}_n${n}_${codec//[:=]/-}_${topo}_k${k}_s${seed}${steps:+_t$steps}${batch:+_b$batch}"
+  local name="${work}_${PRESET}_n${n}_${codec//[:=]/-}_${topo}_k${k}_s${seed}"
+  name+="${steps:+_t$steps}${batch:+_b$batch}"
   local json="$OUT/$name.json"
   if [[ -s $json ]] && complete "$json"; then echo "have $name"; return 0; fi
   local s=$(date +%s) limit=$MAX_SECONDS
@@ -39,7 +40,8 @@ one() {
   fi
   if OMP_NUM_THREADS=1 $PY -m dynamiq_mpi train-sim --preset "$PRESET" --device "$DEVICE" \
       --workload "$work" --ranks "$n" --codec "$codec" --topology "$topo" --node-size "$k" \
-      --seed "$seed" ${steps:+--steps $steps} ${batch:+--batch $batch} $TRAIN_ARGS --quiet --json "$json" \
+      --seed "$seed" ${steps:+--steps $steps} ${batch:+--batch $batch} $TRAIN_ARGS \
+      --quiet --json "$json" \
       --checkpoint "$OUT/$name.ckpt" ${limit:+--max-seconds $limit}; then
     if ! complete "$json"; then
       echo "$name: stopped at step $($PY -c "import json,sys; print(len(json.load(open(sys.argv[1]))['steps']))" "$json") after $(( $(date +%s) - s )) s"
