@@ -80,13 +80,12 @@ def table(paths, png=None) -> list:
                  for r in done]
         vn = [v for r in rs for _, v in r["vnmse"]]
         cut = [r for r in rs if "final_val_loss" not in r and r["evals"]]
-        common = set.intersection(*(set(s for s, _ in r["evals"]) for r in cut)) if cut else ()
-        reached = max(common, default=None)     # the last step every cut run evaluated
+        # runs cut short: their mean at the last step every one of them evaluated
+        cut_curve = mean_curve(cut) if cut else []
         cut_seeds = sorted(r["config"]["seed"] for r in cut)
         rows.append(dict(ranks=n, reduction=label, length=length, batch=batch,
                          seeds=sorted(seeds) if finals else cut_seeds,
-                         partial=None if finals or reached is None else (reached, statistics.mean(
-                             dict(r["evals"])[reached] for r in cut)),
+                         partial=None if finals or not cut_curve else tuple(cut_curve[-1]),
                          final=statistics.mean(finals) if finals else None,
                          spread=(max(finals) - min(finals)) if len(finals) > 1 else 0.0,
                          vs_bf16=(statistics.mean(finals) / target) if finals and target else None,
