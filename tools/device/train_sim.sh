@@ -12,8 +12,9 @@
 #                      exists, the runs share one GPU context through MPS (started
 #                      here, checked by a 3-step run, stopped at the end): the many
 #                      small processes then overlap on the GPU instead of taking turns
-#                      (a DynamiQ N = 128 run: 2.8 steps/s beside 19 others, against
-#                      1.3 beside 12 without; docs/training.md)
+#                      (a DynamiQ N = 128 run made 2.8 steps/s beside 19 others with
+#                      it, 1.3 beside 12 without, in another session's call: not an
+#                      A/B; docs/training.md)
 # All runs at once (JOBS, default all).  Output under $OUT: table.txt,
 # train_sim_curves.png and train_sim_runs.tgz.part-* (every run's JSON and
 # checkpoint: `cat` the parts, unpack into STATE to go on in the next call).
