@@ -143,8 +143,9 @@ def test_the_reducer_gives_simulate_allreduces_bits(spec, topology):
 def test_batched_gradients_equal_the_per_rank_loop(tmp_path, workload, monkeypatch):
     """--batched (torch.func.vmap over the ranks) trains as the loop of
     per-rank backward passes does, up to float rounding: the same losses and
-    parameters after three steps with the exact mean, and every rank's
-    gradient of a step equal to its own backward pass's.  With DynamiQ a
+    parameters (to 1e-3 of their move, in norm) after three steps with the
+    exact mean, and every rank's gradient of a step equal to its own
+    backward pass's.  With DynamiQ a
     rounding difference may move a coordinate across a quantization step,
     and AdamW turns a tiny gradient's flipped sign into a full-size step, so
     there only the losses (to 1e-3) and the error along the run are compared."""
@@ -166,9 +167,14 @@ def test_batched_gradients_equal_the_per_rank_loop(tmp_path, workload, monkeypat
         batched, batched_rec = _sim(tmp_path, "batched", *args, "--batched",
                                     "--rank-chunk", "2")
         assert batched_rec["config"]["batched"] and not loop_rec["config"]["batched"]
-        moved = np.abs(loop - _sim(tmp_path, "start", *args, "--steps", "0")[0]).max()
+        moved = np.linalg.norm(loop - _sim(tmp_path, "start", *args, "--steps", "0")[0])
         if params_tol is not None:
-            assert np.abs(batched - loop).max() < params_tol * moved, (codec, seed)
+            # The vector's norm, not its largest coordinate: AdamW divides each
+            # coordinate by its own gradient's size, so one whose gradient is
+            # near eps turns a rounding difference into a visible step (seed
+            # 400: 3e-3 of the largest move in 2 of 26720 coordinates; 4e-5 of
+            # the norm, the largest of 160 seeds 5e-5).
+            assert np.linalg.norm(batched - loop) < params_tol * moved, (codec, seed)
         assert np.allclose([v for _, v in batched_rec["steps"]],
                            [v for _, v in loop_rec["steps"]], rtol=loss_tol, atol=0)
         if codec == CODEC:
