@@ -157,6 +157,15 @@ def load_rates(name_or_path="h100-final") -> dict:
     return rates
 
 
+def wire_only(rates):
+    """The rates with every kernel, launch, planner and host cost at zero: the
+    plain alpha-beta model of the issue."""
+    return dict(rates, host_us={k: 0.0 for k in rates["host_us"]}, launch_us=0.0,
+                copy_gbps={"28": float("inf")}, planner_us={"20": 0.0, "28": 0.0},
+                ns_per_element={k: dict.fromkeys(v, 0.0)
+                                for k, v in rates["ns_per_element"].items()})
+
+
 def _ns(rates, key, elements):
     """ns per element of a kernel at this size (log-linear between the measured
     sizes, clamped: a tile below the smallest runs at the smallest's rate)."""
@@ -469,135 +478,3 @@ def predict(c: Cluster, elements, rates, codec="dynamiq", bits=5.0, topologies=(
                   "butterfly over a non-power-of-two node count: the ring on the rails"}
         out[f"levels_{topo}"] = dict(lv, speedup=t_nccl / lv["seconds"])
     return out
-
-
-# ------------------------------------------------------------------ command line
-
-def add_arguments(p):
-    g = p.add_argument_group("cluster")
-    g.add_argument("--nodes", default="2", help="node count N (default 2)")
-    g.add_argument("--gpus-per-node", default="8", help="GPUs per node K (default 8)")
-    g.add_argument("--intra", default="400GB/s",
-                   help="one GPU's NVLink bus bandwidth per direction (default 400GB/s)")
-    g.add_argument("--inter", default="50GB/s",
-                   help="one NIC per direction, e.g. 400Gb/s or 50GB/s (default 50GB/s)")
-    g.add_argument("--nics-per-node", default=None, help="NICs per node (default: K)")
-    g.add_argument("--intra-latency", default="2us", help="per NVLink step (default 2us)")
-    g.add_argument("--inter-latency", default="6us", help="per network message (default 6us)")
-    g.add_argument("--launch", default="10us", help="a collective's fixed cost (default 10us)")
-    g.add_argument("--p2p-efficiency", type=float, default=1.0,
-                   help="our point-to-point's share of the collective's network rate (default 1)")
-    g = p.add_argument_group("call")
-    g.add_argument("--elements", default="2^28", help="elements per rank (2^28, 268435456, 256Mi)")
-    g.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16")
-    g.add_argument("--codec", default="dynamiq", help="dynamiq, bf16, exact, mxfp8, mxfp6, mxfp4")
-    g.add_argument("--bits", type=float, default=5.0, help="DynamiQ's budget, statistics included")
-    g.add_argument("--topology", choices=["ring", "butterfly", "both"], default="both")
-    g.add_argument("--tile-bytes", default=str(DEFAULT_TILE_BYTES))
-    g = p.add_argument_group("model")
-    g.add_argument("--gpu", default="h100-final",
-                   help="kernel rates: a set of kernel_rates.json (h100, h200, h100-final, "
-                        "h200-final) or a `python -m dynamiq_mpi kernels --json` file")
-    g.add_argument("--host", choices=HOST_MODES, default="fixed",
-                   help="host time per call: exact (the plan's header read back, as measured "
-                        "on 2026-11-24), fixed (no host read: today's default for device "
-                        "arrays), graph (a replayed CUDA graph)")
-    g.add_argument("--no-kernels", action="store_true",
-                   help="wire only: no kernel, statistics, planner or host time")
-    g = p.add_argument_group("output")
-    g.add_argument("--json", default=None, help="write the prediction(s) as JSON ('-': stdout)")
-    g.add_argument("--sweep", default=None,
-                   help="PARAM=v1,v2,...: one row per value (inter, intra, nodes, gpus-per-node, "
-                        "nics-per-node, elements, bits)")
-    g.add_argument("--plot", default=None, help="with --sweep: speed-up over NCCL as a PNG")
-    g.add_argument("--check", action="store_true",
-                   help="predict every two-GPU measurement in --results and print the error")
-    g.add_argument("--results", default=None, help="docs/results (default: this checkout's)")
-    g.add_argument("--map", default=None,
-                   help="draw where compression pays (PNG; its data beside it as JSON)")
-
-
-_SWEEPABLE = {"inter": "inter", "intra": "intra", "nodes": "nodes", "gpus-per-node": "gpus_per_node",
-              "nics-per-node": "nics_per_node", "elements": "elements", "bits": "bits"}
-
-
-def wire_only(rates):
-    """The rates with every kernel, launch, planner and host cost at zero: the
-    plain alpha-beta model of the issue."""
-    return dict(rates, host_us={k: 0.0 for k in rates["host_us"]}, launch_us=0.0,
-                copy_gbps={"28": float("inf")}, planner_us={"20": 0.0, "28": 0.0},
-                ns_per_element={k: dict.fromkeys(v, 0.0)
-                                for k, v in rates["ns_per_element"].items()})
-
-
-def _rates_for(args):
-    rates = load_rates(args.gpu)
-    return wire_only(rates) if args.no_kernels else rates
-
-
-def _setup(args, overrides=None):
-    v = {k: getattr(args, k) for k in ("inter", "intra", "nodes", "gpus_per_node",
-                                       "nics_per_node", "elements", "bits")}
-    v.update(overrides or {})
-    k = int(v["gpus_per_node"])
-    c = Cluster(nodes=int(v["nodes"]), gpus_per_node=k,
-                intra=Link(parse_time(args.intra_latency), parse_bandwidth(v["intra"])),
-                nic=Link(parse_time(args.inter_latency), parse_bandwidth(v["inter"])),
-                nics_per_node=int(v["nics_per_node"] or k), launch=parse_time(args.launch),
-                p2p_efficiency=args.p2p_efficiency)
-    if c.nodes < 1 or k < 1 or c.nics_per_node < 1:
-        raise SystemExit("--nodes, --gpus-per-node and --nics-per-node must be >= 1")
-    return c, parse_count(v["elements"]), float(v["bits"])
-
-
-def _predict_args(args, rates, overrides=None):
-    c, elements, bits = _setup(args, overrides)
-    topos = ("ring", "butterfly") if args.topology == "both" else (args.topology,)
-    in_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
-    res = predict(c, elements, rates, args.codec, bits, topos, args.host, in_bytes,
-                  parse_count(args.tile_bytes))
-    return c, elements, bits, res
-
-
-def _describe(c, elements, bits, args, rates):
-    per_gpu = c.nic.beta * min(c.nics_per_node, c.gpus_per_node) / c.gpus_per_node
-    return (f"{c.nodes} node(s) x {c.gpus_per_node} GPU(s) = {c.ranks} ranks; NVLink "
-            f"{c.intra.beta / 1e9:g} GB/s per GPU; {c.nics_per_node} NIC(s) x {c.nic.beta / 1e9:g} "
-            f"GB/s per node ({per_gpu / 1e9:g} GB/s per GPU)\n{elements} {args.dtype} elements "
-            f"per rank ({elements * (4 if args.dtype == 'fp32' else 2) / 2 ** 20:g} MiB); codec "
-            f"{args.codec}{':%g' % bits if args.codec == 'dynamiq' else ''}; kernels "
-            f"{'none' if args.no_kernels else rates['name']}; host {args.host}")
-
-
-def _inputs(c, elements, bits, args, rates):
-    return {"nodes": c.nodes, "gpus_per_node": c.gpus_per_node, "nics_per_node": c.nics_per_node,
-            "intra_GBps": c.intra.beta / 1e9, "nic_GBps": c.nic.beta / 1e9,
-            "intra_latency_us": c.intra.alpha * 1e6, "inter_latency_us": c.nic.alpha * 1e6,
-            "launch_us": c.launch * 1e6, "p2p_efficiency": c.p2p_efficiency, "elements": elements,
-            "dtype": args.dtype, "codec": args.codec, "bits": bits, "kernels": rates["name"],
-            "no_kernels": args.no_kernels, "host": args.host}
-
-
-def _table(res, out):
-    out.write(f"{'call':18s} {'time':>10s} {'vs NCCL':>8s}  notes\n")
-    for key, r in res.items():
-        name = {"nccl": "NCCL BF16 ring"}.get(key, key.replace("_", " "))
-        notes = [r.get("note", "")] if r.get("note") else []
-        if "rails" in r:
-            notes.insert(0, f"in-node RS {r['in_node_reduce_scatter'] * 1e3:.3g} ms + rails "
-                            f"{r['rails']['seconds'] * 1e3:.3g} ms + AG "
-                            f"{r['in_node_all_gather'] * 1e3:.3g} ms")
-        elif "parts" in r:
-            notes.insert(0, f"device {r['device'] * 1e3:.3g} ms (wire {r['wire'] * 1e3:.3g}, "
-                            f"kernels {r['kernels'] * 1e3:.3g}), host {r['host'] * 1e3:.3g} ms, "
-                            f"{r['tiles']} tile(s)/chunk")
-        out.write(f"{name:18s} {r['seconds'] * 1e3:8.3f}ms {r['speedup']:7.2f}x  "
-                  f"{'; '.join(notes)}\n")
-
-
-def _write_json(doc, path, out):
-    text = json.dumps(doc, indent=1)
-    if path == "-":
-        out.write(text + "\n")
-    else:
-        Path(path).write_text(text + "\n")

@@ -21,8 +21,9 @@ import os
 import sys
 from pathlib import Path
 
-from .cost_model import (Cluster, Link, _write_json, codec_cost, compressed_allreduce,
-                         load_rates, parse_bandwidth, predict, wire_only)
+from .cost_model import (Cluster, Link, codec_cost, compressed_allreduce, load_rates,
+                         parse_bandwidth, predict, wire_only)
+from .cost_model_io import _write_json
 
 # our point-to-point over the collective's rate on the same link and bytes (42 MB)
 P2P_EFFICIENCY = {

@@ -1,14 +1,15 @@
 """``python -m dynamiq_mpi model``: the cost model's command (predictions,
 sweeps, and ``--check`` / ``--map`` against the recorded measurements).
-The model is studies/cost_model.py, its check studies/cost_model_check.py;
-this module only dispatches, so neither imports the other's caller."""
+The model is studies/cost_model.py, its arguments and output
+studies/cost_model_io.py, its check studies/cost_model_check.py; this module
+only dispatches, so none imports another's caller."""
 from __future__ import annotations
 
 import sys
 
 from . import cost_model_check
-from .cost_model import (_SWEEPABLE, _describe, _inputs, _predict_args, _rates_for, _table,
-                         _write_json, add_arguments)  # noqa: F401 (add_arguments: the CLI's)
+from .cost_model_io import (_SWEEPABLE, _describe, _inputs, _predict_args, _rates_for, _table,
+                            _write_json, add_arguments)  # noqa: F401 (add_arguments: the CLI's)
 
 
 def run(args, out=None):
