@@ -121,6 +121,36 @@ def test_thc_with_given_statistics():
     assert _same_bits(given.out, own.out), seed
 
 
+@pytest.mark.parametrize("name", [k for k in sorted(BASELINES) if k.startswith("thc")])
+def test_thc_statistics_pass_rotates_chunks_of_ranks_as_each_rank_alone(name, monkeypatch):
+    """The statistics pass rotates a chunk of ranks at once: the rotated
+    vectors and the reduced range bytes are those of THC.local_stats rank by
+    rank, with chunks of 32 (the default), 4 and 1 rows and n not a multiple
+    of them, lengths that need padding, one rank non-finite (range byte 255)
+    and one whose rotation overflows (254)."""
+    seed = fresh_seed()
+    codec = BASELINES[name]
+    backend = scale_sim.backend_for(np.zeros(1, dtype=np.float32))
+    for n, length, chunk in ((37, 6 * 1024 + 37 + seed % 211, 32), (9, 300 + seed % 200, 4),
+                             (3, 2 * 1024 + 1 + seed % 97, 1), (6, 4 * 256, 4)):
+        xs = rank_inputs(seed + n, n, length)
+        if n == 9:
+            xs[4][seed % length] = np.inf if seed % 2 else np.nan
+            xs[7][:] = np.float32(3e38)
+        keys = scale_sim.call_keys(seed % 1000, 1 + seed % 5)
+        alone = [codec.local_stats(x, backend, scale_sim.FRESH, keys=keys) for x in xs]
+        monkeypatch.setattr(scale_sim, "THC_CHUNK_ROWS", chunk)
+        adapter = scale_sim._adapter_for(codec)
+        sim = scale_sim._Sim(ArraySource(xs), n, codec, "ring", scale_sim.DEFAULT_TILE_BYTES,
+                             np, scale_sim._Progress(0, "", False), keys)
+        reduced, nbytes = adapter.reduce_stats(sim)
+        assert _same_bits(adapter._rotated, np.stack([state[0] for _, state in alone])), (seed, n)
+        assert np.array_equal(reduced, np.max(np.stack([st for st, _ in alone]), axis=0))
+        assert reduced.dtype == np.uint8 and nbytes == alone[0][0].nbytes
+        if n == 9:
+            assert reduced.max() == 255 and alone[7][0].max() == 254
+
+
 def test_tile_size_and_more_ranks_than_records():
     # n larger than the number of super-groups: most chunks are empty
     source = LogNormalMixture(5 * 256, seed=3)

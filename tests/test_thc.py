@@ -10,8 +10,9 @@ import dynamiq_mpi as dq
 from dynamiq_mpi.backend import backend_for
 from dynamiq_mpi.codecs.base import StreamLayout, tile_stream
 from dynamiq_mpi.codecs.thc import (THC, UNIT, aggregation_bits, fwht, hadamard_blocks,
-                                    pack_codes, rotate, rotation_key, rotation_signs,
-                                    rounding_uniforms, unpack_codes)
+                                    pack_codes, range_bytes, rotate, rotation_key,
+                                    rotation_signs, rounding_uniforms, run_signs,
+                                    unpack_codes)
 from dynamiq_mpi.rng import call_keys
 from dynamiq_mpi.call.workspace import FRESH
 from helpers import BF16, exact_sum, fresh_seed, magnitude_nmse, rank_inputs, vnmse
@@ -296,3 +297,30 @@ def test_a_power_of_two_range_is_tight(n):
     for seed in range(3):
         out = dq.simulate_allreduce(xs, codec=THC(), seed=seed)[0]
         assert out[37] == n and np.count_nonzero(out) == 1
+
+
+def test_rows_rotate_and_take_range_bytes_as_each_row_alone():
+    """rotate and range_bytes on (m, padded) rows (the simulator's batched
+    statistics pass): every row's bits are those of the row alone, forward
+    and inverse, in place or not, with signs computed once; non-finite and
+    overflowing rows get 255 and 254."""
+    seed = fresh_seed()
+    rng = np.random.default_rng(seed)
+    padded = 256 * int(rng.integers(1, 40))
+    runs, key = hadamard_blocks(padded, 10), rotation_key(seed)
+    rows = (rng.standard_normal((5, padded)) * 10 ** rng.uniform(-3, 3, (5, 1))).astype(np.float32)
+    rows[1, int(rng.integers(padded))] = np.nan
+    rows[3, :] = np.float32(3e38)
+    finite = np.isfinite(rows).all(axis=1)
+    for inverse in (False, True):
+        alone = np.stack([rotate(np, r, runs, key, inverse=inverse) for r in rows])
+        together = rotate(np, rows, runs, key, inverse=inverse, signs=run_signs(np, runs, key))
+        assert np.array_equal(together.view(np.uint32), alone.view(np.uint32)), (seed, inverse)
+        in_place = rows.copy()
+        rotate(np, in_place, runs, key, inverse=inverse, out=in_place)
+        assert np.array_equal(in_place.view(np.uint32), alone.view(np.uint32)), (seed, inverse)
+    rotated = rotate(np, rows, runs, key)
+    stats = range_bytes(np, rotated, finite, runs)
+    for i in range(5):
+        assert np.array_equal(stats[i], range_bytes(np, rotated[i], finite[i], runs)), (seed, i)
+    assert stats[1].min() == 255 and stats[3].max() == 254 and stats[0].max() < 254

@@ -136,22 +136,56 @@ def fwht(rows):
     return a
 
 
-def rotate(xp, values, runs, key: int, inverse: bool = False):
+def run_signs(xp, runs, key: int) -> list:
+    """The diagonal D of every run of ``runs``: [(count, size) float32 +-1],
+    computed once where many rows share the rotation."""
+    return [rotation_signs(xp, key, start, size * count).reshape(count, size)
+            for start, size, count in runs]
+
+
+def rotate(xp, values, runs, key: int, inverse: bool = False, signs=None, out=None):
     """The randomized Hadamard transform of every block (``inverse``: its
-    inverse), float32 in, new float32 array out."""
-    out = xp.empty_like(values)
+    inverse) of ``values`` ((padded,) or rows of them, (m, padded) float32),
+    into ``out`` (default a new array; ``values`` itself works: the runs are
+    disjoint).  Each row's bits are those of that row alone: every entry's
+    float32 operations are elementwise and in one order.  ``signs``:
+    :func:`run_signs` of (runs, key)."""
+    if out is None:
+        out = xp.empty_like(values)
+    if signs is None:
+        signs = run_signs(xp, runs, key)
+    lead = values.shape[:-1]
     with np.errstate(over="ignore", invalid="ignore"):     # overflow: caught by the caller
-        for start, size, count in runs:
+        for (start, size, count), sign in zip(runs, signs):
             end = start + size * count
             k = size.bit_length() - 1
-            signs = rotation_signs(xp, key, start, end - start).reshape(count, size)
-            block = values[start:end].reshape(count, size)
+            block = values[..., start:end].reshape(*lead, count, size)
             if inverse:
-                y = fwht(block) * np.float32(2.0 ** -(k - k // 2)) * signs
+                y = fwht(block.reshape(-1, size)).reshape(block.shape)
+                y = y * np.float32(2.0 ** -(k - k // 2)) * sign
             else:
-                y = fwht(block * signs) * np.float32(2.0 ** -(k // 2))
-            out[start:end] = y.reshape(-1)
+                y = fwht((block * sign).reshape(-1, size)) * np.float32(2.0 ** -(k // 2))
+            out[..., start:end] = y.reshape(*lead, end - start)
     return out
+
+
+def range_bytes(xp, rotated, finite, runs):
+    """One range byte per Hadamard block of ``rotated`` ((padded,) or (m,
+    padded) rotated inputs): the exponent of the smallest power of two >= the
+    block's max |y|, biased; 0 for an all-zero block, 254 where the rotation
+    overflowed, 255 for every block of a row whose input was not all finite
+    (``finite``: () or (m,) bool).  A maximum is exact in any order, the rest
+    elementwise: a row's bytes are those of that row alone."""
+    lead = rotated.shape[:-1]
+    amax = xp.concatenate([xp.abs(rotated[..., s:s + b * c].reshape(*lead, c, b)).max(axis=-1)
+                           for s, b, c in runs], axis=-1)
+    m, k = xp.frexp(amax)
+    exponent = k.astype(np.int32) - (m == np.float32(0.5)).astype(np.int32)  # R = 2^e >= amax
+    byte = xp.clip(exponent + _BIAS, 1, NONFINITE - 1)
+    byte = xp.where(amax == 0, 0, byte)
+    byte = xp.where(xp.isfinite(amax), byte, NONFINITE - 1)   # the rotation overflowed
+    byte = xp.where(finite[..., None], byte, NONFINITE)
+    return byte.astype(np.uint8)
 
 
 # -- packing ---------------------------------------------------------------------
@@ -220,27 +254,25 @@ class THC(Codec):
         return ("thc", int(self.levels), self.agg_bits, int(self.max_block_log2),
                 int(self.rotation_seed))
 
+    def rotation(self, length: int, keys=None) -> tuple:
+        """(padded length, Hadamard runs, rotation key) of an input of
+        ``length`` entries: the same on every rank (the key depends on the
+        codec's ``rotation_seed`` and the engine's call keys only)."""
+        padded = -(-length // UNIT) * UNIT
+        key = rotation_key(int(self.rotation_seed))
+        if keys is not None:                     # the engine's call keys: a rotation per call
+            key ^= int(keys.perm)
+        return padded, hadamard_blocks(padded, int(self.max_block_log2)), key
+
     def local_stats(self, x, backend, workspace, keys=None):
         """Rotate the padded input; one range byte per Hadamard block."""
         xp = backend.xp
         length = x.shape[0]
-        padded = -(-length // UNIT) * UNIT
-        runs = hadamard_blocks(padded, int(self.max_block_log2))
-        key = rotation_key(int(self.rotation_seed))
-        if keys is not None:                     # the engine's call keys: a rotation per call
-            key ^= int(keys.perm)
+        padded, runs, key = self.rotation(length, keys)
         values = xp.zeros(padded, dtype=np.float32)
         values[:length] = as_float32(x)
         rotated = rotate(xp, values, runs, key)
-        amax = xp.concatenate([xp.max(xp.abs(rotated[s:s + b * c].reshape(c, b)), axis=1)
-                               for s, b, c in runs])
-        m, k = xp.frexp(amax)
-        exponent = k.astype(np.int32) - (m == np.float32(0.5)).astype(np.int32)  # R = 2^e >= amax
-        byte = xp.clip(exponent + _BIAS, 1, NONFINITE - 1)
-        byte = xp.where(amax == 0, 0, byte)
-        byte = xp.where(xp.isfinite(amax), byte, NONFINITE - 1)   # the rotation overflowed
-        byte = xp.where(xp.isfinite(values).all(), byte, NONFINITE)
-        return byte.astype(np.uint8), (rotated, runs, key)
+        return range_bytes(xp, rotated, xp.isfinite(values).all(), runs), (rotated, runs, key)
 
     def plan(self, x, reduced_stats, n, keys, backend, local_state, workspace,
              tile_bytes=DEFAULT_TILE_BYTES):

@@ -54,14 +54,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .. import schedules
-from ..backend import backend_for
+from ..backend import as_float32, backend_for
 from ..codecs.base import DEFAULT_TILE_BYTES, Tiling
 from ..codecs.dynamiq import DynamiQ
 from ..codecs.mxfp import BLOCK as MX_BLOCK
 from ..codecs.mxfp import MXFP, _padded_blocks
 from ..codecs.omnireduce import OmniReduce
 from ..codecs.plain import BF16, ElementwisePlan, Exact
-from ..codecs.thc import THC
+from ..codecs.thc import THC, range_bytes, rotate, run_signs
 from ..rng import call_keys
 from ..schedules import _trailing_ones
 from ..call.workspace import FRESH
@@ -117,22 +117,17 @@ class _ElementwiseAdapter:
 
 class _MaxStatsAdapter(_ElementwiseAdapter):
     """Codecs whose statistics reduce by maximum (order-free): one pass over
-    the ranks, each rank's local state offered to ``keep``; the plan then
-    needs every role's local state."""
+    the ranks; the plan then needs every role's local state."""
     passes = 2
 
     def reduce_stats(self, sim):
         reduced = None
         for r in range(sim.n):
             x = sim.source.rank_vector(sim.xp, r)
-            stats, state = sim.codec.local_stats(x, sim.backend, FRESH, keys=sim.keys)
-            self.keep(sim, r, state)
+            stats, _ = sim.codec.local_stats(x, sim.backend, FRESH, keys=sim.keys)
             reduced = stats.copy() if reduced is None else sim.xp.maximum(reduced, stats)
             sim.tick()
         return reduced, int(reduced.nbytes)
-
-    def keep(self, sim, rank, state):
-        """Hook: a rank's local state, as the statistics pass computed it."""
 
     def needs_local_stats(self):
         return True
@@ -276,6 +271,15 @@ class _OmniAdapter(_MaxStatsAdapter):
         plan.values = blocks[plan.union]
 
 
+# THC's statistics pass rotates the ranks in chunks of at most this many rows
+# and elements (one rank a chunk where a rank alone is larger), by backend:
+# on the GPU, large chunks (few kernel launches for many ranks); on the host,
+# chunks that stay in the cache (the transform's passes are memory-bound: at
+# 133k elements a rank, one rank a chunk beats 32 on a CPU).
+THC_CHUNK_ROWS = 32
+THC_CHUNK_ELEMENTS = {"gpu": 1 << 24, "cpu": 1 << 18}
+
+
 class _THCAdapter(_MaxStatsAdapter):
     """THC: one range byte per Hadamard block, reduced by maximum
     (order-free); the plan reads the *rotated* input, and a Hadamard block
@@ -283,27 +287,46 @@ class _THCAdapter(_MaxStatsAdapter):
     ``v``'s rows are gathered from every rank's rotated vector, computed once
     in the statistics pass: n x the padded length in memory (the one
     exception to a memory independent of n).  The rotation (``runs``, key)
-    and so ``finish``'s inverse are the same on every rank."""
+    and so ``finish``'s inverse are the same on every rank, so the
+    statistics pass rotates the ranks together, a chunk of rows at a time
+    (``thc.rotate`` and ``thc.range_bytes`` on rows: each row's bits are
+    ``local_stats``'s of that rank alone)."""
     reads_input = False
 
     def __init__(self):
         self._rotated = None                    # (n, padded) float32
 
-    def keep(self, sim, rank, state):
-        rotated = state[0]
-        if self._rotated is None:
-            self._rotated = sim.xp.empty((sim.n, rotated.shape[0]), dtype=np.float32)
-        self._rotated[rank] = rotated
+    def reduce_stats(self, sim):
+        reduced = self._rotate_all(sim)
+        return reduced, int(reduced.nbytes)
+
+    def _rotate_all(self, sim):
+        """Fill ``_rotated`` with every rank's rotated input; return the
+        range bytes reduced by maximum over the ranks."""
+        xp, n, length = sim.xp, sim.n, sim.length
+        padded, runs, key = sim.codec.rotation(length, sim.keys)
+        signs = run_signs(xp, runs, key)
+        self._rotated = xp.empty((n, padded), dtype=np.float32)
+        step = max(1, min(THC_CHUNK_ROWS, THC_CHUNK_ELEMENTS[sim.backend.name] // padded))
+        reduced = None
+        for r0 in range(0, n, step):
+            rows = self._rotated[r0:r0 + step]
+            rows[:, length:] = 0
+            for i in range(rows.shape[0]):
+                rows[i, :length] = as_float32(sim.source.rank_vector(xp, r0 + i))
+            finite = xp.isfinite(rows).all(axis=1)
+            rotate(xp, rows, runs, key, signs=signs, out=rows)
+            top = range_bytes(xp, rows, finite, runs).max(axis=0)
+            reduced = top if reduced is None else xp.maximum(reduced, top)
+            sim.progress.tick(rows.shape[0])
+        return reduced
 
     def data_rows(self, plan):
         return _chunk_of_unit(plan.tiling, plan.units)
 
     def local_state(self, sim, x, ranks):
         if self._rotated is None:               # statistics given: rotate every rank now
-            for r in range(sim.n):
-                _, state = sim.codec.local_stats(sim.source.rank_vector(sim.xp, r),
-                                                 sim.backend, FRESH, keys=sim.keys)
-                self.keep(sim, r, state)
+            self._rotate_all(sim)
         xp = sim.xp
         units = self._rotated.reshape(sim.n, -1, SUPER)
         rows = units[xp.asarray(ranks), xp.arange(units.shape[1])]
