@@ -291,6 +291,58 @@ def test_the_cells_script_resumes_a_queue(tmp_path, monkeypatch):
     assert "skipped (deadline): 2/dynamiq/ring/1/0/lm/3/1" in log, log
 
 
+MPS_STAND_IN = """#!/bin/bash
+# nvidia-cuda-mps-control's stand-in: logs "start" (-d) or the command read
+# from stdin, and whether the table was written by then
+[ -d "$CUDA_MPS_PIPE_DIRECTORY" ] || { echo "no pipe directory" >> "$MPS_LOG"; exit 3; }
+if [ "$1" = -d ]; then echo start >> "$MPS_LOG"; exit "${MPS_START_RC:-0}"; fi
+read -r command
+echo "$command $([ -s "$OUT_DIR/table.txt" ] && echo after-table)" >> "$MPS_LOG"
+"""
+
+
+@pytest.mark.parametrize("mps", ["starts", "fails to start"])
+def test_the_device_script_shares_the_gpu_through_mps_and_stops_it(tmp_path, mps):
+    """tools/device/train_sim.sh on the CPU, nvidia-cuda-mps-control stood in
+    for: MPS is started, checked by a 3-step run and stopped once the table
+    is written; where it does not start it is stopped at once and the runs
+    go on without it.  Either way the runs come back as the archive's parts
+    (and nothing else of them), the table beside them."""
+    import os
+    import subprocess
+    import sys
+    import tarfile
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    stand_in = tmp_path / "bin" / "nvidia-cuda-mps-control"
+    stand_in.parent.mkdir()
+    stand_in.write_text(MPS_STAND_IN)
+    stand_in.chmod(0o755)
+    out, log = tmp_path / "out", tmp_path / "mps.log"
+    env = dict(os.environ, PATH=f"{stand_in.parent}:{os.environ['PATH']}", PYTHON=sys.executable,
+               DEVICE="cpu", PRESET="tiny", RUNS="2/bf16/ring/1/0/lm/2", OUT=str(out),
+               OUT_DIR=str(out), MPS_LOG=str(log), DEADLINE="600",
+               MPS_START_RC="0" if mps == "starts" else "1",
+               CUDA_MPS_PIPE_DIRECTORY=str(tmp_path / "pipe"),
+               CUDA_MPS_LOG_DIRECTORY=str(tmp_path / "mps_logs"),
+               DYNAMIQ_CACHE=str(tmp_path / "cache"))
+    run = subprocess.run(["bash", os.path.join(root, "tools", "device", "train_sim.sh")],
+                         env=env, cwd=root, capture_output=True, text=True, timeout=400)
+    assert run.returncode == 0, run.stdout + run.stderr
+    if mps == "starts":
+        assert "CUDA MPS on" in run.stdout, run.stdout
+        assert log.read_text().split("\n") == ["start", "quit after-table", ""]
+    else:
+        assert "CUDA MPS off (did not start)" in run.stdout, run.stdout
+        assert log.read_text().split("\n") == ["start", "quit ", ""]
+    assert "bf16" in (out / "table.txt").read_text()
+    assert sorted(p.name for p in out.iterdir()) == [
+        "device_runs.log", "table.txt", "train_sim_curves.png", "train_sim_runs.tgz.part-aa"]
+    with tarfile.open(out / "train_sim_runs.tgz.part-aa") as archive:
+        name = "lm_tiny_n2_bf16_ring_k1_s0_t2.json"
+        record = json.load(archive.extractfile(f"./{name}"))
+    assert len(record["steps"]) == 2 and "partial" not in record
+
+
 def test_the_table_keeps_run_lengths_and_batches_apart(tmp_path):
     """Runs of another length or batch are other rows, each compared with the
     BF16 of its own length and batch; the last fifth is read off the seeds'

@@ -6,6 +6,8 @@
 #                      same bits: the host's cores take a share; --node-size runs
 #                      reduce there anyway)
 #   WORKLOAD=lm|cls PRESET=compact STEPS TRAIN_ARGS (for all; e.g. --batched)
+#   PYTHON=python3 DEVICE=cuda (tests/test_train_sim.py runs this script on the
+#                      CPU, with a stand-in for nvidia-cuda-mps-control)
 #   DEADLINE=s         every run stops by then (seconds from now) and saves its state
 #   STATE=dir          the runs of an earlier call (JSON + checkpoints) to go on from
 #   MPS=0              do not start CUDA MPS.  By default, where nvidia-cuda-mps-control
@@ -22,6 +24,8 @@ set -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT/runs"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 HERE=$(dirname "${BASH_SOURCE[0]}")
+PY=${PYTHON:-python3}
+export PRESET=${PRESET:-compact} DEVICE=${DEVICE:-cuda}
 t0=$(date +%s)
 if [ -n "${STATE:-}" ]; then
   [ -d "$STATE" ] || { echo "STATE=$STATE is no directory" >&2; exit 2; }
@@ -32,8 +36,8 @@ if [ "${MPS:-1}" != 0 ] && command -v nvidia-cuda-mps-control > /dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/dynamiq_mps_pipe}
   export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/dynamiq_mps_log}
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d && timeout 120 python3 -m dynamiq_mpi train-sim --preset compact \
-      --device cuda --ranks 8 --codec dynamiq:5:small_input=0 --batched --steps 3 --eval-every 0 \
+  if nvidia-cuda-mps-control -d && timeout 120 $PY -m dynamiq_mpi train-sim --preset "$PRESET" \
+      --device "$DEVICE" --ranks 8 --codec dynamiq:5:small_input=0 --batched --steps 3 --eval-every 0 \
       --quiet --json "$OUT/mps_check.json"; then
     echo "CUDA MPS on"; trap mps_stop EXIT
   else
@@ -41,7 +45,7 @@ if [ "${MPS:-1}" != 0 ] && command -v nvidia-cuda-mps-control > /dev/null; then
   fi
   rm -f "$OUT/mps_check.json"
 fi
-export TRAIN_ARGS=${TRAIN_ARGS:-} DEVICE=cuda PRESET=${PRESET:-compact} WORKLOAD=${WORKLOAD:-lm} 
+export TRAIN_ARGS=${TRAIN_ARGS:-} WORKLOAD=${WORKLOAD:-lm} PYTHON=$PY
 # every run stops in time to end by then (train_sim_cells.sh: END_AT)
 export END_AT=$(( t0 + ${DEADLINE:-450} ))
 n_dev=$(wc -w <<< "${RUNS:-}"); n_host=$(wc -w <<< "${HOST_RUNS:-}")
@@ -56,7 +60,7 @@ export NO_TABLE=1
 wait
 grep -ahE "stopped|failed|have|: [0-9]+ s$|Error" "$OUT"/device_runs.log "$OUT"/host_runs.log
 echo "all runs: $(( $(date +%s) - t0 )) s"
-python3 -m dynamiq_mpi train-sim table "$OUT"/runs/*.json --png "$OUT/train_sim_curves.png" \
+$PY -m dynamiq_mpi train-sim table "$OUT"/runs/*.json --png "$OUT/train_sim_curves.png" \
   | tee "$OUT/table.txt"
 # files come back at most 16 MiB each: the archive in parts (cat them to unpack)
 tar czf - -C "$OUT/runs" . | split -b 15M - "$OUT/train_sim_runs.tgz.part-" && rm -r "$OUT/runs"
