@@ -318,7 +318,9 @@ def test_the_device_script_shares_the_gpu_through_mps_and_stops_it(tmp_path, mps
     stand_in.write_text(MPS_STAND_IN)
     stand_in.chmod(0o755)
     out, log = tmp_path / "out", tmp_path / "mps.log"
-    env = dict(os.environ, PATH=f"{stand_in.parent}:{os.environ['PATH']}", PYTHON=sys.executable,
+    env = {k: v for k, v in os.environ.items()      # none of the script's own settings
+           if k not in ("MPS", "HOST_RUNS", "STEPS", "JOBS", "TRAIN_ARGS", "STATE", "WORKLOAD")}
+    env = dict(env, PATH=f"{stand_in.parent}:{os.environ['PATH']}", PYTHON=sys.executable,
                DEVICE="cpu", PRESET="tiny", RUNS="2/bf16/ring/1/0/lm/2", OUT=str(out),
                OUT_DIR=str(out), MPS_LOG=str(log), DEADLINE="600",
                MPS_START_RC="0" if mps == "starts" else "1",

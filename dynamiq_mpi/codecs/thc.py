@@ -156,7 +156,7 @@ def rotate(xp, values, runs, key: int, inverse: bool = False, signs=None, out=No
         signs = run_signs(xp, runs, key)
     lead = values.shape[:-1]
     with np.errstate(over="ignore", invalid="ignore"):     # overflow: caught by the caller
-        for (start, size, count), sign in zip(runs, signs):
+        for (start, size, count), sign in zip(runs, signs, strict=True):
             end = start + size * count
             k = size.bit_length() - 1
             block = values[..., start:end].reshape(*lead, count, size)

@@ -300,9 +300,9 @@ class _THCAdapter(_MaxStatsAdapter):
         reduced = self._rotate_all(sim)
         return reduced, int(reduced.nbytes)
 
-    def _rotate_all(self, sim):
+    def _rotate_all(self, sim, stats=True):
         """Fill ``_rotated`` with every rank's rotated input; return the
-        range bytes reduced by maximum over the ranks."""
+        range bytes reduced by maximum over the ranks (``stats``, else None)."""
         xp, n, length = sim.xp, sim.n, sim.length
         padded, runs, key = sim.codec.rotation(length, sim.keys)
         signs = run_signs(xp, runs, key)
@@ -314,10 +314,11 @@ class _THCAdapter(_MaxStatsAdapter):
             rows[:, length:] = 0
             for i in range(rows.shape[0]):
                 rows[i, :length] = as_float32(sim.source.rank_vector(xp, r0 + i))
-            finite = xp.isfinite(rows).all(axis=1)
+            finite = xp.isfinite(rows).all(axis=1) if stats else None
             rotate(xp, rows, runs, key, signs=signs, out=rows)
-            top = range_bytes(xp, rows, finite, runs).max(axis=0)
-            reduced = top if reduced is None else xp.maximum(reduced, top)
+            if stats:
+                top = range_bytes(xp, rows, finite, runs).max(axis=0)
+                reduced = top if reduced is None else xp.maximum(reduced, top)
             sim.progress.tick(rows.shape[0])
         return reduced
 
@@ -326,7 +327,7 @@ class _THCAdapter(_MaxStatsAdapter):
 
     def local_state(self, sim, x, ranks):
         if self._rotated is None:               # statistics given: rotate every rank now
-            self._rotate_all(sim)
+            self._rotate_all(sim, stats=False)
         xp = sim.xp
         units = self._rotated.reshape(sim.n, -1, SUPER)
         rows = units[xp.asarray(ranks), xp.arange(units.shape[1])]

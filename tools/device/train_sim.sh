@@ -12,7 +12,7 @@
 #   STATE=dir          the runs of an earlier call (JSON + checkpoints) to go on from
 #   MPS=0              do not start CUDA MPS.  By default, where nvidia-cuda-mps-control
 #                      exists, the runs share one GPU context through MPS (started
-#                      here, checked by a 3-step run, stopped at the end): the many
+#                      here, checked by a 3-step tiny run, stopped at the end): the many
 #                      small processes then overlap on the GPU instead of taking turns
 #                      (a DynamiQ N = 128 run made 2.8 steps/s beside 19 others with
 #                      it, 1.3 beside 12 without, in another session's call: not an
@@ -36,7 +36,7 @@ if [ "${MPS:-1}" != 0 ] && command -v nvidia-cuda-mps-control > /dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/dynamiq_mps_pipe}
   export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/dynamiq_mps_log}
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d && timeout 120 $PY -m dynamiq_mpi train-sim --preset "$PRESET" \
+  if nvidia-cuda-mps-control -d && timeout 120 $PY -m dynamiq_mpi train-sim --preset tiny \
       --device "$DEVICE" --ranks 8 --codec dynamiq:5:small_input=0 --batched --steps 3 --eval-every 0 \
       --quiet --json "$OUT/mps_check.json"; then
     echo "CUDA MPS on"; trap mps_stop EXIT
@@ -58,7 +58,7 @@ export NO_TABLE=1
   TRAIN_ARGS="$TRAIN_ARGS --reduce-on host" \
   bash "$HERE/../studies/train_sim_cells.sh" > "$OUT/host_runs.log" 2>&1 &
 wait
-grep -ahE "stopped|failed|have|: [0-9]+ s$|Error" "$OUT"/device_runs.log "$OUT"/host_runs.log
+grep -sahE "stopped|failed|have|: [0-9]+ s$|Error" "$OUT"/device_runs.log "$OUT"/host_runs.log
 echo "all runs: $(( $(date +%s) - t0 )) s"
 $PY -m dynamiq_mpi train-sim table "$OUT"/runs/*.json --png "$OUT/train_sim_curves.png" \
   | tee "$OUT/table.txt"
