@@ -49,3 +49,36 @@ def test_scale_allreduce_on_cupy_equals_simulate_allreduce(n, topology, name):
     got = cp.asnumpy(res.out).view(np.uint32)
     assert np.array_equal(got, cp.asnumpy(gpu[0]).view(np.uint32)), (seed, name, topology, n)
     assert np.array_equal(got, cpu[0].view(np.uint32)), (seed, name, topology, n)
+
+
+@pytest.mark.parametrize("chunk", [32, 4])
+def test_thc_statistics_pass_on_cupy_equals_each_rank_on_the_host(chunk, monkeypatch):
+    """THC's statistics pass rotates a chunk of ranks at once on CuPy: the
+    rotated vectors and the reduced range bytes are NumPy's local_stats rank
+    by rank, with several chunks, a shorter last one, a rank holding NaN or
+    Inf (255) and one whose rotation overflows (254)."""
+    import cupy as cp
+
+    from dynamiq_mpi.backend import backend_for
+    from dynamiq_mpi.call.workspace import FRESH
+    from dynamiq_mpi.studies import scale_sim
+    from dynamiq_mpi.studies.gradients import gradient_like
+    seed = fresh_seed()
+    n, length = 9, 5 * 1024 + 300 + seed % 256
+    host = [gradient_like(length, r, seed=seed % 997) for r in range(n)]
+    host[4][seed % length] = np.inf if seed % 2 else np.nan
+    host[7][:] = np.float32(3e38)
+    keys = scale_sim.call_keys(seed % 1000, 1 + seed % 5)
+    codec = dq.THC(max_block_log2=10)
+    cpu = backend_for(host[0])
+    alone = [codec.local_stats(x, cpu, FRESH, keys=keys) for x in host]
+    monkeypatch.setattr(scale_sim, "THC_CHUNK_ROWS", chunk)
+    adapter = scale_sim._adapter_for(codec)
+    sim = scale_sim._Sim(scale_sim.ArraySource([cp.asarray(x) for x in host]), n, codec, "ring",
+                         scale_sim.DEFAULT_TILE_BYTES, cp, scale_sim._Progress(0, "", False), keys)
+    reduced, _ = adapter.reduce_stats(sim)
+    rotated = cp.asnumpy(adapter._rotated)
+    assert np.array_equal(rotated.view(np.uint32),
+                          np.stack([state[0] for _, state in alone]).view(np.uint32)), seed
+    assert np.array_equal(cp.asnumpy(reduced), np.max(np.stack([st for st, _ in alone]), axis=0))
+    assert int(reduced.max()) == 255 and alone[7][0].max() == 254

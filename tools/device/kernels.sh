@@ -4,6 +4,7 @@
 # benchmark, ncu counts, compute-sanitizer.  Results under $OUT, 8 files at most.
 #   bash tools/device/kernels.sh [STAGES]   STAGES: any of gpu-tests gpu-mpi kernels ncu-kernels sanitize
 #   GPU_TAG=h200 SIZES=26,28 BENCH_ARGS=--no-variant    names, sizes, bench options
+#   GPU_TESTS="tests/gpu/test_scale_sim_gpu.py"        the gpu-tests stage's tests (default tests/gpu)
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
 STAGES=${*:-gpu-tests gpu-mpi kernels ncu-kernels sanitize}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -20,7 +21,7 @@ GPU_TAG=${GPU_TAG:-gpu}
 cat "$OUT/env.txt"
 if has gpu-tests; then
   echo "== tests"; t0=$(date +%s)
-  timeout 300 $PY -m pytest -q -rs --maxfail=10 tests/gpu 2>&1 | tee "$OUT/pytest.txt" | tail -30
+  timeout 300 $PY -m pytest -q -rs --maxfail=10 ${GPU_TESTS:-tests/gpu} 2>&1 | tee "$OUT/pytest.txt" | tail -30
   echo "tests took $(( $(date +%s) - t0 )) s"
 fi
 if has gpu-mpi; then
