@@ -145,10 +145,10 @@ def test_batched_gradients_equal_the_per_rank_loop(tmp_path, workload, monkeypat
     per-rank backward passes does, up to float rounding: the same losses and
     parameters (to 1e-3 of their move, in norm) after three steps with the
     exact mean, and every rank's gradient of a step equal to its own
-    backward pass's.  With DynamiQ a
-    rounding difference may move a coordinate across a quantization step,
-    and AdamW turns a tiny gradient's flipped sign into a full-size step, so
-    there only the losses (to 1e-3) and the error along the run are compared."""
+    backward pass's.  With DynamiQ a rounding difference may move a
+    coordinate across a quantization step, and AdamW turns a tiny gradient's
+    flipped sign into a full-size step, so there only the losses (to 1e-3)
+    and the error along the run are compared."""
     monkeypatch.setenv("DYNAMIQ_CACHE", str(tmp_path / "cache"))
     seed = int(np.random.default_rng().integers(1000))
     args = train_sim.parse_args([*TINY, "--ranks", "3", "--seed", str(seed), "--workload", workload])

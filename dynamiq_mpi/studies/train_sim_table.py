@@ -4,6 +4,8 @@ and their curves.  A run's JSON, or a collection ``{"runs": [...]}``."""
 from __future__ import annotations
 
 import json
+import math
+import statistics
 
 
 def _label(cfg):
@@ -41,7 +43,6 @@ def _pct(v):
 
 def mean_curve(runs):
     """The seeds' mean validation curve, at the steps every run evaluated."""
-    import statistics
     common = set.intersection(*(set(s for s, _ in r["evals"]) for r in runs))
     return [[s, statistics.mean(dict(r["evals"])[s] for r in runs)] for s in sorted(common)]
 
@@ -54,7 +55,6 @@ def table(paths, png=None) -> list:
     mean, the mean vNMSE along the run, the final accuracy (cls) and the
     fall of the validation loss over the last fifth, of the seeds' mean
     curve and of one seed at most (under 1 %: long enough)."""
-    import statistics
     runs = []
     for p in paths:             # a run's JSON, or a collection {"runs": [...]}
         with open(p) as f:
@@ -133,8 +133,6 @@ def _plot(groups, png):
     still climbs).  The y range follows the runs that train: a diverged run
     is named in the legend with its final value, off the chart.  Below each,
     the last 40 % of the steps zoomed (``_zoom``)."""
-    import math
-    import statistics
 
     import matplotlib
     matplotlib.use("Agg")
@@ -177,8 +175,6 @@ def _zoom(ax, members, key, length):
     """The last 40 % of the steps, at the scale where the codecs that keep
     up with BF16 differ: the runs whose final value lies within 5 % of the
     panel's median final (the others are left out of this view)."""
-    import math
-    import statistics
     start = 0.6 * length
     runs = [(k, r[key]) for k, (_, rs) in enumerate(members) for r in rs if r.get(key)]
     finals = [c[-1][1] for _, c in runs if math.isfinite(c[-1][1])]
