@@ -12,8 +12,8 @@ copy from the same seed on the same batches with SGD:
   comm hook: the cost of any hook);
 * ``bf16``: torch's ``bf16_compress_hook`` (``fp16_compress_hook`` on CPU: the BF16 one needs NCCL);
 * ``dynamiq``: ``dynamiq_mpi.torch.ddp_comm_hook`` with the library's defaults
-  (``path="auto"``: per bucket size, the faster of DynamiQ and DDP's own
-  all-reduce, measured on the first steps);
+  (``path="auto"``: plain, BF16 or compressed, chosen by timing whole steps;
+  its measuring steps run before the timed ones);
 * ``dynamiq-compressed``: the same hook, always compressed.
 
 ``--fsdp``: the same model sharded by FSDP2 (``fully_shard`` per Linear, then
@@ -43,8 +43,8 @@ import dynamiq_mpi as dq
 import dynamiq_mpi.torch as dqt
 
 MODES = ("plain", "torch-hook", "bf16", "dynamiq", "dynamiq-compressed")
-# more: "dynamiq-native" (our hook, path="native": torch.distributed's all-reduce
-# behind it), "dynamiq-inline" (compressed, calls run inside the hook: overlap=False)
+# more: "dynamiq-native" (our hook, path="native": torch.distributed's BF16
+# all-reduce behind it), "dynamiq-inline" (compressed, calls run inside the hook: overlap=False)
 EXTRA_MODES = ("dynamiq-native", "dynamiq-inline")
 HOOK_PATHS = {"dynamiq": "auto", "dynamiq-compressed": "compressed", "dynamiq-native": "native",
               "dynamiq-inline": "compressed"}
@@ -131,7 +131,8 @@ def run_mode(mode, args, device, comm):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    for _ in range(args.warmup):
+    # path="auto" chooses by whole steps: its measuring steps are warm-up too
+    for _ in range(args.warmup + (getattr(state, "auto_steps", 0) if not args.fsdp else 0)):
         step()
     sync()
     comm.Barrier()
@@ -145,7 +146,7 @@ def run_mode(mode, args, device, comm):
     worst = comm.allreduce(mine, op=__import__("mpi4py").MPI.MAX)
     decisions = {}
     if state is not None:
-        decisions = {f"2^{k[2]} elements": f"{p}: {why}"
+        decisions = {(k if isinstance(k, str) else f"2^{k[2]} elements"): f"{p}: {why}"
                      for k, (p, why) in state.path_decisions().items()}
     row = dict(mode=mode, step_ms=worst * 1e3, loss=loss.item(), paths=decisions)
     if hasattr(state, "close"):

@@ -36,7 +36,8 @@ def main():
         stats = state.pop_stats()
         if rank == 0:
             vnmse = "" if stats["vnmse"] is None else f", vNMSE {stats['vnmse']:.2e}"
-            print(f"step {step}: loss {loss.item():.4f}, {stats['calls']} bucket(s), "
+            paths = ", ".join(f"{n} {p}" for p, n in stats["paths"].items())
+            print(f"step {step}: loss {loss.item():.4f}, {stats['buckets']} bucket(s) ({paths}), "
                   f"{stats['bits_per_coord']:.2f} bits/coordinate{vnmse}")
 
     # Every rank holds the same parameters, bit for bit.

@@ -42,8 +42,9 @@ def main(steps: int = 5):
         loss.backward()                                       # buckets go through the hook
         opt.step()
         stats = state.pop_stats()
-        if rank == 0:
-            print(f"step {step}: loss {loss.item():.4f}, {stats['calls']} bucket(s), "
+        if rank == 0:    # path="auto" times plain, BF16 and compressed steps, then keeps one
+            paths = ", ".join(f"{n} {p}" for p, n in stats["paths"].items())
+            print(f"step {step}: loss {loss.item():.4f}, {stats['buckets']} bucket(s) ({paths}), "
                   f"{stats['bits_per_coord']:.2f} bits/coordinate, vNMSE {stats['vnmse']:.2e}")
 
     flat = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])

@@ -45,8 +45,9 @@ def main(steps: int = 5):
         opt.zero_grad()
         stats = rs.pop_stats()
         if rank == 0:
-            print(f"step {step}: loss {loss.item():.4f}, {stats['calls']} reduce-scatter(s), "
-                  f"{stats['bits_per_coord']:.2f} bits/coordinate")
+            paths = ", ".join(f"{n} {p}" for p, n in stats["paths"].items())
+            print(f"step {step}: loss {loss.item():.4f}, {stats['calls']} reduce-scatter(s) "
+                  f"({paths}), {stats['bits_per_coord']:.2f} bits/coordinate")
     if rank == 0:
         print(f"FSDP2 over the {rs.collective.control_plane} control plane, "
               f"{dist.get_world_size()} ranks ({backend})")

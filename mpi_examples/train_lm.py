@@ -1,10 +1,18 @@
-"""Train a small LLaMA-style causal LM on Python's standard library, with the
+"""Train a LLaMA-style causal LM on Python's standard library, with the
 gradients all-reduced by DDP's built-in hooks or by dynamiq_mpi's hook.
 
-    mpiexec -n 2 python mpi_examples/train_lm.py --codec dynamiq:5 --json run.json
+    torchrun --nproc_per_node 2 mpi_examples/train_lm.py --codec dynamiq:5 --json run.json
+    mpiexec -n 2 python mpi_examples/train_lm.py --codec dynamiq:5      # the same under MPI
+    torchrun --nproc_per_node 2 mpi_examples/train_lm.py --preset 0.8b --codec bf16
     mpiexec -n 2 python mpi_examples/train_lm.py --tiny --steps 20 --codec bf16   # CPU, gloo
     mpiexec -n 2 python mpi_examples/train_lm.py --fsdp --codec dynamiq:5          # FSDP2
     python mpi_examples/train_lm.py plot curves.png run1.json run2.json            # loss curves
+
+Presets: ``default`` (~26M parameters), ``0.8b`` (a 0.8B LLaMA: hidden 2048,
+16 layers, MLP 5504, 16 heads, 512 tokens, 8 sequences a rank), ``tiny``
+(CPU tests; ``--tiny`` is ``--preset tiny``).  DDP keeps its own default
+bucket size unless ``--bucket-cap-mb`` is given.  mpi_examples/lm_bench.py
+times several configurations of the same model in one job.
 
 Codecs: ``fp32`` (plain DDP, its own float32 all-reduce), ``bf16`` (DDP with
 torch's ``bf16_compress_hook``: BF16 on the wire through NCCL/gloo), and
@@ -39,11 +47,13 @@ import time
 
 from dynamiq_mpi.studies.corpus import CORPUS_FILES, load_corpus  # noqa: F401 (the example's API)
 
-# Model and run sizes: GPU default (~26M parameters) and --tiny (CPU tests).
+# Model and run sizes: GPU default (~26M parameters), a 0.8B LLaMA, --tiny (CPU tests).
 PRESETS = {
     "default": dict(hidden=512, layers=8, heads=8, intermediate=1408, seq_len=512, batch=16,
                     steps=400, lr=1e-3, warmup=40, eval_every=100, val_windows=128,
                     vnmse_every=25),
+    "0.8b": dict(hidden=2048, layers=16, heads=16, intermediate=5504, seq_len=512, batch=8,
+                 steps=300, lr=3e-4, warmup=30, eval_every=50, val_windows=128, vnmse_every=25),
     "tiny": dict(hidden=64, layers=2, heads=2, intermediate=128, seq_len=32, batch=4,
                  steps=4, lr=3e-3, warmup=1, eval_every=2, val_windows=8, vnmse_every=2),
 }
@@ -89,8 +99,16 @@ def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--codec", default="dynamiq:5", help="fp32, bf16, dynamiq:B, exact, ...")
+    p.add_argument("--path", default=None,
+                   help="our hook's path: auto (default), compressed, native, plain")
+    p.add_argument("--fuse-mb", type=float, default=None,
+                   help="our hook's fused group size (MiB; default the library's)")
     p.add_argument("--seed", type=int, default=0, help="model init, data order, codec seed")
-    p.add_argument("--tiny", action="store_true", help="tiny model and run (CPU tests)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="default",
+                   help="model and run sizes (any of them overridden by its own flag)")
+    p.add_argument("--tiny", action="store_true", help="--preset tiny (CPU tests)")
+    p.add_argument("--bucket-cap-mb", type=float, default=None,
+                   help="DDP's bucket_cap_mb (unset: DDP's default, 25 MB)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--topology", default="ring")
     p.add_argument("--transport", default="auto", help="dynamiq_mpi transport")
@@ -98,7 +116,7 @@ def parse_args(argv):
                    help="FSDP2 (fully_shard) with a reduce-scatter instead of DDP")
     for k, v in PRESETS["default"].items():
         p.add_argument("--" + k.replace("_", "-"), type=type(v), default=None,
-                       help=f"default {v}, --tiny {PRESETS['tiny'][k]}")
+                       help=f"default {v}, 0.8b {PRESETS['0.8b'][k]}, tiny {PRESETS['tiny'][k]}")
     p.add_argument("--probe-every", type=int, default=None,
                    help="after every N-th step, time its forward+backward again without "
                         "communication (compute alone; 0: never)")
@@ -106,7 +124,10 @@ def parse_args(argv):
     p.add_argument("--png", help="draw the loss curves here (rank 0; needs matplotlib)")
     p.add_argument("--no-progress", action="store_true", help="plain lines, no progress bar")
     args = p.parse_args(argv)
-    preset = PRESETS["tiny" if args.tiny else "default"]
+    if args.tiny:
+        args.preset = "tiny"
+    args.tiny = args.preset == "tiny"
+    preset = PRESETS[args.preset]
     for k, v in preset.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -222,41 +243,26 @@ def main(argv=None):
 
     import torch
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
     import transformers
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     import dynamiq_mpi.torch as dqt
+    from dynamiq_mpi.studies.workloads import build_model
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     owns_group = not dist.is_initialized()    # else the caller's (e.g. a test's) group
-    rank, world, device = dqt.init_process_group_from_mpi("nccl" if use_cuda else "gloo")
+    rank, world, device = init_distributed(use_cuda)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     train_b, val_b, corpus = load_corpus()
     train = torch.frombuffer(bytearray(train_b), dtype=torch.uint8)
     val = torch.frombuffer(bytearray(val_b), dtype=torch.uint8)
 
-    torch.manual_seed(args.seed)               # same initial model on every rank and codec
-    cfg = LlamaConfig(vocab_size=256, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                      num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                      num_key_value_heads=args.heads, max_position_embeddings=args.seq_len,
-                      tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
-                      pad_token_id=None)
-    model = LlamaForCausalLM(cfg).to(device)
+    model = build_model(args, device)          # same initial model on every rank and codec
     n_params = sum(p.numel() for p in model.parameters())
     if args.fsdp:
         ddp, state = _fsdp_model(model, codec, args, dqt, torch)
     else:
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                  gradient_as_bucket_view=True)
-        state = dqt.HookState(codec=None if isinstance(codec, str) else codec, seed=args.seed,
-                              transport=args.transport, topology=args.topology, reports=False,
-                              timing=True)
-        if codec == "bf16":
-            ddp.register_comm_hook(state, _builtin_hook("bf16"))
-        elif codec != "fp32":                      # fp32: DDP's own all-reduce, no hook
-            ddp.register_comm_hook(state, dqt.ddp_comm_hook)
+        ddp, state = ddp_model(model, codec, args, device, dqt)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     run = {"config": dict(vars(args), world_size=world, n_params=n_params,
@@ -294,7 +300,9 @@ def main(argv=None):
             raise FloatingPointError(f"training loss is {loss_v} at step {step}")
         run["steps"].append({"step": step, "loss": loss_v, "lr": lr_at(step, args),
                              "step_ms": (t2 - t0) * 1e3, "backward_ms": (t1 - t0) * 1e3,
-                             "update_ms": (t2 - t1) * 1e3, "measured": measure})
+                             "update_ms": (t2 - t1) * 1e3, "measured": measure,
+                             "hook": {k: stats[k] for k in ("calls", "buckets", "paths",
+                                                            "bits_per_coord")}})
         if not measure and stats["calls"]:
             hook_ms.append(stats["comm_s"] * 1e3)
         if measure:
@@ -313,7 +321,8 @@ def main(argv=None):
 
     # Medians over the steps after the first 10 % (warm-up: allocations, NCCL
     # and kernel set-up), without the steps that measured the error.
-    timed = [s for s in run["steps"][max(1, args.steps // 10):] if not s["measured"]]
+    skip = max(1, args.steps // 10, getattr(state, "auto_steps", 0))   # path="auto" measures first
+    timed = [s for s in run["steps"][skip:] if not s["measured"]]
     med = (lambda xs: statistics.median(xs) if xs else float("nan"))
     step_ms = med([s["step_ms"] for s in timed])
     probes = probe_ms[len(probe_ms) // 10:] or probe_ms
@@ -331,6 +340,7 @@ def main(argv=None):
         "vnmse_mean": statistics.mean(vn) if vn else None,
         "bits_per_coord": statistics.mean(bits) if bits else None,
         "wall_s": time.perf_counter() - t_start,
+        "paths": {str(k): list(v) for k, v in state.path_decisions().items()},
     }
     if rank == 0:
         s = run["summary"]
@@ -346,6 +356,50 @@ def main(argv=None):
     if owns_group:
         dist.destroy_process_group()
     return run
+
+
+def init_distributed(use_cuda):
+    """(rank, world, device): torch.distributed as the launcher set it up
+    (torchrun's RANK/WORLD_SIZE/LOCAL_RANK), else from MPI (mpiexec), else a
+    group the caller made; the GPU of the local rank."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    import dynamiq_mpi.torch as dqt
+    backend = "nccl" if use_cuda else "gloo"
+    if not dist.is_initialized() and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return dqt.init_process_group_from_mpi(backend)
+    device = torch.device("cpu")
+    if use_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK",
+                                                         torch.cuda.current_device())))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group(backend, device_id=device if use_cuda else None)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def ddp_model(model, codec, args, device, dqt, state=None, **ddp_kw):
+    """DDP over ``model`` for ``codec`` (with ``--bucket-cap-mb`` when given)
+    and its state: fp32 plain DDP, bf16 torch's ``bf16_compress_hook``,
+    anything else our hook (``state`` reused when given)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    if args.bucket_cap_mb is not None:
+        ddp_kw["bucket_cap_mb"] = args.bucket_cap_mb
+    ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+              gradient_as_bucket_view=True, **ddp_kw)
+    if state is None:
+        kw = {} if args.fuse_mb is None else {"fuse_mb": args.fuse_mb}
+        state = dqt.HookState(codec=None if isinstance(codec, str) else codec, seed=args.seed,
+                              transport=args.transport, topology=args.topology,
+                              reports=False, timing=True, path=args.path, **kw)
+    if codec == "bf16":
+        ddp.register_comm_hook(state, _builtin_hook("bf16"))
+    elif codec != "fp32":                      # fp32: DDP's own all-reduce, no hook
+        dqt.register_comm_hook(ddp, state)
+    return ddp, state
 
 
 def _fsdp_model(model, codec, args, dqt, torch):

@@ -140,3 +140,95 @@ class PathChooser:
     def forget(self) -> None:
         """Measure every class again (e.g. after the link changed)."""
         self._classes.clear()
+
+
+# ----------------------------------------------------------------- whole steps
+STEP_ROUNDS = 3         # A/B rounds of the whole-step choice
+STEP_MARGIN = 1.03      # a less exact option must be at least 3 % faster
+
+
+class StepChooser:
+    """Chooses among ``options`` by timing whole training steps, the way a
+    DDP job runs them (the DDP hook's ``path="auto"``): a measured option
+    runs two consecutive steps and the period between their ends counts, so
+    the period holds one step of that option alone (its communication
+    overlapped with the backward pass, its exposed tail, the compute between).
+
+    The schedule is a pure function of the step index, so every rank runs the
+    same option at every step: step 0 (before DDP's bucket rebuild) and one
+    warm-up step of each option are not timed; then ``rounds`` rounds, each
+    timing every option once, the order rotated round by round (a drifting
+    link touches every option alike).  After the last timed step the ranks
+    agree on the slowest rank's median period of each option (one small
+    all-reduce on the control plane), and the choice is kept: the most exact
+    option (``options`` is ordered most exact first) whose period is within
+    ``margin`` of the fastest.
+
+    ``elapsed(mark_a, mark_b)`` gives the seconds between two marks the caller
+    made at the end of steps (CUDA events or host clocks); it is called only
+    when deciding, so timing adds no host synchronisation to a step.
+    """
+
+    def __init__(self, plane, options, elapsed, rounds: int = STEP_ROUNDS,
+                 margin: float = STEP_MARGIN, first: str | None = None):
+        self.plane, self.options, self.elapsed = plane, tuple(options), elapsed
+        self.margin = float(margin)
+        if rounds < 1:
+            raise ValueError(f"StepChooser: rounds must be >= 1, got {rounds}")
+        first = first or self.options[0]
+        schedule = [(first, False)] + [(o, False) for o in self.options]
+        for r in range(int(rounds)):
+            k = r % len(self.options)
+            for o in self.options[k:] + self.options[:k]:
+                schedule += [(o, False), (o, True)]
+        self.schedule = schedule
+        self.start = None           # the step index of the schedule's first step
+        self.choice = None
+        self.why = ""
+        self.medians = {}           # option -> the slowest rank's median period (s)
+        self._marks = {}            # schedule index -> the mark at the end of that step
+
+    def option(self, step: int) -> tuple:
+        """(option, measuring) of step ``step`` (a counter every rank shares)."""
+        if self.choice is not None:
+            return self.choice, False
+        if self.start is None:
+            self.start = int(step)
+        i = int(step) - self.start
+        if not 0 <= i < len(self.schedule):
+            raise RuntimeError(f"StepChooser: step {step} outside the schedule started at "
+                               f"{self.start} ({len(self.schedule)} steps)")
+        return self.schedule[i][0], True
+
+    def step_ended(self, step: int, mark) -> None:
+        """The end of step ``step`` (the same steps on every rank); after the
+        schedule's last step, agree and decide."""
+        if self.choice is not None or self.start is None:
+            return
+        i = int(step) - self.start
+        if not 0 <= i < len(self.schedule):
+            return
+        if self.schedule[i][1] or (i + 1 < len(self.schedule) and self.schedule[i + 1][1]):
+            self._marks[i] = mark
+        if i == len(self.schedule) - 1:
+            self._decide()
+
+    def _decide(self):
+        periods = {o: [] for o in self.options}
+        for i, (o, timed) in enumerate(self.schedule):
+            if timed:
+                periods[o].append(self.elapsed(self._marks[i - 1], self._marks[i]))
+        mine = np.array([statistics.median(periods[o]) for o in self.options], dtype=np.float64)
+        worst = np.empty_like(mine)
+        self.plane.allreduce_max(mine, worst)
+        self.medians = {o: float(t) for o, t in zip(self.options, worst)}
+        fastest = min(self.medians.values())
+        self.choice = next(o for o in self.options if self.medians[o] <= fastest * self.margin)
+        rounds = len(periods[self.options[0]])
+        times = ", ".join(f"{o} {self.medians[o] * 1e3:.1f} ms" for o in self.options)
+        self.why = (f"auto: whole steps, {times} (slowest rank, median of {rounds}); the most "
+                    f"exact within {(self.margin - 1) * 100:.0f} % of the fastest")
+        self._marks.clear()
+
+    def decisions(self) -> dict:
+        return {} if self.choice is None else {"step": (self.choice, self.why)}

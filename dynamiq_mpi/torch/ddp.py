@@ -27,9 +27,9 @@ import torch
 
 from .. import Collective, DynamiQ, InputMismatchError
 from ..control import as_plane, is_torch_group
-from ..call.paths import PathChooser, default_path, size_class
+from ..settings import env_choice
+from .ddp_buckets import DEFAULT_FUSE_MB, HOOK_PATHS, STEP_ROUNDS, BucketRouter, auto_steps
 from .groups import _adopt_group, _native_group, init_process_group_from_mpi  # noqa: F401 (re-exported)
-from .overlap import BucketWorker
 
 __all__ = ["HookState", "ddp_comm_hook", "register_comm_hook", "allreduce_gradients",
            "init_process_group_from_mpi", "tensor_as_array", "ReduceScatter"]
@@ -110,30 +110,43 @@ class HookState:
     then also all-reduced exactly in float64 (uncompressed, outside the timed
     part), and ``pop_stats()["vnmse"]`` gives sum ||X^ - X||^2 / sum ||X||^2.
 
+    ``path`` (DDP hook): "auto" (default) chooses by whole training steps
+    among "plain" (the group's own all-reduce of the bucket, as DDP without
+    a hook), "native" (the group's all-reduce in BF16, as torch's
+    ``bf16_compress_hook``) and "compressed"; ddp_buckets.py says how.
+    ``path_decisions()`` gives the choice and the measured step times.
+
+    ``fuse_mb`` (default 256): the compressed path reduces consecutive DDP
+    buckets in one call once they hold this many MiB (0: every bucket alone);
+    ``auto_rounds``: the A/B rounds of ``path="auto"`` (each round times one
+    step of each path; 1 + 3 + 6 x rounds steps in all before the choice).
+
     ``overlap`` (default: for CUDA buckets): the DDP hook hands compressed
-    bucket calls to a worker thread and returns its future at once, so the
+    calls to a worker thread and returns the futures at once, so the
     backward pass is not held up by the call's host work and wait
     (overlap.py); False runs them in the hook.  Buckets run in the order
     DDP hands them over either way, with the same bits.
     """
 
     _PICKLED = ("codec", "seed", "transport", "topology", "iteration", "measure_error",
-                "reports", "timing", "path", "nonfinite", "overlap")
+                "reports", "timing", "path", "nonfinite", "overlap", "fuse_mb", "auto_rounds")
 
     def __init__(self, codec=None, comm=None, seed: int = 0, transport: str = "auto", *,
                  topology: str = "ring", reports: bool = True, timing: bool = False,
                  path: str | None = None, nonfinite: str = "propagate",
-                 overlap: bool | None = None, process_group=None):
+                 overlap: bool | None = None, process_group=None,
+                 fuse_mb: float = DEFAULT_FUSE_MB, auto_rounds: int = STEP_ROUNDS):
         self.codec = DynamiQ(bits=5) if codec is None else codec
         self.seed = int(seed)
         self.transport = transport
         self.topology = topology
-        # "auto": per bucket size, the DDP hook takes whichever of the
-        # compressed all-reduce and torch.distributed's own all-reduce (what
-        # DDP does without a hook, asynchronous) it measured faster;
-        # "compressed" / "native" force one.  Without a matching
-        # torch.distributed group, "native" is the collective's (NCCL BF16).
-        self.path = default_path(path)
+        self.path = env_choice(path, "DYNAMIQ_PATH", HOOK_PATHS, "path")
+        if not fuse_mb >= 0:
+            raise ValueError(f"fuse_mb must be >= 0 (MiB), got {fuse_mb!r}")
+        self.fuse_mb = float(fuse_mb)
+        if int(auto_rounds) < 1:
+            raise ValueError(f"auto_rounds must be >= 1, got {auto_rounds!r}")
+        self.auto_rounds = int(auto_rounds)
         # "propagate": NaN/Inf on any rank gives NaN gradients on every rank
         # (GradScaler then skips the step); "raise": NonFiniteInputError.
         if nonfinite not in ("propagate", "raise"):
@@ -160,16 +173,16 @@ class HookState:
         self._collective = None
         self._lock = threading.Lock()
         self.last_report = None
-        self._paths = None          # the hook's PathChooser (made on first use)
+        self._buckets = BucketRouter(self)  # the DDP hook's paths, fused groups, workers
+        self._paths = None          # the reduce-scatter's PathChooser (made on first use)
         self._path_comm = None
-        self._dist_ok = None        # torch.distributed spans the same ranks (asked once)
-        self._workers = {}          # device -> BucketWorker of the overlapped hook
-        self._threads_ok = None     # the control plane takes calls from a worker (asked once)
         self._stats_lock = threading.Lock()
         self._reset_stats()
 
     def _reset_stats(self):
         self._calls = 0
+        self._buckets_seen = 0
+        self._path_counts = {}
         self._coords = 0
         self._reported = 0          # coordinates of the calls that returned a report
         self._bits = 0.0
@@ -189,6 +202,8 @@ class HookState:
         state.setdefault("path", "auto")           # checkpoints of earlier versions
         state.setdefault("nonfinite", "propagate")
         state.setdefault("overlap", None)
+        state.setdefault("fuse_mb", DEFAULT_FUSE_MB)
+        state.setdefault("auto_rounds", STEP_ROUNDS)
         for k in self._PICKLED:
             setattr(self, k, state[k])
         self._counter = int(state["counter"])
@@ -231,7 +246,8 @@ class HookState:
             self._collective = None
             self._comm = comm
             self._plane = None
-            self._dist_ok = None
+            self._buckets.close()
+            self._buckets = BucketRouter(self)
 
     @property
     def collective(self) -> Collective:
@@ -264,7 +280,7 @@ class HookState:
         self.settle()       # the hook's worker shares the collective's workspace
         return self._allreduce_now(t, path)
 
-    def _allreduce_now(self, t, path=None):
+    def _allreduce_now(self, t, path=None, buckets=1):
         exact = self.exact_mean(t) if self.measure_error else None
         with _torch_stream(t.device):
             coll = self.collective
@@ -272,20 +288,28 @@ class HookState:
             start = self._start_timer(t.device)
             report = self._reduce_array(coll, arr, path)
             self._stop_timer(t.device, start)
-        self._count_call(t.numel(), report)
+        self._count_call(t.numel(), report, buckets=buckets,
+                         path=report.path if report is not None else path or self.path)
         if exact is not None:
             self.record_error(t, exact)
         return t
 
-    def _count_call(self, numel: int, report=None):
-        """Add one call of ``numel`` coordinates (and its report) to the totals."""
+    def _count_call(self, numel: int, report=None, *, bits=None, path=None, buckets=1):
+        """Add one call of ``numel`` coordinates to the totals: its report (or
+        its wire's ``bits`` a coordinate), and the ``buckets`` it carried
+        under ``path``."""
         with self._stats_lock:
             self._calls += 1
             self._coords += numel
             if report is not None:
                 self.last_report = report
+                bits = report.bits_per_coord
+            if bits is not None:
                 self._reported += numel
-                self._bits += report.bits_per_coord * numel
+                self._bits += bits * numel
+            if path is not None:
+                self._buckets_seen += buckets
+                self._path_counts[path] = self._path_counts.get(path, 0) + buckets
 
     def _reduce_array(self, coll, arr, path=None):
         """Mean over the ranks written into ``arr`` itself; the Report or None."""
@@ -298,106 +322,33 @@ class HookState:
             arr[...] = res
         return report
 
-    # -- the DDP hook's path: compressed, or torch.distributed's own all-reduce
-    def bucket_future(self, buf: torch.Tensor) -> torch.futures.Future:
-        """The mean of ``buf`` over the ranks, as DDP wants it from a hook.
+    # -- the DDP hook's buckets (ddp_buckets.py)
+    def bucket_future(self, buf: torch.Tensor, last: bool = True) -> torch.futures.Future:
+        """The mean of ``buf`` over the ranks, as DDP wants it from a hook;
+        ``last``: DDP's last bucket of the step (``bucket.is_last()``).
 
-        With a torch.distributed group over the same ranks, ``path="auto"``
-        compares, per bucket size (a power of two), this hook's compressed
-        all-reduce with the group's own all-reduce of the bucket (DDP's
-        default, asynchronous): two untimed and four timed calls, then the
-        slowest rank's medians decide, the same on every rank (paths.py).
-        The native path returns the group's future at once, so the
-        communication overlaps the rest of the backward pass as in plain DDP;
-        so does the compressed path with ``overlap`` (its worker thread).
+        The future may still be pending when returned: compressed buckets
+        are fused with the next ones, and run on the worker thread.  A
+        bucket given alone (``last=True``) starts at once.
         """
-        if self._dist_ok is None:       # asked once: the group does not change under DDP
-            self._dist_ok = _native_group(self.comm)
-        native_ok = buf.device.type in ("cpu", "cuda") and self._dist_ok[0]
-        path, key, timed = self._hook_path(buf, native_ok)
-        if timed:
-            self.settle()       # a measuring call times itself alone
-        if path == "native" and native_ok:
-            if timed:
-                t0 = self._synced_time(buf)
-            buf.div_(self.plane.size)
-            work = torch.distributed.all_reduce(buf, group=self._dist_ok[1], async_op=True)
-            if timed:
-                work.wait()
-                self._paths.record(key, "native", self._synced_time(buf) - t0, "native")
-            self._count_call(buf.numel())
-            return work.get_future().then(lambda fut: fut.value()[0])
-        path = "compressed" if key is not None else None
-        if self._overlaps(buf):
-            if timed:
-                t0 = self._synced_time(buf)
-            fut = self._worker(buf.device).submit(buf, lambda b: self._allreduce_now(b, path))
-            if timed:
-                fut.wait()
-                self._paths.record(key, "compressed", self._synced_time(buf) - t0, "compressed")
-            return fut
-        if timed:
-            t0 = self._synced_time(buf)
-        self.allreduce_(buf, path=path)
-        if timed:
-            self._paths.record(key, "compressed", self._synced_time(buf) - t0, "compressed")
-        # For CUDA values the future must name the device, so that DDP's
-        # consumers wait on our stream's work instead of the host waiting.
-        fut = (torch.futures.Future(devices=[buf.device]) if buf.is_cuda
-               else torch.futures.Future())
-        fut.set_result(buf)
-        return fut
-
-    def _overlaps(self, buf) -> bool:
-        """Whether this bucket's compressed call goes to the worker thread."""
-        wanted = buf.is_cuda if self.overlap is None else bool(self.overlap)
-        if not wanted or self.measure_error:
-            return False    # the error's exact all-reduce must keep DDP's order
-        if self._threads_ok is None:
-            self._threads_ok = self.plane.thread_safe
-        return self._threads_ok
-
-    def _worker(self, device) -> BucketWorker:
-        worker = self._workers.get(device)
-        if worker is None:
-            worker = self._workers[device] = BucketWorker(device)
-        return worker
+        return self._buckets.bucket(buf, last)
 
     def settle(self) -> None:
         """Wait until the hook's worker has run every queued call and its
         device work is done (before a call on another stream or thread)."""
-        for worker in list(self._workers.values()):
-            worker.drain()
-            if worker.stream is not None:
-                worker.stream.synchronize()
+        self._buckets.settle()
 
     def raise_pending_error(self) -> None:
         """Wait for the hook's worker; raise the first error of its calls."""
-        for worker in list(self._workers.values()):
-            worker.drain()
-            exc = worker.take_error()
-            if exc is not None:
-                raise exc
+        self._buckets.raise_pending_error()
 
     def close(self) -> None:
         """Stop the hook's worker threads (made again on next use)."""
-        workers, self._workers = self._workers, {}
-        for worker in workers.values():
-            worker.close()
+        self._buckets.close()
 
-    def _hook_path(self, buf, native_ok):
-        """(path, class key or None, timed) of a DDP bucket."""
-        if self.path != "auto" or not native_ok:
-            return self.path, None, False
-        if self._paths is None:
-            self._path_comm = self.plane.dup()
-            self._paths = PathChooser(self._path_comm)
-        sig = self.codec.cached_signature()
-        key = (buf.device.type, str(buf.dtype), size_class(buf.numel()), sig, self.topology,
-               "ddp", "mean")
-        path, _, timed = self._paths.choose(key, "auto", getattr(self.codec, "auto_path", False),
-                                            True, self.codec.name)
-        return path, key, timed
+    @property
+    def _workers(self) -> dict:
+        return self._buckets._workers
 
     @staticmethod
     def _synced_time(buf):
@@ -405,9 +356,18 @@ class HookState:
             torch.cuda.synchronize(buf.device)
         return time.perf_counter()
 
+    @property
+    def auto_steps(self) -> int:
+        """DDP steps before ``path="auto"`` has chosen (0 for other paths)."""
+        return auto_steps(self.auto_rounds) if self.path == "auto" else 0
+
     def path_decisions(self) -> dict:
-        """The DDP hook's decided bucket classes: {key: (path, why)}."""
-        return {} if self._paths is None else self._paths.decisions()
+        """The decided paths: {key: (path, why)} (the DDP hook's whole-step
+        choice under "step"; the reduce-scatter's per size class)."""
+        out = dict(self._buckets.decisions())
+        if self._paths is not None:
+            out.update(self._paths.decisions())
+        return out
 
     def _start_timer(self, device):
         if not self.timing:
@@ -450,9 +410,11 @@ class HookState:
         self._ref_sq += float(exact.square().sum())
 
     def pop_stats(self) -> dict:
-        """Totals since the last call, then reset: ``calls``, ``coords``,
+        """Totals since the last call, then reset: ``calls`` (collective calls
+        and the group's all-reduces), ``buckets`` (DDP buckets) and ``paths``
+        (buckets per path: "compressed", "native", "plain"), ``coords``,
         ``bits_per_coord`` (coordinate-weighted over the calls that returned a
-        report; None if none did), ``comm_s`` (time inside the all-reduce when
+        report or a wire width; None if none did), ``comm_s`` (time inside the all-reduce when
         ``timing`` is on; waits for its CUDA events) and ``vnmse`` (None
         unless measured).  With ``timing`` on, call it every step or so."""
         self.settle()
@@ -462,6 +424,8 @@ class HookState:
             seconds += start.elapsed_time(end) / 1e3
         out = {
             "calls": self._calls,
+            "buckets": self._buckets_seen,
+            "paths": dict(self._path_counts),
             "coords": self._coords,
             "bits_per_coord": self._bits / self._reported if self._reported else None,
             "comm_s": seconds,
@@ -494,15 +458,16 @@ def ddp_comm_hook(state: "HookState", bucket) -> torch.futures.Future[torch.Tens
     """DDP communication hook: ``ddp.register_comm_hook(state, ddp_comm_hook)``.
 
     All-reduces the bucket's flat buffer in place to the mean over the ranks
-    (DDP hands it over undivided), compressed or by torch.distributed's own
-    all-reduce as ``state.path`` decides (see :meth:`HookState.bucket_future`).
+    (DDP hands it over undivided), compressed over fused groups of buckets or
+    by torch.distributed's own all-reduce (float32 or BF16) as ``state.path``
+    decides (ddp_buckets.py).
     NaN/Inf on any rank gives NaN gradients on every rank (``GradScaler``
     skips the step); with ``HookState(nonfinite="raise")`` every rank raises
     from ``loss.backward()`` instead.
     """
-    fut = state.bucket_future(bucket.buffer())
-    if bucket.is_last():
-        state.iteration += 1
+    last = bucket.is_last()
+    fut = state.bucket_future(bucket.buffer(), last=last)
+    if last:
         state.raise_pending_error()     # an overlapped call's error, with its own type
     return fut
 

@@ -26,9 +26,16 @@ phase, so every rank's whole shard is NaN and ``GradScaler`` skips the step
 on every rank alike; ``Exact``/``BF16`` propagate per coordinate), or with
 ``nonfinite="raise"`` every rank raises.  ``path="auto"`` (default) times,
 per size class, the compressed reduce-scatter against the process group's
-own ``reduce_scatter_tensor`` (what FSDP does without a custom one; BF16 on
-the wire for DynamiQ, as the all-reduce's native path) and keeps the faster,
-agreed by all ranks (paths.py); "compressed" / "native" force.
+own ``reduce_scatter_tensor`` (BF16 on the wire for float32 input and DynamiQ:
+what ``MixedPrecisionPolicy(reduce_dtype=bfloat16)`` sends) and keeps the
+faster, agreed by all ranks (paths.py); "compressed" / "native" force, and
+"plain" is the group's reduce-scatter in FSDP's ``reduce_dtype``.
+
+FSDP2 as LLM jobs run it, ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+reduce_dtype=torch.float32)`` or ``reduce_dtype=torch.bfloat16``: the object
+receives FSDP's ``reduce_dtype`` buffer (float32 or BF16; the codec reads
+either) and FSDP's op: AVG, SUM, or PREMUL_SUM(f) from
+``set_gradient_divide_factor`` (the sum, then scaled by f).
 """
 from __future__ import annotations
 
@@ -48,18 +55,23 @@ except Exception:   # torch without FSDP2's custom reduce-scatter (< 2.11)
 __all__ = ["ReduceScatter"]
 
 
-def _op_name(op) -> str:
-    """"sum" or "mean" from FSDP's reduce op (SUM or AVG)."""
+def _op_of(op) -> tuple:
+    """("sum" or "mean", factor or None) of FSDP's reduce op: SUM, AVG, or
+    PREMUL_SUM(f) (FSDP's ``set_gradient_divide_factor``: f x the sum)."""
     R = dist.ReduceOp
+    kind = getattr(op, "op", op)            # a PREMUL_SUM op carries its factor
     for name, value in (("sum", R.SUM), ("mean", R.AVG)):
-        try:
-            if op == value:
-                return name
-        except Exception:           # a PREMUL_SUM op does not compare
-            pass
+        if kind == value:
+            return name, None
+    if kind == R.PREMUL_SUM:
+        factor = getattr(op, "factor", None)
+        if factor is None:
+            raise NotImplementedError("dynamiq_mpi.torch.ReduceScatter: a PREMUL_SUM op "
+                                      "without its factor")
+        return "sum", float(factor)
     raise NotImplementedError(
-        f"dynamiq_mpi.torch.ReduceScatter supports ReduceOp.SUM and AVG, got {op!r} (FSDP "
-        "passes PREMUL_SUM when set_gradient_divide_factor differs from the world size)")
+        f"dynamiq_mpi.torch.ReduceScatter supports ReduceOp.SUM, AVG and PREMUL_SUM, "
+        f"got {op!r}")
 
 
 def _group_reduce_scatter(output, input, op, group):
@@ -97,38 +109,51 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
                  op, async_op: bool = False):
-        opname = _op_name(op)
+        opname, factor = _op_of(op)
         self._check_group(group)
         path, key, timed = self._rs_path(input_tensor, group)
         if timed:
             t0 = self._synced_time(input_tensor)
-        if path == "native":
-            self._native(output_tensor, input_tensor, group, op)
+        if path in ("native", "plain"):
+            self._group_rs(output_tensor, input_tensor, group, opname, factor, path)
         else:
             self.reduce_scatter_(output_tensor, input_tensor, opname,
                                  path="compressed" if key is not None else None)
+            if factor is not None:
+                output_tensor.mul_(factor)
         if timed:
             self._paths.record(key, path, self._synced_time(input_tensor) - t0, path)
-        if path == "native":
-            self._count_call(input_tensor.numel())
         if async_op:
             fut = torch.futures.Future()
             fut.set_result([output_tensor])
             return torch._C._distributed_c10d._create_work_from_future(fut)
         return None
 
-    def _native(self, output, input, group, op):
-        """The group's own reduce-scatter, with the codec's native wire dtype
-        (BF16 for DynamiQ and BF16, as the all-reduce's native path: what
-        ``MixedPrecisionPolicy(reduce_dtype=bfloat16)`` sends) or the input's."""
-        wire = getattr(self.codec, "native_wire", None)
-        if wire == "bfloat16" and input.dtype == torch.float32:
-            low = input.to(torch.bfloat16)
-            out = torch.empty(output.shape, dtype=torch.bfloat16, device=output.device)
-            _group_reduce_scatter(out, low, op, group)
-            output.copy_(out)
+    def _group_rs(self, output, input, group, opname, factor, path):
+        """The group's own reduce-scatter: "plain" in the input's dtype,
+        "native" with the codec's native wire (BF16 for float32 input and
+        DynamiQ, what ``MixedPrecisionPolicy(reduce_dtype=bfloat16)`` sends).
+        Where the backend lacks AVG or PREMUL_SUM (gloo), a SUM and a scale."""
+        wire_in, wire_out = input, output
+        if (path == "native" and getattr(self.codec, "native_wire", None) == "bfloat16"
+                and input.dtype == torch.float32):
+            wire_in = input.to(torch.bfloat16)
+            wire_out = torch.empty(output.shape, dtype=torch.bfloat16, device=output.device)
+        if dist.get_backend(group) == "nccl":
+            op = (dist.ReduceOp.AVG if opname == "mean" and factor is None
+                  else dist._make_nccl_premul_sum(factor) if factor is not None
+                  else dist.ReduceOp.SUM)
+            scale = None
         else:
-            _group_reduce_scatter(output, input, op, group)
+            op = dist.ReduceOp.SUM
+            scale = factor if factor is not None else (
+                1.0 / dist.get_world_size(group) if opname == "mean" else None)
+        _group_reduce_scatter(wire_out, wire_in, op, group)
+        if scale is not None:
+            wire_out.mul_(scale)
+        if wire_out is not output:
+            output.copy_(wire_out)
+        self._count_call(input.numel(), bits=8 * wire_in.element_size(), path=path)
 
     # -- the compressed reduce-scatter of one flat tensor
     def reduce_scatter_(self, output: torch.Tensor, input: torch.Tensor, op: str = "mean",
@@ -144,7 +169,8 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
                                       seed=self.seed, out=out, return_report=self.reports,
                                       nonfinite=self.nonfinite)
             self._stop_timer(input.device, start)
-        self._count_call(input.numel(), res[1] if self.reports else None)
+        self._count_call(input.numel(), res[1] if self.reports else None,
+                         path="compressed")
         if exact is not None:
             self.record_error(output, exact)
         return output
@@ -169,6 +195,8 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
         native_ok = t.device.type in ("cpu", "cuda") and _native_group(self.comm)[0]
         if self.path != "auto" or not native_ok:
             return ("compressed" if self.path == "auto" else self.path), None, False
+        if not getattr(self.codec, "auto_path", False):
+            return "compressed", None, False
         if self._paths is None:
             self._path_comm = self.plane.dup()
             self._paths = PathChooser(self._path_comm)

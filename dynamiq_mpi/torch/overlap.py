@@ -23,9 +23,25 @@ import threading
 import torch
 
 
+def new_future(device: torch.device) -> torch.futures.Future:
+    """A pending future for a bucket on ``device``: CUDA ones name the device,
+    so that DDP's consumer waits for the result on the device, not the host."""
+    if device.type == "cuda":
+        return torch.futures.Future(devices=[device])
+    return torch.futures.Future()
+
+
+def complete(futures, bufs) -> None:
+    """Each future gets its own bucket's tensor (on CUDA: recorded on the
+    current stream)."""
+    for fut, buf in zip(futures, bufs, strict=True):
+        fut.set_result(buf)
+
+
 class BucketWorker:
     """One thread running bucket calls in submission order; on CUDA on a
-    stream of its own."""
+    stream of its own.  A call may reduce several buckets at once (the
+    hook's fused groups): one job, one future per bucket."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -38,20 +54,22 @@ class BucketWorker:
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, buf: torch.Tensor, run) -> torch.futures.Future:
-        """A future of ``buf`` after ``run(buf)`` has reduced it in place."""
+    def submit(self, bufs, run, futures=None) -> list:
+        """Futures of ``bufs`` (a list of tensors) after ``run(bufs)`` has
+        reduced them in place; ``futures``: pending ones to complete instead
+        of new ones (the hook made them when each bucket arrived)."""
         ready = None
         if self.stream is not None:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
-            buf.record_stream(self.stream)   # the caching allocator must not reuse it early
-            fut = torch.futures.Future(devices=[self.device])
-        else:
-            fut = torch.futures.Future()
+            for buf in bufs:   # the caching allocator must not reuse them early
+                buf.record_stream(self.stream)
+        if futures is None:
+            futures = [new_future(self.device) for _ in bufs]
         with self._idle:
             self._pending += 1
-        self._jobs.put((ready, buf, run, fut))
-        return fut
+        self._jobs.put((ready, bufs, run, futures))
+        return futures
 
     def _loop(self):
         if self.stream is not None:
@@ -60,22 +78,24 @@ class BucketWorker:
             job = self._jobs.get()
             if job is None:
                 return
-            ready, buf, run, fut = job
+            ready, bufs, run, futures = job
             try:
                 if self.stream is None:
-                    run(buf)
-                    fut.set_result(buf)
+                    run(bufs)
+                    complete(futures, bufs)
                 else:
                     with torch.cuda.stream(self.stream):
                         self.stream.wait_event(ready)
-                        run(buf)
+                        run(bufs)
                         # records the completion on this (current) stream
-                        fut.set_result(buf)
-            except BaseException as exc:  # handed to whoever waits on the future
+                        complete(futures, bufs)
+            except BaseException as exc:  # handed to whoever waits on the futures
                 with self._idle:
                     if self._error is None:
                         self._error = exc
-                fut.set_exception(exc)
+                for fut in futures:
+                    if not fut.done():
+                        fut.set_exception(exc)
             finally:
                 with self._idle:
                     self._pending -= 1

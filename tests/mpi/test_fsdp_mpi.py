@@ -163,6 +163,68 @@ def test_raise_and_pickle_and_direct_call():
         rs2(torch.empty(512), y, dist.group.WORLD, dist.ReduceOp.AVG)
 
 
+@pytest.mark.parametrize("path", ["compressed", "native", "plain"])
+def test_premul_sum_scales_the_sum(path):
+    """FSDP's PREMUL_SUM(f) (``set_gradient_divide_factor``): f x the sum, on
+    every path (gloo has no PREMUL_SUM: the group's sum is scaled)."""
+    codec = dq.Exact() if path == "compressed" else dq.DynamiQ()
+    rs = dqt.ReduceScatter(codec=codec, path=path, reports=True)
+    x = torch.randn(N * 40, generator=torch.Generator().manual_seed(comm.rank)).to(torch.float32)
+    full = sum(torch.randn(N * 40, generator=torch.Generator().manual_seed(r)).double()
+               for r in range(N))
+    out = torch.empty(40)
+    rs(out, x, dist.group.WORLD, dist._make_nccl_premul_sum(0.25))
+    want = 0.25 * full[comm.rank * 40:(comm.rank + 1) * 40]
+    tol = 1e-5 if path != "native" else 2e-2
+    assert torch.allclose(out.double(), want, rtol=tol, atol=tol), (out, want)
+    stats = rs.pop_stats()
+    assert stats["paths"] == {path: 1}
+    assert stats["bits_per_coord"] == (16 if path == "native" else 32)
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bf16_parameters_as_llm_jobs_run_fsdp2(reduce_dtype):
+    """MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=...): the
+    object receives FSDP's reduce_dtype buffer; with the Exact codec the
+    parameters follow FSDP2's own reduce-scatter, with the defaults every
+    rank stays identical and close."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+
+    def shard_mp(model, rs=None):
+        for layer in (model[0], model[2], model[4]):
+            fully_shard(layer, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        if rs is not None:
+            for m in model.modules():
+                if hasattr(m, "set_custom_reduce_scatter"):
+                    m.set_custom_reduce_scatter(rs)
+        return model
+
+    seen = []
+
+    class Recording(dqt.ReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            seen.append(input_tensor.dtype)
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    own = shard_mp(make_model(3))
+    exact = shard_mp(make_model(3), Recording(codec=dq.Exact(), path="compressed"))
+    defaults = shard_mp(make_model(3), dqt.ReduceScatter())
+    for model in (own, exact, defaults):
+        train(model, steps=3)
+    assert seen and set(seen) == {reduce_dtype}
+    tol = 1e-5 if reduce_dtype == torch.float32 else 1e-2
+    a = torch.cat([p.reshape(-1) for p in full_params(own)])
+    b = torch.cat([p.reshape(-1) for p in full_params(exact)])
+    c = torch.cat([p.reshape(-1) for p in full_params(defaults)])
+    assert float((a - b).norm() / a.norm()) < tol
+    assert float((a - c).norm() / a.norm()) < 0.05
+    for t in (b, c):
+        digests = comm.allgather(t.numpy().tobytes())
+        assert all(d == digests[0] for d in digests)
+
+
 def test_train_lm_fsdp_tiny_runs_in_this_job():
     """mpi_examples/train_lm.py --fsdp: plain FSDP2 and DynamiQ reduce-scatter
     start from the same loss, the ranks agree, the error is measured."""

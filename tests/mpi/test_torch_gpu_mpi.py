@@ -59,8 +59,14 @@ def batch(step, device, width=512):
 
 
 def train(state, device, steps=4, bad_step=None):
+    """``state``: our HookState, "bf16" (torch's bf16_compress_hook) or None
+    (plain DDP)."""
     model = DDP(make_net(device), device_ids=[device.index], bucket_cap_mb=0.5)
-    model.register_comm_hook(state, dqt.ddp_comm_hook)
+    if state == "bf16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    elif state is not None:
+        model.register_comm_hook(state, dqt.ddp_comm_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     grads_finite = []
     for step in range(steps):
@@ -82,16 +88,20 @@ def same_on_every_rank(tensors):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_overlapped_hook_on_cuda_gives_the_in_hook_bits(device):
+@pytest.mark.parametrize("fuse_mb", [0, 1.5], ids=["bucket-alone", "fused"])
+def test_overlapped_hook_on_cuda_gives_the_in_hook_bits(device, fuse_mb):
+    """Buckets alone, or fused in groups of about two (0.5 MB buckets)."""
     codec = dq.DynamiQ(bits=5, small_input=0)
     inline = dqt.HookState(codec=codec, seed=7, path="compressed", overlap=False,
-                            transport=TRANSPORT)
+                           transport=TRANSPORT, fuse_mb=fuse_mb)
     overlapped = dqt.HookState(codec=codec, seed=7, path="compressed",   # CUDA: overlapped
-                               transport=TRANSPORT)
+                               transport=TRANSPORT, fuse_mb=fuse_mb)
     a, _ = train(inline, device)
     b, _ = train(overlapped, device)
     assert device in overlapped._workers and not inline._workers
     assert inline.counter == overlapped.counter
+    calls, buckets = overlapped.pop_stats()["calls"], inline.pop_stats()["buckets"]
+    assert (calls == buckets) if fuse_mb == 0 else (1 < calls < buckets), (calls, buckets)
     assert all(torch.equal(x, y) for x, y in zip(a, b)), "the overlapped hook changed bits"
     assert same_on_every_rank(b)
     overlapped.close()
@@ -104,5 +114,43 @@ def test_overlapped_hook_on_cuda_spreads_inf_to_every_rank(device):
     params, finite = train(state, device, steps=3, bad_step=1)
     assert finite == [True, False, True], finite
     assert all(f == finite for f in comm.allgather(finite))
+    assert same_on_every_rank(params)
+    state.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fused_exact_hook_on_cuda_is_plain_ddp(device):
+    """Fused groups on the worker's stream (copied in, reduced, copied back,
+    each future with its own bucket): with the Exact codec the parameters
+    of plain DDP, to float32 rounding."""
+    plain, _ = train(None, device)
+    state = dqt.HookState(codec=dq.Exact(), path="compressed", transport=TRANSPORT,
+                          fuse_mb=1.5)
+    fused, _ = train(state, device)
+    assert 1 < state.counter
+    for a, b in zip(fused, plain):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert same_on_every_rank(fused)
+    state.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_native_path_on_cuda_is_torchs_bf16_hook(device):
+    if not ONE_GPU_PER_RANK:
+        pytest.skip("torch's BF16 hook needs NCCL (one GPU a rank)")
+    theirs, _ = train("bf16", device)
+    state = dqt.HookState(path="native")
+    ours, _ = train(state, device)
+    assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+    assert list(state.pop_stats()["paths"]) == ["native"]
+
+
+@pytest.mark.mpi(min_size=2)
+def test_auto_path_on_cuda_decides_by_steps_alike_on_every_rank(device):
+    state = dqt.HookState(path="auto", transport=TRANSPORT, auto_rounds=1)
+    params, _ = train(state, device, steps=state.auto_steps + 2)
+    (key, (choice, why)), = state.path_decisions().items()
+    assert key == "step" and "whole steps" in why
+    assert all(c == (choice, why) for c in comm.allgather((choice, why)))
     assert same_on_every_rank(params)
     state.close()

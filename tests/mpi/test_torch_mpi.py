@@ -129,12 +129,15 @@ def test_exact_codec_hook_matches_ddp(dtype):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_dynamiq_training_keeps_ranks_identical_and_survives_rebuild():
+@pytest.mark.parametrize("fuse_mb", [0, 1.0], ids=["bucket-alone", "fused"])
+def test_dynamiq_training_keeps_ranks_identical_and_survives_rebuild(fuse_mb):
     """Several SGD steps with DynamiQ(bits=5): parameters are bit-identical
     on every rank after every step, including across DDP's bucket rebuild
-    (checked to have happened); the error against an exact all-reduce is small."""
+    (checked to have happened); the error against an exact all-reduce is
+    small.  One compressed call a bucket with ``fuse_mb=0``; one a step when
+    the step's buckets fit in ``fuse_mb``."""
     model = DDP(make_net(), bucket_cap_mb=0.004)
-    state = dqt.HookState(codec=dynamiq5(), seed=3)
+    state = dqt.HookState(codec=dynamiq5(), seed=3, fuse_mb=fuse_mb)
     layouts = {}
 
     def recording_hook(st, bucket):
@@ -154,7 +157,10 @@ def test_dynamiq_training_keeps_ranks_identical_and_survives_rebuild():
     assert state.iteration == 4
     assert layouts[0] != layouts[1], f"no bucket rebuild happened: {layouts}"
     assert layouts[1] == layouts[2] == layouts[3]
-    assert state.counter == sum(len(v) for v in layouts.values())
+    calls = sum(len(v) for v in layouts.values()) if fuse_mb == 0 else len(layouts)
+    assert state.counter == calls
+    buckets = sum(len(v) for v in layouts.values())
+    assert stats["buckets"] == buckets and stats["paths"] == {"compressed": buckets}
     # A sanity bound only: these buckets are small and dense (measured ~0.005-0.06).
     assert 0 < stats["vnmse"] < 0.2, str(stats)
     assert state.last_report.bits_per_coord <= 5.5
@@ -257,16 +263,20 @@ def _train_steps(state, steps=4, bucket_cap_mb=0.004):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_overlapped_hook_gives_the_in_hook_bits():
+@pytest.mark.parametrize("fuse_mb", [0, 0.012], ids=["bucket-alone", "fused"])
+def test_overlapped_hook_gives_the_in_hook_bits(fuse_mb):
     """The hook's worker thread (futures returned at once, buckets run in
     DDP's order) changes no bit: the same parameters as the hook running
-    each call itself, the same counter, identical on every rank."""
-    inline = dqt.HookState(codec=dynamiq5(), seed=5, overlap=False, path="compressed")
-    overlapped = dqt.HookState(codec=dynamiq5(), seed=5, overlap=True, path="compressed")
+    each call itself, the same counter, identical on every rank; with
+    buckets alone or fused."""
+    inline = dqt.HookState(codec=dynamiq5(), seed=5, overlap=False, path="compressed",
+                           fuse_mb=fuse_mb)
+    overlapped = dqt.HookState(codec=dynamiq5(), seed=5, overlap=True, path="compressed",
+                               fuse_mb=fuse_mb)
     a = _train_steps(inline)
     b = _train_steps(overlapped)
     assert overlapped._workers, "the overlapped hook did not use its worker"
-    assert inline.counter == overlapped.counter > 4
+    assert inline.counter == overlapped.counter >= 4
     for x, y in zip(a, b):
         assert torch.equal(x, y)
     assert_same_on_every_rank(b, "parameters of the overlapped hook")
@@ -336,9 +346,9 @@ def test_grad_scaler_skips_overflowing_steps_as_plain_ddp_does(codec):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_hook_native_path_is_plain_ddp():
+def test_hook_plain_path_is_plain_ddp():
     plain, _, _ = _train_with_scaler(None, steps=3, bad=(1,))
-    state = dqt.HookState(codec=dynamiq5(), path="native")
+    state = dqt.HookState(codec=dynamiq5(), path="plain")
     hooked, _, skipped = _train_with_scaler(state, steps=3, bad=(1,))
     assert skipped == [False, True, False]
     assert state.last_report is None            # the compressed collective never ran
@@ -350,29 +360,113 @@ def test_hook_native_path_is_plain_ddp():
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
+def _bf16_hook(state, bucket):
+    """torch's bf16_compress_hook (its name checks for NCCL: gloo carries BF16 too)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    return default_hooks.bf16_compress_hook(None, bucket)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_hook_native_path_is_torchs_bf16_hook():
+    """path="native" sends float32 buckets as BF16 through the group's own
+    all-reduce: the parameters of torch's bf16_compress_hook, bit for bit,
+    with 16 bits a coordinate reported and the error measured."""
+    torch_model = DDP(make_net(), bucket_cap_mb=0.004)
+    torch_model.register_comm_hook(None, _bf16_hook)
+    state = dqt.HookState(codec=dynamiq5(), path="native")
+    ours = DDP(make_net(), bucket_cap_mb=0.004)
+    dqt.register_comm_hook(ours, state)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05) for m in (torch_model, ours)]
+    for step in range(3):
+        state.measure_error = step == 2
+        for m, opt in zip((torch_model, ours), opts):
+            opt.zero_grad()
+            loss_of(m, *batch(step)).backward()
+            opt.step()
+    for a, b in zip(ours.parameters(), torch_model.parameters()):
+        assert torch.equal(a, b)
+    stats = state.pop_stats()
+    assert stats["bits_per_coord"] == 16 and set(stats["paths"]) == {"native"}
+    assert 0 < stats["vnmse"] < 1e-4, stats
+    assert state.last_report is None
+
+
+def _auto_schedule_steps(rounds):
+    return 1 + 3 + 2 * 3 * rounds
+
+
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-hook", "overlapped"])
-def test_hook_auto_path_measures_then_agrees_on_every_rank(overlap):
-    """path="auto" with the compressed calls in the hook or on its worker
-    (then torch.distributed's native all-reduces and the worker's compressed
-    calls interleave): every bucket class decides, alike on every rank, and
-    the ranks' parameters stay identical."""
-    state = dqt.HookState(codec=dynamiq5(), path="auto", overlap=overlap)
+def test_hook_auto_path_measures_whole_steps_then_agrees_on_every_rank(overlap):
+    """path="auto" runs each path for whole steps (the same path on every
+    rank at every step, every path timed in each round), then keeps one,
+    alike on every rank, and the ranks' parameters stay identical."""
+    rounds = 1
+    state = dqt.HookState(codec=dynamiq5(), path="auto", overlap=overlap, auto_rounds=rounds)
     model = DDP(make_net(), bucket_cap_mb=0.004)
-    model.register_comm_hook(state, dqt.ddp_comm_hook)
+    dqt.register_comm_hook(model, state)
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    for step in range(8):           # enough calls for every bucket class to decide
+    steps = _auto_schedule_steps(rounds)
+    seen = []
+    for step in range(steps + 2):
         opt.zero_grad()
         loss_of(model, *batch(step)).backward()
         opt.step()
-    decisions = state.path_decisions()
-    assert decisions, "no bucket class decided after 8 steps"
-    assert all(path in ("compressed", "native") and "measured" in why
-               for path, why in decisions.values())
-    summary = sorted((k[2], p) for k, (p, _) in decisions.items())
-    assert all(other == summary for other in comm.allgather(summary))
+        paths = state.pop_stats()["paths"]
+        assert len(paths) == 1, paths           # one path a whole step
+        seen.append(next(iter(paths)))
+        assert state.path_decisions() == {} or step >= steps - 1
+    assert seen[0] == "native" and sorted(set(seen[:steps])) == ["compressed", "native", "plain"]
+    (key, (choice, why)), = state.path_decisions().items()
+    assert key == "step" and choice in ("plain", "native", "compressed")
+    assert "whole steps" in why and "plain" in why and "compressed" in why
+    assert seen[steps:] == [choice, choice]
+    assert all(other == (seen, choice, why) for other in comm.allgather((seen, choice, why)))
     assert_same_on_every_rank(list(model.parameters()), "parameters under path='auto'")
     state.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_fused_groups_follow_the_bucket_sizes_and_give_the_exact_mean():
+    """Compressed calls over fused buckets: with the Exact codec the
+    gradients equal plain DDP's; a group starts once it holds ``fuse_mb``
+    (a bucket as large runs alone), so the calls a step are a function of
+    the bucket sizes alone."""
+    def make():
+        torch.manual_seed(7)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(24, 24), nn.Tanh()) for _ in range(8)],
+                             nn.Linear(24, 8))
+    x = torch.randn(16, 24, generator=torch.Generator().manual_seed(comm.rank))
+    y = torch.randn(16, 8, generator=torch.Generator().manual_seed(100 + comm.rank))
+    plain = DDP(make(), bucket_cap_mb=0.002)
+    state = dqt.HookState(codec=dq.Exact(), path="compressed", fuse_mb=0.006)
+    ours = DDP(make(), bucket_cap_mb=0.002)
+    sizes = []
+
+    def recording_hook(st, bucket):
+        sizes.append(bucket.buffer().numel())
+        return dqt.ddp_comm_hook(st, bucket)
+    ours.register_comm_hook(state, recording_hook)
+    for step in range(3):      # step 0: DDP's first bucket holds everything
+        sizes.clear()
+        before = state.counter
+        for m in (plain, ours):
+            m.zero_grad()
+            loss_of(m, x, y).backward()
+        cap = int(0.006 * 2 ** 20) // 4
+        expected, open_ = 0, 0
+        for n in sizes:
+            if open_ and n >= cap:
+                expected, open_ = expected + 1, 0
+            open_ += n
+            if open_ >= cap:
+                expected, open_ = expected + 1, 0
+        expected += open_ > 0
+        assert step == 0 or 1 < expected < len(sizes), sizes
+        assert state.counter - before == expected
+        for a, b in zip(ours.parameters(), plain.parameters()):
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7)
+    assert_same_on_every_rank([p.grad for p in ours.parameters()], "fused gradients")
 
 
 def _grads(rank, shapes_dtypes, seed=0):
@@ -483,7 +577,7 @@ def test_ddp_bench_tiny_runs_in_this_job():
     assert [r["mode"] for r in rows] == list(mod.MODES)
     assert all(r["step_ms"] > 0 and np.isfinite(r["loss"]) for r in rows)
     auto = next(r for r in rows if r["mode"] == "dynamiq")
-    assert auto["paths"] and all("measured" in why for why in auto["paths"].values())
+    assert list(auto["paths"]) == ["step"] and "whole steps" in auto["paths"]["step"]
     comm.Barrier()
     with open(path) as f:
         assert json.load(f)["meta"]["ranks"] == N

@@ -1,0 +1,115 @@
+"""Every example and README command as a user types it: the library's
+defaults, none of the suite's ``DYNAMIQ_*`` settings (tests/conftest.py sets
+``DYNAMIQ_PATH=compressed`` for the other tests), launched by torchrun,
+mpiexec or Lightning's own launcher on the CPU (gloo)."""
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch", exc_type=ImportError)
+
+from test_launchers import HERE, _run, mpiexec, results, torchrun  # noqa: E402
+
+EXAMPLES = HERE.parent / "mpi_examples"
+
+
+def test_torchrun_ddp_example_with_defaults():
+    """The README's first command: every step prints its buckets' paths,
+    bits and vNMSE (path="auto" runs plain, BF16 and compressed steps in its
+    first steps); the ranks end identical."""
+    out = _run(torchrun(2, EXAMPLES / "torchrun_ddp.py"), "torchrun_ddp.py", defaults=True)
+    assert out.count("bits/coordinate") == 5, out
+    assert "native" in out and "compressed" in out
+    assert "over the torch control plane" in out
+    assert "parameters identical on every rank: True" in out
+
+
+def test_torchrun_fsdp_example_with_defaults():
+    out = _run(torchrun(2, EXAMPLES / "torchrun_fsdp.py"), "torchrun_fsdp.py", defaults=True)
+    assert out.count("bits/coordinate") == 5, out
+    assert "FSDP2 over the torch control plane" in out
+
+
+def test_mpiexec_ddp_example_with_defaults():
+    out = _run(mpiexec(2, EXAMPLES / "ddp_hook_example.py"), "ddp_hook_example.py",
+               defaults=True)
+    assert out.count("bits/coordinate") == 5, out
+    assert "parameters identical on every rank: True" in out
+
+
+def test_numpy_example_as_the_readme_launches_it():
+    out = _run(mpiexec(4, EXAMPLES / "allreduce_numpy.py"), "allreduce_numpy.py", defaults=True)
+    line = next(ln for ln in out.splitlines() if "bits/coordinate on the wire" in ln)
+    assert line.startswith("4 ranks, 2097152 coordinates")
+    vnmse = float(line.rsplit("vNMSE", 1)[1])
+    assert 0 < vnmse < 0.01, line
+
+
+def test_readme_bench_command_small():
+    """The README's bench command at sizes a CPU runs in seconds."""
+    out = _run(mpiexec(2, "-m", "dynamiq_mpi", "bench", "-b", "64K", "-e", "256K", "-f", "2",
+                       "--codec", "dynamiq:5,bf16", "--topology", "ring,butterfly",
+                       "--breakdown"), "dynamiq_mpi bench", defaults=True)
+    assert "busbw" in out and "dynamiq" in out and "butterfly" in out
+
+
+def test_lightning_with_its_own_launcher(tmp_path):
+    pytest.importorskip("lightning", exc_type=ImportError)
+    example = EXAMPLES / "lightning_ddp.py"
+    _run([sys.executable, example, "--out", tmp_path / "hook"], "Lightning with the hook",
+         defaults=True)
+    _run([sys.executable, example, "--no-hook", "--out", tmp_path / "plain"], "plain Lightning",
+         defaults=True)
+    hook, plain = results(tmp_path / "hook", 2), results(tmp_path / "plain", 2)
+    assert np.array_equal(hook[0]["params"], hook[1]["params"]), "ranks diverged"
+    assert np.array_equal(plain[0]["params"], plain[1]["params"])
+    initial = plain[0]["initial"]
+    assert np.array_equal(hook[0]["initial"], initial)
+    moved = np.linalg.norm(plain[0]["params"] - initial)
+    assert moved > 0
+    # 5-bit gradients: the trajectories stay close (plain DDP's own move as the scale)
+    assert np.linalg.norm(hook[0]["params"] - plain[0]["params"]) < 0.2 * moved
+
+
+def test_train_lm_under_torchrun_with_ddp_defaults(tmp_path):
+    """The training example as torchrun launches it, DDP's own bucket size,
+    our hook's defaults: each step records the hook's buckets and paths."""
+    pytest.importorskip("transformers")
+    out_json = tmp_path / "run.json"
+    _run(torchrun(2, EXAMPLES / "train_lm.py", "--tiny", "--steps", "6", "--no-progress",
+                  "--json", out_json), "train_lm.py", defaults=True)
+    run = json.loads(out_json.read_text())
+    assert run["config"]["world_size"] == 2 and run["config"]["bucket_cap_mb"] is None
+    hooks = [s["hook"] for s in run["steps"]]
+    assert all(h["buckets"] >= 1 and sum(h["paths"].values()) == h["buckets"] for h in hooks)
+    assert hooks[0]["paths"] == {"native": hooks[0]["buckets"]}     # path="auto"'s first step
+
+
+def test_lm_bench_alternates_configurations_in_one_job(tmp_path):
+    """mpi_examples/lm_bench.py (tiny, CPU): every configuration at every
+    bucket cap, in rounds; steps, compute probes, exposed communication and
+    the ratios to plain DDP and the BF16 hook in the table and the JSON."""
+    pytest.importorskip("transformers")
+    out_json = tmp_path / "bench.json"
+    out = _run(torchrun(2, EXAMPLES / "lm_bench.py", "--tiny", "--rounds", "2", "--steps", "2",
+                        "--bucket-caps", "default,0.01", "--min-probes", "4", "--no-progress",
+                        "--json", out_json), "lm_bench.py", defaults=True)
+    res = json.loads(out_json.read_text())
+    rows = res["rows"]
+    assert [(r["config"], r["bucket_cap_mb"]) for r in rows] == [
+        (c, cap) for cap in (None, 0.01) for c in ("fp32", "bf16", "ours")]
+    assert len(res["probes_ms"]) >= 4
+    for r in rows:
+        assert len(r["steps_ms"]) == 4 and r["step_ms"] > 0
+        assert r["exposed_ms"] == pytest.approx(r["step_ms"] - r["compute_ms"])
+        assert r["step_vs_bf16"] == pytest.approx(
+            r["step_ms"] / next(x["step_ms"] for x in rows if x["config"] == "bf16"
+                                and x["bucket_cap_mb"] == r["bucket_cap_mb"]))
+    ours = [r for r in rows if r["config"] == "ours"]
+    assert all(list(r["paths"]) == ["step"] for r in ours)
+    assert all(h["buckets"] >= 1 for r in ours for h in r["hook"])
+    assert "exposed vs bf16" in out and "ours" in out

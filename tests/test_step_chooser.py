@@ -1,0 +1,82 @@
+"""The whole-step path choice (call/paths.StepChooser) on a fake control
+plane: its schedule is a function of the step alone, every option is timed
+in every round, periods are taken between the two steps of one option, and
+the most exact option within the margin of the fastest is kept."""
+import numpy as np
+import pytest
+
+from dynamiq_mpi.call.paths import StepChooser
+
+OPTIONS = ("plain", "native", "compressed")
+
+
+class MaxPlane:
+    """A control plane whose other ranks report ``others`` (per option)."""
+
+    def __init__(self, others=None):
+        self.others, self.calls = others, 0
+
+    def allreduce_max(self, mine, out):
+        self.calls += 1
+        out[...] = mine if self.others is None else np.maximum(mine, self.others)
+
+
+def run(chooser, cost, start=0):
+    """Feed steps whose end marks advance by ``cost[option]`` seconds."""
+    clock, step, seen = 0.0, start, []
+    while chooser.choice is None:
+        option, measuring = chooser.option(step)
+        assert measuring
+        seen.append(option)
+        clock += cost[option] + 1e-3 * (step % 3)       # a little noise
+        chooser.step_ended(step, clock)
+        step += 1
+    return seen, step
+
+
+def test_schedule_times_every_option_each_round_then_keeps_the_fastest():
+    plane = MaxPlane()
+    chooser = StepChooser(plane, OPTIONS, lambda a, b: b - a, rounds=3, first="native")
+    seen, end = run(chooser, {"plain": 0.30, "native": 0.20, "compressed": 0.10}, start=7)
+    assert len(seen) == 1 + 3 + 2 * 3 * 3 == end - 7
+    assert seen[0] == "native" and seen[1:4] == list(OPTIONS)
+    rounds = [seen[4 + 6 * r:4 + 6 * (r + 1)] for r in range(3)]
+    for r, got in enumerate(rounds):
+        order = OPTIONS[r:] + OPTIONS[:r]
+        assert got == [o for o in order for _ in range(2)]
+    assert chooser.choice == "compressed" and plane.calls == 1
+    assert chooser.medians["compressed"] == pytest.approx(0.101, abs=2e-3)
+    assert chooser.option(end + 100) == ("compressed", False)
+    (key, (choice, why)), = chooser.decisions().items()
+    assert key == "step" and choice == "compressed" and "whole steps" in why
+
+
+@pytest.mark.parametrize("cost,want", [
+    ({"plain": 0.100, "native": 0.099, "compressed": 0.098}, "plain"),    # within 3 %: exact
+    ({"plain": 0.120, "native": 0.100, "compressed": 0.099}, "native"),
+    ({"plain": 0.120, "native": 0.110, "compressed": 0.100}, "compressed"),
+])
+def test_the_most_exact_option_within_the_margin_wins(cost, want):
+    chooser = StepChooser(MaxPlane(), OPTIONS, lambda a, b: b - a, rounds=2)
+    run(chooser, cost)
+    assert chooser.choice == want
+
+
+def test_the_slowest_rank_decides():
+    """Another rank measured compressed steps far slower: every rank keeps
+    what the slowest rank's times say."""
+    plane = MaxPlane(others=np.array([0.3, 0.2, 0.5]))
+    chooser = StepChooser(plane, OPTIONS, lambda a, b: b - a, rounds=1)
+    run(chooser, {"plain": 0.30, "native": 0.20, "compressed": 0.10})
+    assert chooser.choice == "native"
+    assert chooser.medians == pytest.approx({"plain": 0.3, "native": 0.2, "compressed": 0.5},
+                                            abs=3e-3)
+
+
+def test_steps_outside_the_schedule_and_bad_rounds():
+    chooser = StepChooser(MaxPlane(), OPTIONS, lambda a, b: b - a, rounds=1)
+    chooser.option(5)
+    with pytest.raises(RuntimeError, match="outside the schedule"):
+        chooser.option(4)
+    with pytest.raises(ValueError, match="rounds"):
+        StepChooser(MaxPlane(), OPTIONS, lambda a, b: b - a, rounds=0)
