@@ -347,6 +347,9 @@ def _summarise(configs, probes, args, world, n_params) -> dict:
             "steps_ms": c.step_ms, "update_ms": update, "hook": c.hook,
             "paths": ({str(k): list(v) for k, v in c.state.path_decisions().items()}
                       if hasattr(c.state, "path_decisions") else {}),
+            "auto_step_periods_ms": ({k: [t * 1e3 for t in v]
+                                      for k, v in c.state.step_periods().items()}
+                                     if hasattr(c.state, "step_periods") else {}),
         })
     for row in rows:
         same = {r["config"]: r for r in rows if r["bucket_cap_mb"] == row["bucket_cap_mb"]}

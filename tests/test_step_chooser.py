@@ -38,9 +38,9 @@ def test_schedule_times_every_option_each_round_then_keeps_the_fastest():
     plane = MaxPlane()
     chooser = StepChooser(plane, OPTIONS, lambda a, b: b - a, rounds=3, first="native")
     seen, end = run(chooser, {"plain": 0.30, "native": 0.20, "compressed": 0.10}, start=7)
-    assert len(seen) == 1 + 3 + 2 * 3 * 3 == end - 7
-    assert seen[0] == "native" and seen[1:4] == list(OPTIONS)
-    rounds = [seen[4 + 6 * r:4 + 6 * (r + 1)] for r in range(3)]
+    assert len(seen) == 1 + 3 * 2 + 2 * 3 * 3 == end - 7
+    assert seen[0] == "native" and seen[1:7] == [o for o in OPTIONS for _ in range(2)]
+    rounds = [seen[7 + 6 * r:7 + 6 * (r + 1)] for r in range(3)]
     for r, got in enumerate(rounds):
         order = OPTIONS[r:] + OPTIONS[:r]
         assert got == [o for o in order for _ in range(2)]

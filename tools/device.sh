@@ -19,7 +19,7 @@
 # four GPUs, one host (tools/device/nodes.sh):
 #   tests4 hier sockets4 flat4 torch4 ddp4
 # the real-model benchmark, 2 or 4 GPUs (tools/device/lm_bench.sh):
-#   lm-tests lm-ddp-sockets lm-ddp-nvlink lm-fsdp-sockets lm-fsdp-nvlink lm-fuse lm-profile
+#   lm-tests lm-ddp-sockets lm-ddp-nvlink lm-ddp-nvlink25 lm-fsdp-sockets lm-fsdp-nvlink lm-fuse lm-profile
 # training (tools/device/train.sh):
 #   train         mpi_examples/train_lm.py, BF16 against DynamiQ (STEPS, SEEDS_*, CODECS_DQ, TRAIN_ARGS)
 #   train-sim     simulated ranks on one GPU (tools/device/train_sim.sh: RUNS, HOST_RUNS, STATE, DEADLINE)
@@ -44,7 +44,7 @@ family_of() {
     suites) echo suites ;;
     tests|profile|ncu|timeline|nvlink|shm|sockets|probe|tune|hostid|lanes|mx|agprobe|pairab|sockset|shm1|chunks|p2p|ab|paths|ddp|fsdp|defaults) echo links ;;
     tests4|hier|sockets4|flat4|torch4|ddp4) echo nodes ;;
-    lm-tests|lm-ddp-sockets|lm-ddp-nvlink|lm-fsdp-sockets|lm-fsdp-nvlink|lm-fuse|lm-profile) echo lm_bench ;;
+    lm-tests|lm-ddp-sockets|lm-ddp-nvlink|lm-ddp-nvlink25|lm-fsdp-sockets|lm-fsdp-nvlink|lm-fuse|lm-profile) echo lm_bench ;;
     train) echo train ;;
     train-sim) echo train_sim ;;
     mpi-cuda-build|mpi-cuda-ext|mpi-cuda-probe|mpi-cuda-tests|mpi-cuda-bench) echo mpi_cuda ;;

@@ -144,6 +144,7 @@ class PathChooser:
 
 # ----------------------------------------------------------------- whole steps
 STEP_ROUNDS = 3         # A/B rounds of the whole-step choice
+STEP_WARMUP = 2         # untimed steps of each option before the rounds
 STEP_MARGIN = 1.03      # a less exact option must be at least 3 % faster
 
 
@@ -155,8 +156,8 @@ class StepChooser:
     overlapped with the backward pass, its exposed tail, the compute between).
 
     The schedule is a pure function of the step index, so every rank runs the
-    same option at every step: step 0 (before DDP's bucket rebuild) and one
-    warm-up step of each option are not timed; then ``rounds`` rounds, each
+    same option at every step: step 0 (before DDP's bucket rebuild) and
+    ``warmup`` steps of each option are not timed; then ``rounds`` rounds, each
     timing every option once, the order rotated round by round (a drifting
     link touches every option alike).  After the last timed step the ranks
     agree on the slowest rank's median period of each option (one small
@@ -170,13 +171,14 @@ class StepChooser:
     """
 
     def __init__(self, plane, options, elapsed, rounds: int = STEP_ROUNDS,
-                 margin: float = STEP_MARGIN, first: str | None = None):
+                 margin: float = STEP_MARGIN, first: str | None = None,
+                 warmup: int = STEP_WARMUP):
         self.plane, self.options, self.elapsed = plane, tuple(options), elapsed
         self.margin = float(margin)
         if rounds < 1:
             raise ValueError(f"StepChooser: rounds must be >= 1, got {rounds}")
         first = first or self.options[0]
-        schedule = [(first, False)] + [(o, False) for o in self.options]
+        schedule = [(first, False)] + [(o, False) for o in self.options for _ in range(warmup)]
         for r in range(int(rounds)):
             k = r % len(self.options)
             for o in self.options[k:] + self.options[:k]:
@@ -186,6 +188,7 @@ class StepChooser:
         self.choice = None
         self.why = ""
         self.medians = {}           # option -> the slowest rank's median period (s)
+        self.periods = {}           # option -> this rank's periods (s), in schedule order
         self._marks = {}            # schedule index -> the mark at the end of that step
 
     def option(self, step: int) -> tuple:
@@ -218,6 +221,7 @@ class StepChooser:
         for i, (o, timed) in enumerate(self.schedule):
             if timed:
                 periods[o].append(self.elapsed(self._marks[i - 1], self._marks[i]))
+        self.periods = periods
         mine = np.array([statistics.median(periods[o]) for o in self.options], dtype=np.float64)
         worst = np.empty_like(mine)
         self.plane.allreduce_max(mine, worst)

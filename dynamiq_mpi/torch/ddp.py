@@ -119,7 +119,7 @@ class HookState:
     ``fuse_mb`` (default 256): the compressed path reduces consecutive DDP
     buckets in one call once they hold this many MiB (0: every bucket alone);
     ``auto_rounds``: the A/B rounds of ``path="auto"`` (each round times one
-    step of each path; 1 + 3 + 6 x rounds steps in all before the choice).
+    step of each path; 7 + 6 x rounds steps in all before the choice).
 
     ``overlap`` (default: for CUDA buckets): the DDP hook hands compressed
     calls to a worker thread and returns the futures at once, so the
@@ -360,6 +360,11 @@ class HookState:
     def auto_steps(self) -> int:
         """DDP steps before ``path="auto"`` has chosen (0 for other paths)."""
         return auto_steps(self.auto_rounds) if self.path == "auto" else 0
+
+    def step_periods(self) -> dict:
+        """``path="auto"``'s measured step periods (seconds) of each path, on
+        this rank (the choice uses the slowest rank's medians)."""
+        return self._buckets.step_periods()
 
     def path_decisions(self) -> dict:
         """The decided paths: {key: (path, why)} (the DDP hook's whole-step

@@ -37,7 +37,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..call.paths import STEP_ROUNDS, StepChooser
+from ..call.paths import STEP_ROUNDS, STEP_WARMUP, StepChooser
 from .groups import _native_group
 from .overlap import BucketWorker, complete, new_future
 
@@ -47,9 +47,9 @@ DEFAULT_FUSE_MB = 256.0
 
 
 def auto_steps(rounds: int) -> int:
-    """Steps ``path="auto"`` takes before its choice: step 0, a warm-up step
-    of each path, then two steps of each path a round."""
-    return 1 + len(STEP_OPTIONS) + 2 * len(STEP_OPTIONS) * int(rounds)
+    """Steps ``path="auto"`` takes before its choice: step 0, the warm-up
+    steps of each path, then two steps of each path a round."""
+    return 1 + len(STEP_OPTIONS) * (STEP_WARMUP + 2 * int(rounds))
 
 
 def _mark(device: torch.device):
@@ -244,6 +244,10 @@ class BucketRouter:
 
     def decisions(self) -> dict:
         return {} if self.chooser is None else self.chooser.decisions()
+
+    def step_periods(self) -> dict:
+        """This rank's measured step periods (seconds) of each path."""
+        return {} if self.chooser is None else dict(self.chooser.periods)
 
 
 __all__ = ["BucketRouter", "auto_steps", "HOOK_PATHS", "STEP_OPTIONS", "DEFAULT_FUSE_MB", "STEP_ROUNDS"]

@@ -9,12 +9,13 @@
 # lm-tests         the torch adapter's GPU suite at 2 ranks (one GPU each, NCCL)
 # lm-ddp-sockets   DDP over NCCL's socket transport (the README's settings), bucket
 #                  caps default/100/400: plain, torch's bf16_compress_hook, ours
-# lm-ddp-nvlink    the same over NVLink
+# lm-ddp-nvlink    the same over NVLink (lm-ddp-nvlink25: DDP's default buckets only)
 # lm-fsdp-sockets  FSDP2, BF16 parameters: reduce fp32, reduce bf16, ours
 # lm-fsdp-nvlink   the same over NVLink
 # lm-fuse          ours at fused groups of 64, 256 (default) and 1024 MB, DDP's default
 #                  buckets, sockets, against the BF16 hook
-# lm-profile       one steady step of each DDP configuration under torch.profiler (sockets)
+# lm-profile       one steady step of each DDP configuration under torch.profiler (sockets,
+#                  DDP's default buckets)
 # Knobs: NP (default: every GPU), LM_ARGS (more lm_bench.py options), LM_TIMEOUT=280.
 # The extension is built unless it imports (carry dynamiq_mpi/*.cpython-312*.so).
 set -uo pipefail
@@ -47,9 +48,11 @@ if has lm-tests; then
 fi
 has lm-ddp-sockets && bench ddp_sockets "$SOCKETS $TUNED"
 has lm-ddp-nvlink && bench ddp_nvlink ""
+has lm-ddp-nvlink25 && bench ddp_nvlink25 "" --bucket-caps default
 has lm-fsdp-sockets && bench fsdp_sockets "$SOCKETS $TUNED" --fsdp
 has lm-fsdp-nvlink && bench fsdp_nvlink "" --fsdp
 has lm-fuse && bench fuse_sockets "$SOCKETS $TUNED" --bucket-caps default \
   --configs bf16,ours:64,ours,ours:1024 --rounds 2
-has lm-profile && bench profile_sockets "$SOCKETS $TUNED" --rounds 1 --steps 2 --profile
+has lm-profile && bench profile_sockets "$SOCKETS $TUNED" --rounds 1 --steps 2 --profile \
+  --bucket-caps default
 exit 0
