@@ -37,6 +37,7 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import sys
 import time
@@ -279,7 +280,7 @@ def _kind(name: str) -> str:
     low = name.lower()
     if "nccl" in low:
         return "nccl"
-    if name.startswith("k_") or "dynamiq" in low:
+    if re.search(r"\bk_[a-z0-9_]+", name):        # the codec's kernels (src_cuda/)
         return "codec"
     if "copy" in low or "memcpy" in low or "cat" in low.split("_") or "to_copy" in low:
         return "copy"

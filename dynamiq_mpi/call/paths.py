@@ -144,7 +144,7 @@ class PathChooser:
 
 # ----------------------------------------------------------------- whole steps
 STEP_ROUNDS = 3         # A/B rounds of the whole-step choice
-STEP_WARMUP = 2         # untimed steps of each option before the rounds
+STEP_WARMUP = 1         # untimed rounds before the timed ones
 STEP_MARGIN = 1.03      # a less exact option must be at least 3 % faster
 
 
@@ -156,14 +156,18 @@ class StepChooser:
     overlapped with the backward pass, its exposed tail, the compute between).
 
     The schedule is a pure function of the step index, so every rank runs the
-    same option at every step: step 0 (before DDP's bucket rebuild) and
-    ``warmup`` steps of each option are not timed; then ``rounds`` rounds, each
-    timing every option once, the order rotated round by round (a drifting
-    link touches every option alike).  After the last timed step the ranks
-    agree on the slowest rank's median period of each option (one small
+    same option at every step: step 0 (before DDP's bucket rebuild), then
+    ``warmup`` untimed rounds and ``rounds`` timed ones; a round runs two
+    steps of every option, the order rotated round by round (a drifting link
+    touches every option alike).  After the last timed step the ranks agree
+    on the slowest rank's shortest period of each option (one small
     all-reduce on the control plane), and the choice is kept: the most exact
-    option (``options`` is ordered most exact first) whose period is within
-    ``margin`` of the fastest.
+    option (``options`` is ordered most exact first) within ``margin`` of
+    the fastest.  The shortest, not the median: what slows a step (the
+    caching allocator meeting the other options' buffers for the first
+    times, a busy host, a drifting link) only adds time, and it was measured
+    to last two rounds after the switch to DDP's rebuilt buckets (NVLink,
+    2x H200: plain 138, 138, 118 ms against 115 ms steady).
 
     ``elapsed(mark_a, mark_b)`` gives the seconds between two marks the caller
     made at the end of steps (CUDA events or host clocks); it is called only
@@ -178,16 +182,16 @@ class StepChooser:
         if rounds < 1:
             raise ValueError(f"StepChooser: rounds must be >= 1, got {rounds}")
         first = first or self.options[0]
-        schedule = [(first, False)] + [(o, False) for o in self.options for _ in range(warmup)]
-        for r in range(int(rounds)):
+        schedule = [(first, False)]
+        for r in range(int(warmup) + int(rounds)):
             k = r % len(self.options)
             for o in self.options[k:] + self.options[:k]:
-                schedule += [(o, False), (o, True)]
+                schedule += [(o, False), (o, r >= warmup)]
         self.schedule = schedule
         self.start = None           # the step index of the schedule's first step
         self.choice = None
         self.why = ""
-        self.medians = {}           # option -> the slowest rank's median period (s)
+        self.shortest = {}           # option -> the slowest rank's shortest period (s)
         self.periods = {}           # option -> this rank's periods (s), in schedule order
         self._marks = {}            # schedule index -> the mark at the end of that step
 
@@ -222,16 +226,16 @@ class StepChooser:
             if timed:
                 periods[o].append(self.elapsed(self._marks[i - 1], self._marks[i]))
         self.periods = periods
-        mine = np.array([statistics.median(periods[o]) for o in self.options], dtype=np.float64)
+        mine = np.array([min(periods[o]) for o in self.options], dtype=np.float64)
         worst = np.empty_like(mine)
         self.plane.allreduce_max(mine, worst)
-        self.medians = {o: float(t) for o, t in zip(self.options, worst)}
-        fastest = min(self.medians.values())
-        self.choice = next(o for o in self.options if self.medians[o] <= fastest * self.margin)
+        self.shortest = {o: float(t) for o, t in zip(self.options, worst)}
+        fastest = min(self.shortest.values())
+        self.choice = next(o for o in self.options if self.shortest[o] <= fastest * self.margin)
         rounds = len(periods[self.options[0]])
-        times = ", ".join(f"{o} {self.medians[o] * 1e3:.1f} ms" for o in self.options)
-        self.why = (f"auto: whole steps, {times} (slowest rank, median of {rounds}); the most "
-                    f"exact within {(self.margin - 1) * 100:.0f} % of the fastest")
+        times = ", ".join(f"{o} {self.shortest[o] * 1e3:.1f} ms" for o in self.options)
+        self.why = (f"auto: whole steps, {times} (slowest rank, shortest of {rounds}); the "
+                    f"most exact within {(self.margin - 1) * 100:.0f} % of the fastest")
         self._marks.clear()
 
     def decisions(self) -> dict:

@@ -119,7 +119,8 @@ class HookState:
     ``fuse_mb`` (default 256): the compressed path reduces consecutive DDP
     buckets in one call once they hold this many MiB (0: every bucket alone);
     ``auto_rounds``: the A/B rounds of ``path="auto"`` (each round times one
-    step of each path; 7 + 6 x rounds steps in all before the choice).
+    step of each path after a warm-up round: 7 + 6 x rounds steps in all
+    before the choice).
 
     ``overlap`` (default: for CUDA buckets): the DDP hook hands compressed
     calls to a worker thread and returns the futures at once, so the

@@ -47,9 +47,9 @@ DEFAULT_FUSE_MB = 256.0
 
 
 def auto_steps(rounds: int) -> int:
-    """Steps ``path="auto"`` takes before its choice: step 0, the warm-up
-    steps of each path, then two steps of each path a round."""
-    return 1 + len(STEP_OPTIONS) * (STEP_WARMUP + 2 * int(rounds))
+    """Steps ``path="auto"`` takes before its choice: step 0, then two steps
+    of each path a round, warm-up rounds included."""
+    return 1 + 2 * len(STEP_OPTIONS) * (STEP_WARMUP + int(rounds))
 
 
 def _mark(device: torch.device):

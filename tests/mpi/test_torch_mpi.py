@@ -392,7 +392,7 @@ def test_hook_native_path_is_torchs_bf16_hook():
 
 
 def _auto_schedule_steps(rounds):
-    return 1 + 3 * 2 + 2 * 3 * rounds
+    return 1 + 2 * 3 * (1 + rounds)
 
 
 @pytest.mark.mpi(min_size=2)
