@@ -303,7 +303,7 @@ def main(argv=None):
                              "update_ms": (t2 - t1) * 1e3, "measured": measure,
                              "hook": {k: stats[k] for k in ("calls", "buckets", "paths",
                                                             "bits_per_coord")}})
-        if not measure and stats["calls"]:
+        if not measure and stats["paths"].get("compressed"):   # timed calls: the collective's
             hook_ms.append(stats["comm_s"] * 1e3)
         if measure:
             run["vnmse"].append({"step": step, "vnmse": stats["vnmse"],
@@ -321,7 +321,8 @@ def main(argv=None):
 
     # Medians over the steps after the first 10 % (warm-up: allocations, NCCL
     # and kernel set-up), without the steps that measured the error.
-    skip = max(1, args.steps // 10, getattr(state, "auto_steps", 0))   # path="auto" measures first
+    ours_ddp = not args.fsdp and not isinstance(codec, str)
+    skip = max(1, args.steps // 10, state.auto_steps if ours_ddp else 0)  # path="auto" measures
     timed = [s for s in run["steps"][skip:] if not s["measured"]]
     med = (lambda xs: statistics.median(xs) if xs else float("nan"))
     step_ms = med([s["step_ms"] for s in timed])

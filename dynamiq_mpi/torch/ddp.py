@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from .. import Collective, DynamiQ, InputMismatchError
+from .. import Collective, DynamiQ, Exact, InputMismatchError
 from ..control import as_plane, is_torch_group
 from ..settings import env_choice
 from .ddp_buckets import DEFAULT_FUSE_MB, HOOK_PATHS, STEP_ROUNDS, BucketRouter, auto_steps
@@ -142,8 +142,8 @@ class HookState:
         self.transport = transport
         self.topology = topology
         self.path = env_choice(path, "DYNAMIQ_PATH", HOOK_PATHS, "path")
-        if not fuse_mb >= 0:
-            raise ValueError(f"fuse_mb must be >= 0 (MiB), got {fuse_mb!r}")
+        if not 0 <= fuse_mb < float("inf"):
+            raise ValueError(f"fuse_mb must be a finite number >= 0 (MiB), got {fuse_mb!r}")
         self.fuse_mb = float(fuse_mb)
         if int(auto_rounds) < 1:
             raise ValueError(f"auto_rounds must be >= 1, got {auto_rounds!r}")
@@ -197,6 +197,8 @@ class HookState:
         self.settle()
         state = {k: getattr(self, k) for k in self._PICKLED}
         state["counter"] = self.counter
+        # path="auto"'s choice: a resumed run goes on with it, as one never stopped
+        state["auto_choice"] = self._buckets.decisions().get("step")
         return state
 
     def __setstate__(self, state):
@@ -209,6 +211,8 @@ class HookState:
             setattr(self, k, state[k])
         self._counter = int(state["counter"])
         self._init_runtime(None)
+        if state.get("auto_choice"):
+            self._buckets.decided = tuple(state["auto_choice"])
 
     # -- communicator and collective
     @property
@@ -313,24 +317,29 @@ class HookState:
                 self._path_counts[path] = self._path_counts.get(path, 0) + buckets
 
     def _reduce_array(self, coll, arr, path=None):
-        """Mean over the ranks written into ``arr`` itself; the Report or None."""
-        res = coll.allreduce(arr, codec=self.codec, topology=self.topology, op="mean",
+        """Mean over the ranks written into ``arr`` itself; the Report or None.
+        "plain" through the collective is its uncompressed float32 ring."""
+        path = self.path if path is None else path
+        codec = self.codec
+        if path == "plain":
+            codec, path = Exact(), "compressed"
+        res = coll.allreduce(arr, codec=codec, topology=self.topology, op="mean",
                              seed=self.seed, out=arr, return_report=self.reports,
-                             path=self.path if path is None else path,
-                             nonfinite=self.nonfinite)
+                             path=path, nonfinite=self.nonfinite)
         res, report = res if self.reports else (res, None)
         if res is not arr:          # the contract returns ``out``; be safe if not
             arr[...] = res
         return report
 
     # -- the DDP hook's buckets (ddp_buckets.py)
-    def bucket_future(self, buf: torch.Tensor, last: bool = True) -> torch.futures.Future:
-        """The mean of ``buf`` over the ranks, as DDP wants it from a hook;
-        ``last``: DDP's last bucket of the step (``bucket.is_last()``).
+    def bucket_future(self, buf: torch.Tensor, last: bool | None = None) -> torch.futures.Future:
+        """The mean of ``buf`` over the ranks, as DDP wants it from a hook.
 
-        The future may still be pending when returned: compressed buckets
-        are fused with the next ones, and run on the worker thread.  A
-        bucket given alone (``last=True``) starts at once.
+        ``last``: from a DDP hook, ``bucket.is_last()`` (called inside the
+        backward pass): the future may then still be pending when returned,
+        compressed buckets being fused with the next ones.  None: a bucket
+        alone, outside DDP's steps: it starts at once (on the worker thread
+        for CUDA) and ends no step.
         """
         return self._buckets.bucket(buf, last)
 
@@ -359,8 +368,12 @@ class HookState:
 
     @property
     def auto_steps(self) -> int:
-        """DDP steps before ``path="auto"`` has chosen (0 for other paths)."""
-        return auto_steps(self.auto_rounds) if self.path == "auto" else 0
+        """DDP steps before ``path="auto"`` has chosen (0 for other paths,
+        for codecs that always run compressed, and once chosen or restored)."""
+        if (self.path != "auto" or not getattr(self.codec, "auto_path", False)
+                or self._buckets.decided is not None):
+            return 0
+        return auto_steps(self.auto_rounds)
 
     def step_periods(self) -> dict:
         """``path="auto"``'s measured step periods (seconds) of each path, on

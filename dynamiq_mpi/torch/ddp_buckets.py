@@ -73,9 +73,11 @@ class BucketRouter:
     """The DDP side of one :class:`~dynamiq_mpi.torch.HookState`: the step's
     path, the open fused group, the fused buffers and the worker threads."""
 
-    def __init__(self, state):
+    def __init__(self, state, decided=None):
         self.state = state
         self.chooser = None         # StepChooser of path="auto" (made on first use)
+        self.decided = decided      # (path, why) of path="auto" restored from a checkpoint
+        self._in_step = False       # a step's buckets have begun (its end not yet seen)
         self._chooser_plane = None  # its own control plane: the worker uses the collective's
         self._group_info = None     # (torch.distributed spans the same ranks, its group)
         self._pg = None             # (its ProcessGroup, is NCCL)
@@ -87,39 +89,81 @@ class BucketRouter:
         self._threads_ok = None     # the control plane takes calls from a worker (asked once)
 
     # -- one bucket
-    def bucket(self, buf: torch.Tensor, last: bool) -> torch.futures.Future:
-        """The future of ``buf``'s mean over the ranks; ``last``: the step's
-        last bucket (the open group starts, the step ends)."""
-        st = self.state
-        path = self._path(buf)
-        if path in ("plain", "native"):
+    def bucket(self, buf: torch.Tensor, last) -> torch.futures.Future:
+        """The future of ``buf``'s mean over the ranks.  ``last``: whether it
+        is DDP's last bucket of the step (the open group starts, the step
+        ends); None: a bucket given alone, outside DDP's steps (it starts at
+        once and ends no step)."""
+        if last is None:
+            route, path = self._route(buf, alone=True)
+            if route == "group":
+                return self._group_all_reduce(buf, path)
+            fut = self._add(buf, path)
+            self._flush()
+            return fut
+        if not self._in_step:
+            self._in_step = True
+            # DDP skips the hook for a bucket of unused parameters when asked to
+            # (skip_all_reduce_unused_params): the step then ends with the
+            # backward pass, before DDP's own end-of-backward callback waits.
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._end_step(buf.device))
+        route, path = self._route(buf)
+        if route == "group":
             fut = self._group_all_reduce(buf, path)
         else:
-            fut = self._add(buf, path, last)
+            fut = self._add(buf, path)
         if last:
-            self._flush()
-            if self.chooser is not None and self.chooser.choice is None:
-                self.chooser.step_ended(st.iteration, _mark(buf.device))
-            st.iteration += 1
+            self._end_step(buf.device)
         return fut
 
-    def _path(self, buf) -> str:
-        """"plain", "native", or the collective's path for a compressed group
-        ("compressed", or the collective's own choice without a torch group)."""
+    def _end_step(self, device):
+        """Start the open group and end the step (once: at the last bucket,
+        or when the backward pass ends without it)."""
+        if not self._in_step:
+            return
+        self._in_step = False
+        self._flush()
+        st = self.state
+        if self.chooser is not None and self.chooser.choice is None:
+            self.chooser.step_ended(st.iteration, _mark(device))
+        st.iteration += 1
+
+    def _route(self, buf, alone=False) -> tuple:
+        """("group", "plain" or "native"): the torch group's own all-reduce;
+        ("fused", the collective's path): a fused group of collective calls
+        ("compressed"; without a torch group over the same ranks, the
+        collective's own choice, "plain" there meaning float32 through it)."""
         st = self.state
         if self._group_info is None:    # asked once: the group does not change under DDP
             self._group_info = _native_group(st.comm)
         if not (buf.device.type in ("cpu", "cuda") and self._group_info[0]):
-            return "native" if st.path == "plain" else st.path   # the collective decides
+            return "fused", st.path
+        path = self._path(alone)
+        return ("group" if path in ("plain", "native") else "fused"), path
+
+    def _path(self, alone=False) -> str:
+        """The step's path over a torch group: "plain", "native" or "compressed"
+        (a bucket given alone outside DDP's steps: "compressed" under "auto"
+        until the steps have chosen)."""
+        st = self.state
         if st.path != "auto":
             return st.path
         if not getattr(st.codec, "auto_path", False):
             return "compressed"         # codecs that always run compressed
+        if self.decided is not None:
+            return self.decided[0]
+        if alone:
+            return self.chooser.choice if self.chooser and self.chooser.choice else "compressed"
         if self.chooser is None:
             self._chooser_plane = st.plane.dup()
+            self._chooser_plane.barrier()   # made now, on every rank, not inside a decision
             self.chooser = StepChooser(self._chooser_plane, STEP_OPTIONS, _elapsed,
                                        rounds=st.auto_rounds, first="native")
-        return self.chooser.option(st.iteration)[0]
+        path = self.chooser.option(st.iteration)[0]
+        if self.chooser.choice is not None and self.chooser.choice != "compressed":
+            self._fused.clear()         # the fused buffers are not needed again
+        return path
 
     # -- plain and native: the group's own all-reduce, returned at once
     def _process_group(self):
@@ -140,7 +184,7 @@ class BucketRouter:
                 and buf.dtype in (torch.float32, torch.float64):
             wire = buf.to(torch.bfloat16).div_(st.plane.size)   # as bf16_compress_hook does
             opts.reduceOp = dist.ReduceOp.SUM
-        elif nccl:
+        elif nccl and st.plane.size > 1:
             wire = buf                  # NCCL averages: no division kernel
             opts.reduceOp = dist.ReduceOp.AVG
         else:
@@ -163,7 +207,7 @@ class BucketRouter:
         return fut
 
     # -- compressed: fused groups of consecutive buckets
-    def _add(self, buf, path, last):
+    def _add(self, buf, path):
         key = (buf.device, buf.dtype, path)
         cap = self._cap(buf)
         if self._open and (key != self._open_key or buf.numel() >= cap):
@@ -216,6 +260,8 @@ class BucketRouter:
             self._fused[key] = fused = None     # the old one back to the allocator first
             self._fused[key] = fused = torch.empty(n, dtype=bufs[0].dtype,
                                                    device=bufs[0].device)
+        if fused.is_cuda:       # it may have been made on another stream (an inline group)
+            fused.record_stream(torch.cuda.current_stream(fused.device))
         flat = fused[:n]
         torch.cat([b.reshape(-1) for b in bufs], out=flat)
         st._allreduce_now(flat, path, buckets=len(bufs))
@@ -260,6 +306,8 @@ class BucketRouter:
             worker.close()
 
     def decisions(self) -> dict:
+        if self.decided is not None:
+            return {"step": tuple(self.decided)}
         return {} if self.chooser is None else self.chooser.decisions()
 
     def step_periods(self) -> dict:

@@ -103,6 +103,12 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
                            reports=reports, timing=timing, path=path, nonfinite=nonfinite,
                            process_group=process_group)
 
+    @property
+    def auto_steps(self) -> int:
+        """0: the reduce-scatter's ``path="auto"`` decides per size class,
+        within its first calls, not by whole steps."""
+        return 0
+
     # -- FSDP's interface
     def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)

@@ -585,3 +585,71 @@ def test_ddp_bench_tiny_runs_in_this_job():
                       "--warmup", "2", "--modes", ",".join(mod.EXTRA_MODES)])
     assert [r["mode"] for r in extra] == list(mod.EXTRA_MODES)
     assert all(r["step_ms"] > 0 and np.isfinite(r["loss"]) for r in extra)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-hook", "overlapped"])
+def test_a_skipped_last_bucket_still_ends_the_step(overlap):
+    """DDP(skip_all_reduce_unused_params=True) never hands over a bucket of
+    unused parameters: when that is the last bucket the open fused group
+    starts, and the step ends, with the backward pass (no hang)."""
+    import inspect
+    if "skip_all_reduce_unused_params" not in inspect.signature(DDP).parameters:
+        pytest.skip("this torch's DDP has no skip_all_reduce_unused_params")
+
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.unused = nn.Linear(4, 4)         # registered first: the last bucket at step 0
+            self.net = make_net()
+
+        def forward(self, x):
+            return self.net(x)
+
+    torch.manual_seed(0)
+    model = DDP(Unused(), find_unused_parameters=True, skip_all_reduce_unused_params=True)
+    state = dqt.HookState(codec=dynamiq5(), path="compressed", overlap=overlap)
+    dqt.register_comm_hook(model, state)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for step in range(3):
+        opt.zero_grad()
+        loss_of(model, *batch(step)).backward()
+        opt.step()
+    assert state.iteration == 3
+    assert_same_on_every_rank(list(model.parameters()), "parameters with a skipped bucket")
+    state.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_resumed_state_keeps_the_auto_choice():
+    """path="auto"'s choice travels with the checkpoint: the resumed hook
+    runs the chosen path from its first step, measuring nothing again."""
+    state = dqt.HookState(codec=dynamiq5(), path="auto", auto_rounds=1)
+    _train_steps(state, steps=_auto_schedule_steps(1))
+    (choice, why), = state.path_decisions().values()
+    restored = pickle.loads(pickle.dumps(state))
+    assert restored.auto_steps == 0 and restored.path_decisions() == {"step": (choice, why)}
+    model = DDP(make_net(), bucket_cap_mb=0.004)
+    dqt.register_comm_hook(model, restored)
+    loss_of(model, *batch(0)).backward()
+    assert list(restored.pop_stats()["paths"]) == [choice]
+    state.close()
+    restored.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_plain_path_outside_ddp_and_bad_fuse_mb():
+    """allreduce_gradients with path="plain": the collective's uncompressed
+    float32 ring (the float64 mean to float32 rounding); a bucket given
+    alone ends no step; fuse_mb must be finite."""
+    state = dqt.HookState(codec=dynamiq5(), path="plain")
+    t = torch.randn(5000, generator=torch.Generator().manual_seed(comm.rank))
+    want = np.mean(comm.allgather(t.double().numpy()), axis=0)
+    state.allreduce_(t)
+    np.testing.assert_allclose(t.numpy(), want, rtol=1e-5, atol=1e-6)
+    alone = dqt.HookState(codec=dynamiq5(), path="auto")
+    alone.bucket_future(torch.ones(4096)).wait()
+    assert alone.iteration == 0 and alone.path_decisions() == {}
+    alone.close()
+    with pytest.raises(ValueError, match="fuse_mb"):
+        dqt.HookState(fuse_mb=float("inf"))
