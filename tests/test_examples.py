@@ -23,7 +23,7 @@ def test_torchrun_ddp_example_with_defaults():
     first steps); the ranks end identical."""
     out = _run(torchrun(2, EXAMPLES / "torchrun_ddp.py"), "torchrun_ddp.py", defaults=True)
     assert out.count("bits/coordinate") == 5, out
-    assert "native" in out and "compressed" in out
+    assert "native" in out and "plain" in out       # the first steps of the schedule
     assert "over the torch control plane" in out
     assert "parameters identical on every rank: True" in out
 
