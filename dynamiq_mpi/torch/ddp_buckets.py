@@ -106,8 +106,13 @@ class BucketRouter:
             # DDP skips the hook for a bucket of unused parameters when asked to
             # (skip_all_reduce_unused_params): the step then ends with the
             # backward pass, before DDP's own end-of-backward callback waits.
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._end_step(buf.device))
+            # (A hook called by hand, outside a backward pass, ends its step
+            # at its last bucket only.)
+            try:
+                torch.autograd.Variable._execution_engine.queue_callback(
+                    lambda: self._end_step(buf.device))
+            except RuntimeError:
+                pass
         route, path = self._route(buf)
         if route == "group":
             fut = self._group_all_reduce(buf, path)
