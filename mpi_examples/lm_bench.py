@@ -65,6 +65,8 @@ def parse_args(argv):
                    help="untimed steps a configuration a round (more in the first: the "
                         "library's path measurement)")
     p.add_argument("--min-probes", type=int, default=20, help="compute-only probes in all")
+    p.add_argument("--auto-rounds", type=int, default=None,
+                   help="our hook's timed rounds of path='auto' (default the library's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--profile", action="store_true",
@@ -248,6 +250,8 @@ def _ddp(model, cfg, args, device, dqt):
     codec = cfg.codec
     if codec == "ours" or codec.startswith("ours:"):
         kw = {"fuse_mb": float(codec[5:])} if codec.startswith("ours:") else {}
+        if args.auto_rounds is not None:
+            kw["auto_rounds"] = args.auto_rounds
         state = cfg.state or dqt.HookState(seed=args.seed, reports=False, **kw)
         ddp, state = train_lm.ddp_model(model, None, a, device, dqt, state=state,
                                         init_sync=False)

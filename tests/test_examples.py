@@ -96,7 +96,8 @@ def test_lm_bench_alternates_configurations_in_one_job(tmp_path):
     pytest.importorskip("transformers")
     out_json = tmp_path / "bench.json"
     out = _run(torchrun(2, EXAMPLES / "lm_bench.py", "--tiny", "--rounds", "2", "--steps", "2",
-                        "--bucket-caps", "default,0.01", "--min-probes", "4", "--no-progress",
+                        "--bucket-caps", "default,0.01", "--min-probes", "4", "--auto-rounds", "1",
+                        "--no-progress",
                         "--json", out_json), "lm_bench.py", defaults=True)
     res = json.loads(out_json.read_text())
     rows = res["rows"]
