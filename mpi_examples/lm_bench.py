@@ -122,7 +122,7 @@ def main(argv=None):
     import dynamiq_mpi as dq
     import dynamiq_mpi.torch as dqt
     from dynamiq_mpi.studies.corpus import load_corpus
-    from dynamiq_mpi.studies.workloads import build_model, lm_loss, rank_batch
+    from dynamiq_mpi.studies.workloads import build_model, rank_batch
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     owns_group = not dist.is_initialized()
@@ -149,17 +149,7 @@ def main(argv=None):
     def one_step(model, opt, cfg, timed):
         w = rank_batch(step_no[0], rank, world, data, args).to(device, non_blocking=True)
         step_no[0] += 1
-        sync()
-        t0 = time.perf_counter()
-        loss = lm_loss(model, w, device)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        sync()
-        t1 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sync()
-        t2 = time.perf_counter()
+        loss, t0, t1, t2 = train_lm.train_step(model, opt, w, device, torch, sync)
         stats = cfg.state.pop_stats() if cfg.state is not None else None
         if not math.isfinite(float(loss.detach())):
             raise FloatingPointError(f"{cfg.name}: loss {float(loss)}")
@@ -170,8 +160,18 @@ def main(argv=None):
                             {k: stats[k] for k in ("calls", "buckets", "paths", "bits_per_coord")})
         return w
 
+    def model_of(cfg):
+        """The configuration's model: its FSDP model, or a fresh DDP wrapper of
+        the shared model (the previous one's hooks gone with it)."""
+        if args.fsdp:
+            return cfg.model
+        shared_opt.zero_grad(set_to_none=True)
+        gc.collect()
+        model, cfg.state = _ddp(shared, cfg, args, device, dqt)
+        return model
+
     from dynamiq_mpi.torch.ddp_buckets import STEP_ROUNDS, auto_steps
-    first_warm = 8 if args.fsdp else auto_steps(STEP_ROUNDS)
+    first_warm = 8 if args.fsdp else auto_steps(args.auto_rounds or STEP_ROUNDS)
     total = (args.rounds * len(configs) * (args.steps + args.warmup)
              + first_warm * sum(c.codec not in ("fp32", "bf16") for c in configs))
     progress = train_lm._Progress(total, rank == 0, args.no_progress)
@@ -179,11 +179,7 @@ def main(argv=None):
     for r in range(args.rounds):
         order = configs[r % len(configs):] + configs[:r % len(configs)]
         for cfg in order:
-            model = cfg.model
-            if not args.fsdp:
-                shared_opt.zero_grad(set_to_none=True)
-                gc.collect()
-                model, cfg.state = _ddp(shared, cfg, args, device, dqt)
+            model = model_of(cfg)
             warm = args.warmup
             if r == 0 and cfg.codec not in ("fp32", "bf16"):
                 warm += getattr(cfg.state, "auto_steps", 0) or (8 if args.fsdp else 0)
@@ -192,25 +188,17 @@ def main(argv=None):
                 progress.update(step_no[0], f"round {r + 1}/{args.rounds} {cfg.name}")
             for _ in range(probes_each):
                 probes.append(train_lm._compute_probe(model, cfg.opt, w, device, torch, sync))
-            if not args.fsdp:
-                del model
-                cfg.model = None
+            del model
     progress.close()
     profiles = {}
     if args.profile:
         for cfg in configs:
-            model = cfg.model
-            if not args.fsdp:
-                shared_opt.zero_grad(set_to_none=True)
-                gc.collect()
-                model, cfg.state = _ddp(shared, cfg, args, device, dqt)
+            model = model_of(cfg)
             for _ in range(2):
                 one_step(model, cfg.opt, cfg, timed=False)
             profiles[cfg.name] = _profile(lambda: one_step(model, cfg.opt, cfg, timed=False),
                                           torch)
             del model
-            if not args.fsdp:
-                cfg.model = None
 
     # the slowest rank's time of every step, and of every probe
     times = torch.tensor([t for c in configs for t in c.step_ms] + probes, dtype=torch.float64)

@@ -184,6 +184,24 @@ def _no_sync(model):
         model.set_requires_gradient_sync(True)
 
 
+def train_step(model, opt, w, device, torch, sync):
+    """One training step on batch ``w`` (forward, backward with the gradient
+    reduction, clipping at 1.0, the optimiser), the device synchronised at
+    both ends and after the backward pass: (loss, t0, t1, t2) with t1 the
+    end of the backward pass."""
+    sync()
+    t0 = time.perf_counter()
+    loss = _loss(model, w, device, torch)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()                        # gradients reduced by DDP / FSDP / the hook
+    sync()
+    t1 = time.perf_counter()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sync()
+    return loss, t0, t1, time.perf_counter()
+
+
 def _compute_probe(ddp, opt, w, device, torch, sync):
     """Forward and backward of batch ``w`` again, under ``no_sync`` (no
     communication): the compute of a step, timed between steps so that it sees
@@ -282,17 +300,7 @@ def main(argv=None):
         measure = (codec != "fp32" and not (args.fsdp and isinstance(codec, str))
                    and (step % args.vnmse_every == 0 or step == args.steps - 1))
         state.measure_error = state.reports = measure   # both cost host syncs: logged steps only
-        sync()
-        t0 = time.perf_counter()
-        loss = _loss(ddp, w, device, torch)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()                        # gradients all-reduced by DDP / the hook
-        sync()
-        t1 = time.perf_counter()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-        opt.step()
-        sync()
-        t2 = time.perf_counter()
+        loss, t0, t1, t2 = train_step(ddp, opt, w, device, torch, sync)
         state.measure_error = state.reports = False
         stats = state.pop_stats()
         loss_v = float(loss.detach())
