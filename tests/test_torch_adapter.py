@@ -234,3 +234,15 @@ def test_plot_runs(train_lm, tmp_path):
     path.write_text(json.dumps({"runs": [run, dict(run, config=dict(run["config"], seed=1))]}))
     train_lm.plot_runs([str(path), run], str(tmp_path / "curves.png"))
     assert (tmp_path / "curves.png").stat().st_size > 1000
+
+
+def test_fused_groups_are_the_hooks_calls():
+    """dqt's fused_groups (the study tools' view of the rule) makes the groups
+    the hook makes: one compressed call per group, the same count."""
+    from dynamiq_mpi.torch.ddp_buckets import fused_groups
+    sizes = [3000, 5000, 1000, 20000, 700, 700, 9000, 100]
+    state = dqt.HookState(codec=dq.Exact(), path="compressed", fuse_mb=8000 * 4 / 2 ** 20)
+    futures = [dqt.ddp_comm_hook(state, FakeBucket(_t(n, seed=i), last=i == len(sizes) - 1))
+               for i, n in enumerate(sizes)]
+    assert all(f.done() for f in futures)
+    assert state.counter == len(fused_groups(sizes, 8000)) == 6

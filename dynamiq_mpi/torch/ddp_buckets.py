@@ -52,6 +52,22 @@ def auto_steps(rounds: int) -> int:
     return 1 + 2 * len(STEP_OPTIONS) * (STEP_WARMUP + int(rounds))
 
 
+def fused_groups(sizes, cap: int) -> list:
+    """The fused groups of buckets of ``sizes`` elements in DDP's order (one
+    dtype and device), as the hook forms them: lists of bucket indices."""
+    groups, current, numel = [], [], 0
+    for i, n in enumerate(sizes):
+        if current and n >= cap:            # a bucket as large as a group runs alone
+            groups.append(current)
+            current, numel = [], 0
+        current.append(i)
+        numel += n
+        if numel >= cap:                    # the group is complete: it starts now
+            groups.append(current)
+            current, numel = [], 0
+    return groups + ([current] if current else [])
+
+
 def _mark(device: torch.device):
     """A mark at the end of a step: a CUDA event on the current stream (no
     host synchronisation), or the host clock for CPU buckets."""
@@ -320,4 +336,4 @@ class BucketRouter:
         return {} if self.chooser is None else dict(self.chooser.periods)
 
 
-__all__ = ["BucketRouter", "auto_steps", "HOOK_PATHS", "STEP_OPTIONS", "DEFAULT_FUSE_MB", "STEP_ROUNDS"]
+__all__ = ["BucketRouter", "auto_steps", "fused_groups", "HOOK_PATHS", "STEP_OPTIONS", "DEFAULT_FUSE_MB", "STEP_ROUNDS"]

@@ -22,25 +22,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "mpi_examples"))
 
 
-def groups_of(sizes, cap):
-    """The hook's fused groups (ddp_buckets.BucketRouter._add): consecutive
-    buckets, a group starting once it holds ``cap`` elements, a bucket as
-    large alone."""
-    out, cur, n = [], [], 0
-    for i, s in enumerate(sizes):
-        if cur and s >= cap:
-            out.append(cur)
-            cur, n = [], 0
-        cur.append(i)
-        n += s
-        if n >= cap:
-            out.append(cur)
-            cur, n = [], 0
-    if cur:
-        out.append(cur)
-    return out
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="default")
@@ -60,6 +41,7 @@ def main(argv=None):
     from dynamiq_mpi.studies.corpus import load_corpus
     from dynamiq_mpi.studies.workloads import build_model, lm_loss, rank_batch
     from dynamiq_mpi.torch.ddp import gradient_buckets
+    from dynamiq_mpi.torch.ddp_buckets import fused_groups
 
     comm = MPI.COMM_WORLD
     ns = argparse.Namespace(**train_lm.PRESETS[args.preset])
@@ -81,7 +63,7 @@ def main(argv=None):
     for fuse in [float(f) for f in args.fuse_mb.split(",")]:
         cap = max(1, int(fuse * 2 ** 20) // 4)
         err = ref = bits = 0.0
-        groups = groups_of(sizes, cap)
+        groups = fused_groups(sizes, cap)
         for g in groups:
             x = np.concatenate([buckets[i] for i in g])
             mean, rep = coll.allreduce(x, codec=codec, op="mean", seed=11, path="compressed",
