@@ -114,3 +114,26 @@ def test_lm_bench_alternates_configurations_in_one_job(tmp_path):
     assert all(list(r["paths"]) == ["step"] for r in ours)
     assert all(h["buckets"] >= 1 for r in ours for h in r["hook"])
     assert "exposed vs bf16" in out and "ours" in out
+
+
+def test_time_to_loss_trains_every_codec_then_reports(tmp_path):
+    """mpi_examples/time_to_loss.py (tiny, CPU, torchrun): one run per codec
+    and seed, the comparison as a table and JSON; run again, the finished
+    runs are kept, not trained again."""
+    pytest.importorskip("transformers")
+    out, res_json = tmp_path / "runs", tmp_path / "ttl.json"
+    cmd = [sys.executable, EXAMPLES / "time_to_loss.py", "run", "--nproc", "2",
+           "--preset", "tiny", "--steps", "4", "--codecs", "bf16,dynamiq:5", "--seeds", "0",
+           "--reference", "", "--eval-every", "2", "--probe-every", "2", "--device", "cpu",
+           "--out", out, "--json", res_json]
+    text = _run(list(map(str, cmd)), "time_to_loss.py run", defaults=True)
+    assert sorted(p.name for p in out.iterdir()) == ["run_bf16_s0.json", "run_dynamiq5_s0.json"]
+    res = json.loads(res_json.read_text())
+    assert set(res["codecs"]) == {"bf16", "dynamiq:5"} and res["world_size"] == 2
+    bf16 = res["codecs"]["bf16"]
+    assert res["target_val_loss"] == bf16["final_val_mean"]
+    assert bf16["reach"]["step"] == 4 and bf16["speedup_reach"] == 1.0
+    assert [p["step"] for p in bf16["mean_curve"]] == [2, 4]
+    assert "can at most be" in text
+    again = _run(list(map(str, cmd)), "time_to_loss.py run again", defaults=True)
+    assert again.count("kept") == 2

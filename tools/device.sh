@@ -22,6 +22,8 @@
 #   lm-tests lm-ddp-sockets lm-ddp-nvlink lm-ddp-nvlink25 lm-fsdp-sockets lm-fsdp-nvlink lm-fuse lm-profile
 # training (tools/device/train.sh):
 #   train         mpi_examples/train_lm.py, BF16 against DynamiQ (STEPS, SEEDS_*, CODECS_DQ, TRAIN_ARGS)
+#   ttl           time to BF16's loss, 2 or 4 GPUs, sockets (tools/device/time_to_loss.sh:
+#                 SEEDS, REF, STEPS, CODECS, PRESET)
 #   train-sim     simulated ranks on one GPU (tools/device/train_sim.sh: RUNS, HOST_RUNS, STATE, DEADLINE)
 # CUDA-aware MPI (tools/device/mpi_cuda.sh; carry .whl with the sources):
 #   mpi-cuda-build mpi-cuda-ext mpi-cuda-probe mpi-cuda-tests mpi-cuda-bench
@@ -46,6 +48,7 @@ family_of() {
     tests4|hier|sockets4|flat4|torch4|ddp4) echo nodes ;;
     lm-tests|lm-ddp-sockets|lm-ddp-nvlink|lm-ddp-nvlink25|lm-fsdp-sockets|lm-fsdp-nvlink|lm-fuse|lm-profile) echo lm_bench ;;
     train) echo train ;;
+    ttl) echo time_to_loss ;;
     train-sim) echo train_sim ;;
     mpi-cuda-build|mpi-cuda-ext|mpi-cuda-probe|mpi-cuda-tests|mpi-cuda-bench) echo mpi_cuda ;;
     package-ab) echo package_ab ;;
@@ -66,6 +69,7 @@ run_family() {   # family, its stages
     lm_bench) bash "$HERE/device/lm_bench.sh" "$@" ;;
     train) SKIP_BUILD=1 bash "$HERE/device/train.sh" ;;
     train_sim) bash "$HERE/device/train_sim.sh" ;;
+    time_to_loss) bash "$HERE/device/time_to_loss.sh" ;;
     mpi_cuda) bash "$HERE/device/mpi_cuda.sh" "${@#mpi-cuda-}" ;;
     package_ab) bash "$HERE/device/package_ab.sh" "${OLD_DIR:?OLD_DIR: the old package directory}" ${AB_ROUNDS:-2} ;;
     kernels_ab) bash "$HERE/device/kernels_ab.sh" "${OLD_DIR:?OLD_DIR: the old source directory}" ${AB_ROUNDS:-2} ;;

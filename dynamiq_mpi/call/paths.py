@@ -148,6 +148,13 @@ STEP_WARMUP = 1         # untimed rounds before the timed ones
 STEP_MARGIN = 1.03      # a less exact option must be at least 3 % faster
 
 
+def typical_period(periods) -> float:
+    """The mean of ``periods`` without the longest one (the one period
+    itself when there is only one)."""
+    ordered = sorted(periods)
+    return float(np.mean(ordered[:-1] if len(ordered) > 1 else ordered))
+
+
 class StepChooser:
     """Chooses among ``options`` by timing whole training steps, the way a
     DDP job runs them (the DDP hook's ``path="auto"``): a measured option
@@ -160,14 +167,16 @@ class StepChooser:
     ``warmup`` untimed rounds and ``rounds`` timed ones; a round runs two
     steps of every option, the order rotated round by round (a drifting link
     touches every option alike).  After the last timed step the ranks agree
-    on the slowest rank's shortest period of each option (one small
+    on the slowest rank's typical period of each option (one small
     all-reduce on the control plane), and the choice is kept: the most exact
     option (``options`` is ordered most exact first) within ``margin`` of
-    the fastest.  The shortest, not the median: what slows a step (the
-    caching allocator meeting the other options' buffers for the first
-    times, a busy host, a drifting link) only adds time, and it was measured
-    to last two rounds after the switch to DDP's rebuilt buckets (NVLink,
-    2x H200: plain 138, 138, 118 ms against 115 ms steady).
+    the fastest.  Typical: the mean of the periods without the longest one.
+    Not the median: what slows a step when options switch (the caching
+    allocator meeting the other options' buffers, a busy host) lasts a round
+    or two (NVLink, 2x H200: plain 138, 138, 118 ms against 115 ms steady).
+    Not the shortest: a link whose rate comes in bursts gives one option a
+    lucky step (sockets, 4x H200: BF16 297, 614, 163 ms against 501 ms
+    steady, compressed 196, 189, 207 ms against 212 ms).
 
     ``elapsed(mark_a, mark_b)`` gives the seconds between two marks the caller
     made at the end of steps (CUDA events or host clocks); it is called only
@@ -191,7 +200,7 @@ class StepChooser:
         self.start = None           # the step index of the schedule's first step
         self.choice = None
         self.why = ""
-        self.shortest = {}           # option -> the slowest rank's shortest period (s)
+        self.typical = {}           # option -> the slowest rank's typical period (s)
         self.periods = {}           # option -> this rank's periods (s), in schedule order
         self._marks = {}            # schedule index -> the mark at the end of that step
 
@@ -226,16 +235,17 @@ class StepChooser:
             if timed:
                 periods[o].append(self.elapsed(self._marks[i - 1], self._marks[i]))
         self.periods = periods
-        mine = np.array([min(periods[o]) for o in self.options], dtype=np.float64)
+        mine = np.array([typical_period(periods[o]) for o in self.options], dtype=np.float64)
         worst = np.empty_like(mine)
         self.plane.allreduce_max(mine, worst)
-        self.shortest = {o: float(t) for o, t in zip(self.options, worst)}
-        fastest = min(self.shortest.values())
-        self.choice = next(o for o in self.options if self.shortest[o] <= fastest * self.margin)
+        self.typical = {o: float(t) for o, t in zip(self.options, worst)}
+        fastest = min(self.typical.values())
+        self.choice = next(o for o in self.options if self.typical[o] <= fastest * self.margin)
         rounds = len(periods[self.options[0]])
-        times = ", ".join(f"{o} {self.shortest[o] * 1e3:.1f} ms" for o in self.options)
-        self.why = (f"auto: whole steps, {times} (slowest rank, shortest of {rounds}); the "
-                    f"most exact within {(self.margin - 1) * 100:.0f} % of the fastest")
+        times = ", ".join(f"{o} {self.typical[o] * 1e3:.1f} ms" for o in self.options)
+        self.why = (f"auto: whole steps, {times} (slowest rank, mean of {rounds} without the "
+                    f"longest); the most exact within {(self.margin - 1) * 100:.0f} % of the "
+                    f"fastest")
         self._marks.clear()
 
     def decisions(self) -> dict:
