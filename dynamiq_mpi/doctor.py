@@ -191,7 +191,8 @@ def default_choices(found: dict) -> dict:
     out = {}
     gpu_ready = (found["kernels"].get("gpu_usable") and found["packages"].get("cupy")
                  and not str(found["packages"].get("nccl", "")).startswith("unavailable"))
-    out["transport, NumPy arrays"] = "mpi (host memory over the control plane's point-to-point)"
+    out["transport, NumPy arrays"] = ("mpi (host memory, over the control plane's "
+                                      "point-to-point: MPI's, or gloo's under torch)")
     if gpu_ready:
         out["transport, CuPy arrays"] = "nccl (when every rank can use it)"
     elif found["mpi"].get("cuda_aware", "").startswith("yes"):
@@ -258,6 +259,8 @@ def collect(environ=None) -> dict:
     elif torch_job:
         found["control_plane"] = ("torch, once the job calls "
                                   "torch.distributed.init_process_group()")
+        rank = (os.environ if environ is None else environ).get("RANK", "0")
+        found["rank"] = int(rank) if rank.isdigit() else 0    # rank 0 alone prints
     else:
         found["control_plane"] = ("mpi, a world of one" if found["mpi"].get("mpi4py")
                                   else "none: one process without mpi4py")
@@ -294,7 +297,8 @@ def render(found: dict) -> str:
     lines.append("a call with the library's defaults:")
     lines += [f"  {key}: {value}" for key, value in found["defaults"].items()]
     ranks = found["ranks"]
-    lines.append(f"ranks: {len(ranks)}")
+    lines.append(f"ranks: {len(ranks)}" if found["control_plane"].startswith("mpi")
+                 else "ranks: this process only (every rank is listed under mpiexec)")
     for r, info in enumerate(ranks):
         gpus = "; ".join(info["gpus"]) or "no GPU"
         lines.append(f"  rank {r}: {info['host']}, {gpus}")

@@ -31,8 +31,11 @@ def _env():
 
 
 def _doctor(tmp_path, *launch):
+    """The command under ``launch`` (a launcher and its options, which then
+    starts ``python -m dynamiq_mpi``; none: this interpreter)."""
     out_json = tmp_path / "found.json"
-    proc = subprocess.run([*launch, sys.executable, "-m", "dynamiq_mpi", "doctor", "--json",
+    interpreter = [] if "torch.distributed.run" in launch else [sys.executable]
+    proc = subprocess.run([*launch, *interpreter, "-m", "dynamiq_mpi", "doctor", "--json",
                            str(out_json)], env=_env(), cwd=tmp_path, capture_output=True,
                           text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -64,6 +67,16 @@ def test_doctor_under_mpiexec_prints_once_for_every_rank(tmp_path):
     assert "launcher: mpiexec" in out and "control plane: mpi (2 ranks)" in out
     assert "rank 0: " in out and "rank 1: " in out and "links: one host" in out
     assert len(found["ranks"]) == 2
+
+
+def test_doctor_under_torchrun_prints_once(tmp_path):
+    pytest.importorskip("torch", exc_type=ImportError)
+    out, found = _doctor(tmp_path, sys.executable, "-m", "torch.distributed.run", "--standalone",
+                         "--nproc_per_node=2")
+    assert out.count("dynamiq-mpi ") == 1, out
+    assert "launcher: torchrun" in out and "control plane: torch" in out
+    if found["mpi"]["mpi4py"] is not None:
+        assert "CUDA-aware: not asked" in out       # MPI is left uninitialised
 
 
 def test_launcher_is_named_from_the_environment():
