@@ -31,8 +31,8 @@ DEMO_NP      ?= 4
 export MPI_TIMEOUT
 
 # The CUDA kernels of a development build: SASS for the test GPUs (H100/H200)
-# only, a quarter of the compile time of a user install's default (every
-# data-centre GPU nvcc supports, setup.py).  Override: DYNAMIQ_CUDA_ARCH="80;90" make ...
+# only, one architecture's compile time where a user install's default builds
+# every data-centre GPU nvcc supports (setup.py).  Override: DYNAMIQ_CUDA_ARCH="80;90" make ...
 DYNAMIQ_CUDA_ARCH ?= 90
 export DYNAMIQ_CUDA_ARCH
 
