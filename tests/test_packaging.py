@@ -137,8 +137,8 @@ def test_sdist_installs_cpu_only_when_nvcc_fails_and_imports(sdist, tmp_path):
 
 def test_torch_jobs_never_import_mpi4py(tmp_path):
     """With mpi4py unimportable: the package and its torch adapter import, a
-    DDP step with the hook runs over a gloo group, and the MPI plane's
-    default says what to install."""
+    DDP step with the hook and FSDP2's reduce-scatter run over a gloo group,
+    and the MPI plane's default says what to install."""
     pytest.importorskip("torch", exc_type=ImportError)
     program = textwrap.dedent("""
         import sys
@@ -159,6 +159,10 @@ def test_torch_jobs_never_import_mpi4py(tmp_path):
         state = dqt.register_comm_hook(ddp, dqt.HookState(codec=dq.DynamiQ(bits=5)))
         ddp(torch.randn(8, 64)).square().sum().backward()
         assert state.pop_stats()["buckets"] >= 1
+        rs = dqt.ReduceScatter(codec=dq.Exact())          # FSDP2's reduce-scatter alike
+        shard = torch.empty(512)
+        rs.reduce_scatter_(shard, torch.ones(512))
+        assert torch.equal(shard, torch.ones(512))
         assert "mpi4py.MPI" not in sys.modules
         dist.destroy_process_group()
         print("ok")
