@@ -55,8 +55,8 @@ def _find_cuda_home():
     return None, None
 
 
-# A100, H100/H200, B200/GB200, and the RTX/GB10 Blackwell generation: the
-# default targets, kept to those the installed nvcc can compile for.
+# A100, H100/H200, B200/GB200 and RTX PRO 6000 Blackwell: the default
+# targets, kept to those the installed nvcc can compile for.
 DEFAULT_ARCHS = ("80", "90", "100", "120")
 
 
@@ -75,7 +75,7 @@ def _cuda_archs(nvcc) -> list:
     given = os.environ.get("DYNAMIQ_CUDA_ARCH", "").strip()
     if not given:
         known = _nvcc_archs(nvcc)
-        # an nvcc too old for --list-gpu-code: the two every CUDA 11.8+ targets
+        # an nvcc that cannot list its targets: A100 and H100 (CUDA 11.8 and later)
         return [a for a in DEFAULT_ARCHS if a in known] if known else ["80", "90"]
     archs = [a.strip().replace(".", "") for a in given.replace(",", ";").split(";") if a.strip()]
     if not archs or not all(a.isdigit() for a in archs):
