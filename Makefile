@@ -30,6 +30,12 @@ DEMO_NP      ?= 4
 
 export MPI_TIMEOUT
 
+# The CUDA kernels of a development build: SASS for the test GPUs (H100/H200)
+# only, one architecture's compile time where a user install's default builds
+# every data-centre GPU nvcc supports (setup.py).  Override: DYNAMIQ_CUDA_ARCH="80;90" make ...
+DYNAMIQ_CUDA_ARCH ?= 90
+export DYNAMIQ_CUDA_ARCH
+
 VPY          := $(VENV)/bin/python
 DEPS_STAMP   := $(VENV)/.deps-stamp
 BUILD_STAMP  := $(VENV)/.build-stamp

@@ -7,7 +7,12 @@ Environment:
                       toolkit of an `nvcc` on PATH)
   DYNAMIQ_NO_CUDA=1   build the CPU extension only
   DYNAMIQ_CUDA_ARCH   compute capabilities to build SASS for, e.g. "80;90"
-                      (default "90"); PTX of the highest is embedded too
+                      (default: the data-centre GPUs this nvcc can target
+                      among 8.0, 9.0, 10.0 and 12.0); PTX of the highest is
+                      embedded too, for newer GPUs
+
+When nvcc is missing or fails, the CPU extension is still installed (NumPy
+arrays, and torch CPU tensors over gloo) and the build says why.
 """
 import os
 import shutil
@@ -18,6 +23,10 @@ import numpy as np
 from Cython.Build import cythonize
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+try:
+    from setuptools.errors import CompileError, LinkError
+except ImportError:        # setuptools < 59
+    from distutils.errors import CompileError, LinkError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = "src_cuda"
@@ -46,12 +55,36 @@ def _find_cuda_home():
     return None, None
 
 
-def _gencode_flags():
-    archs = os.environ.get("DYNAMIQ_CUDA_ARCH", "90")
-    archs = [a.strip().replace(".", "") for a in archs.replace(",", ";").split(";") if a.strip()]
+# A100, H100/H200, B200/GB200 and RTX PRO 6000 Blackwell: the default
+# targets, kept to those the installed nvcc can compile for.
+DEFAULT_ARCHS = ("80", "90", "100", "120")
+
+
+def _nvcc_archs(nvcc) -> set:
+    """The sm_XY targets ``nvcc --list-gpu-code`` names (empty if it cannot say)."""
+    try:
+        out = subprocess.run([nvcc, "--list-gpu-code"], capture_output=True, text=True,
+                             timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return set()
+    return {code[3:] for code in out.split() if code.startswith("sm_")}
+
+
+def _cuda_archs(nvcc) -> list:
+    """``$DYNAMIQ_CUDA_ARCH`` as given, else :data:`DEFAULT_ARCHS` that nvcc supports."""
+    given = os.environ.get("DYNAMIQ_CUDA_ARCH", "").strip()
+    if not given:
+        known = _nvcc_archs(nvcc)
+        # an nvcc that cannot list its targets: A100 and H100 (CUDA 11.8 and later)
+        return [a for a in DEFAULT_ARCHS if a in known] if known else ["80", "90"]
+    archs = [a.strip().replace(".", "") for a in given.replace(",", ";").split(";") if a.strip()]
     if not archs or not all(a.isdigit() for a in archs):
         raise SystemExit(f"DYNAMIQ_CUDA_ARCH must list compute capabilities like '80;90', "
-                         f"got {os.environ.get('DYNAMIQ_CUDA_ARCH')!r}")
+                         f"got {given!r}")
+    return archs
+
+
+def _gencode_flags(archs):
     flags = []
     for a in archs:
         flags += ["-gencode", f"arch=compute_{a},code=sm_{a}"]
@@ -61,32 +94,66 @@ def _gencode_flags():
 
 
 class BuildExtNvcc(build_ext):
-    """build_ext that compiles the .cu sources of an extension with nvcc and
-    links the objects in."""
+    """build_ext that cythonizes each extension just before building it (an
+    sdist needs no Cython output; a GPU extension whose nvcc fails costs no
+    Cython time), compiles the .cu sources of an extension with nvcc and
+    links the objects in.  A GPU extension that fails to build is left out
+    with a message: the CPU extension is what every install needs."""
 
     def build_extension(self, ext):
+        (cythonized,) = cythonize([ext], language_level=3, include_path=["pyx"],
+                                  force=self.force)
+        ext.sources = cythonized.sources
+        super().build_extension(ext)
+
+    def build_extensions(self):
+        self.check_extensions_list(self.extensions)
+        for ext in list(self.extensions):
+            if ext.name != GPU_EXTENSION:
+                self.build_extension(ext)
+                continue
+            try:
+                self._build_gpu_extension(ext)
+            except (subprocess.CalledProcessError, OSError, CompileError, LinkError) as exc:
+                # dropped from the list: nothing to copy or install for it
+                self.extensions.remove(ext)
+                print(f"dynamiq-mpi: WARNING: the CUDA kernels failed to build ({exc}); "
+                      f"installing the CPU codec only, without {GPU_EXTENSION}. Set CUDA_HOME "
+                      "to a working toolkit, DYNAMIQ_CUDA_ARCH to your GPUs' compute "
+                      "capabilities, or DYNAMIQ_NO_CUDA=1 to build without CUDA.", flush=True)
+
+    def _build_gpu_extension(self, ext):
         cu = [s for s in ext.sources if s.endswith(".cu")]
         if cu:
             ext.sources = [s for s in ext.sources if not s.endswith(".cu")]
             nvcc = NVCC
+            archs = _cuda_archs(nvcc)
+            print(f"dynamiq-mpi: building the CUDA kernels for sm_{', sm_'.join(archs)} "
+                  "(DYNAMIQ_CUDA_ARCH overrides)", flush=True)
             objs = []
             os.makedirs(self.build_temp, exist_ok=True)
             for src in cu:
                 obj = os.path.join(self.build_temp, os.path.basename(src) + ".o")
                 deps = [src] + [os.path.join(SRC, f) for f in os.listdir(SRC) if f.endswith((".h", ".cuh"))]
-                if self.force or not os.path.exists(obj) or \
+                cmd = [nvcc, "-c", src, "-o", obj, *NVCC_FLAGS, *_gencode_flags(archs),
+                       *[f"-I{d}" for d in ext.include_dirs]]
+                # the command is part of the object's key: other archs or flags rebuild it
+                stamp = obj + ".cmd"
+                same_cmd = os.path.exists(stamp) and open(stamp).read() == " ".join(cmd)
+                if self.force or not os.path.exists(obj) or not same_cmd or \
                         max(os.path.getmtime(d) for d in deps) > os.path.getmtime(obj):
-                    cmd = [nvcc, "-c", src, "-o", obj, *NVCC_FLAGS, *_gencode_flags(),
-                           *[f"-I{d}" for d in ext.include_dirs]]
                     print(" ".join(cmd), flush=True)
                     subprocess.check_call(cmd)
+                    with open(stamp, "w") as f:
+                        f.write(" ".join(cmd))
                 objs.append(obj)
             ext.extra_objects = objs + list(ext.extra_objects or [])
             # relink when a kernel object changed (setuptools only compares sources)
             ext.depends = list(ext.depends or []) + objs
-        super().build_extension(ext)
+        self.build_extension(ext)
 
 
+GPU_EXTENSION = "dynamiq_mpi._gpu"
 extensions = [
     Extension(
         "dynamiq_mpi._cpu",
@@ -110,7 +177,7 @@ else:
         lib_dirs = [d for d in (os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "lib"))
                     if os.path.isdir(d)]
         gpu = Extension(
-            "dynamiq_mpi._gpu",
+            GPU_EXTENSION,
             sources=["pyx/_gpu.pyx", f"{SRC}/dq_kernels.cu", f"{SRC}/dq_plan.cu", f"{SRC}/mx_kernels.cu"],
             include_dirs=[SRC, os.path.join(cuda_home, "include"), np.get_include()],
             library_dirs=lib_dirs,
@@ -123,6 +190,6 @@ else:
         extensions.append(gpu)
 
 setup(
-    ext_modules=cythonize(extensions, language_level=3, include_path=["pyx"]),
+    ext_modules=extensions,
     cmdclass={"build_ext": BuildExtNvcc},
 )

@@ -11,7 +11,7 @@ from .errors import (DynamiQError, InputMismatchError, InvalidInputError, NonFin
 from .report import Report
 from .schedules import TopologyError
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"   # the one version: setup.cfg reads it from here
 
 from ._moved import install as _install_moved  # noqa: E402  (old module paths, deprecated)
 

@@ -1,4 +1,4 @@
-"""Command line: ``python -m dynamiq_mpi {demo,bench,vnmse,model,kernels,schedule,train-sim}``.
+"""Command line: ``python -m dynamiq_mpi {doctor,demo,bench,vnmse,model,kernels,schedule,train-sim}``.
 
 Run under ``mpiexec -n N`` for the MPI commands.  An exception on any rank
 prints its traceback and aborts the whole job (no rank is left hanging).
@@ -114,6 +114,13 @@ def main(argv=None):
         return None
     parser = argparse.ArgumentParser(prog="python -m dynamiq_mpi", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
+    from . import doctor
+    p = sub.add_parser("doctor", help="what the library found: kernels, CuPy, NCCL, torch, MPI, "
+                                      "launcher, and what the default call would choose",
+                       description=doctor.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    doctor.add_arguments(p)
+    p.set_defaults(func=doctor.run, mpi=False)
     p = sub.add_parser("demo", help="all-reduce gradient-like data with every codec (mpiexec)")
     p.add_argument("--length", type=int, default=1 << 20)
     p.add_argument("--seed", type=int, default=0)

@@ -1,13 +1,15 @@
 """PyTorch Lightning with its own launcher and the DynamiQ DDP hook:
 
-    python mpi_examples/lightning_ddp.py                      # 2 CPU processes, gloo
+    python mpi_examples/lightning_ddp.py                      # 2 GPUs (nccl), or 2 CPU processes (gloo)
     python mpi_examples/lightning_ddp.py --no-hook            # plain DDP, to compare
 
-Lightning's ``DDPStrategy(ddp_comm_hook=..., ddp_comm_state=...)`` registers a
-hook only on CUDA devices; on any device a callback can register it on the
-wrapped model when training starts (``RegisterHook`` below); the hook then
-runs over Lightning's process group.  ``--out DIR`` writes each rank's final
-parameters (tests/test_launchers.py compares them).
+On GPUs the hook goes to Lightning's own strategy,
+``DDPStrategy(ddp_comm_hook=dqt.ddp_comm_hook, ddp_comm_state=state)``.
+That strategy registers hooks on CUDA devices only, so on the CPU a callback
+registers it on the wrapped model when training starts (``RegisterHook``
+below); either way the hook runs over Lightning's process group.
+``--out DIR`` writes each rank's final parameters (tests/test_examples.py
+compares them).
 """
 import argparse
 import os
@@ -17,8 +19,10 @@ import torch
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DDPStrategy
 except ImportError:                     # the GPU image ships pytorch_lightning only
     import pytorch_lightning as pl
+    from pytorch_lightning.strategies import DDPStrategy
 
 import dynamiq_mpi as dq
 import dynamiq_mpi.torch as dqt
@@ -32,6 +36,15 @@ class RegisterHook(pl.Callback):
 
     def on_train_start(self, trainer, pl_module):
         dqt.register_comm_hook(trainer.strategy.model, self.state)
+
+
+def strategy_and_callbacks(state, cuda: bool):
+    """(accelerator, strategy, callbacks) that put the hook in: Lightning's
+    strategy on CUDA, the callback elsewhere."""
+    if cuda:
+        strategy = DDPStrategy(ddp_comm_hook=dqt.ddp_comm_hook, ddp_comm_state=state)
+        return "gpu", strategy, []
+    return "cpu", "ddp", [RegisterHook(state)]
 
 
 class Regression(pl.LightningModule):
@@ -67,12 +80,15 @@ def main(argv=None):
     model = Regression()
     initial = torch.cat([q.detach().reshape(-1) for q in model.parameters()]).clone()
     state = dqt.HookState(codec=dq.DynamiQ(bits=5, small_input=0), path="compressed")
-    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy="ddp",
+    accelerator, strategy, callbacks = strategy_and_callbacks(state, torch.cuda.is_available())
+    if args.no_hook:
+        strategy, callbacks = "ddp", []
+    trainer = pl.Trainer(accelerator=accelerator, devices=args.devices, strategy=strategy,
                          max_steps=args.steps, logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[] if args.no_hook else [RegisterHook(state)])
+                         callbacks=callbacks)
     trainer.fit(model, data())
-    final = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+    final = torch.cat([q.detach().reshape(-1).cpu() for q in model.parameters()])
     rank = trainer.global_rank
     if args.out:
         os.makedirs(args.out, exist_ok=True)
@@ -82,7 +98,7 @@ def main(argv=None):
         how = "plain DDP" if args.no_hook else (
             f"DynamiQ hook over the {state.collective.control_plane} control plane, "
             f"{state.pop_stats()['bits_per_coord']:.2f} bits/coordinate")
-        print(f"Lightning, {trainer.world_size} CPU processes, {how}: moved "
+        print(f"Lightning, {trainer.world_size} {accelerator.upper()} processes, {how}: moved "
               f"{float((final - initial).norm()):.4f} from the initial parameters")
 
 

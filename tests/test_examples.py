@@ -4,6 +4,7 @@ defaults, none of the suite's ``DYNAMIQ_*`` settings (tests/conftest.py sets
 mpiexec or Lightning's own launcher on the CPU (gloo)."""
 from __future__ import annotations
 
+import ast
 import json
 import sys
 
@@ -73,6 +74,58 @@ def test_lightning_with_its_own_launcher(tmp_path):
     assert moved > 0
     # 5-bit gradients: the trajectories stay close (plain DDP's own move as the scale)
     assert np.linalg.norm(hook[0]["params"] - plain[0]["params"]) < 0.2 * moved
+
+
+def test_lightning_gpu_route_is_lightnings_own_strategy():
+    """On CUDA the example hands the hook to ``DDPStrategy(ddp_comm_hook=...)``
+    (run where there are GPUs); on the CPU, where that strategy registers no
+    hook, to the callback the test above runs."""
+    pytest.importorskip("lightning", exc_type=ImportError)
+    from helpers import load_example
+    import dynamiq_mpi.torch as dqt
+    example = load_example("lightning_ddp")
+    state = dqt.HookState()
+    accelerator, strategy, callbacks = example.strategy_and_callbacks(state, cuda=True)
+    assert accelerator == "gpu" and callbacks == []
+    assert isinstance(strategy, example.DDPStrategy)
+    assert strategy._ddp_comm_hook is dqt.ddp_comm_hook and strategy._ddp_comm_state is state
+    accelerator, strategy, callbacks = example.strategy_and_callbacks(state, cuda=False)
+    assert (accelerator, strategy) == ("cpu", "ddp")
+    assert [type(c).__name__ for c in callbacks] == ["RegisterHook"]
+
+
+def test_hf_trainer_example_with_defaults(tmp_path):
+    """Transformers' Trainer wraps the model in DDP; the example's callback
+    registers the hook on ``trainer.model_wrapped`` and every step's buckets
+    go through it."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")          # Trainer's own requirement
+    out = _run(torchrun(2, EXAMPLES / "hf_trainer.py", "--steps", "6", "--out", tmp_path),
+               "hf_trainer.py", defaults=True)
+    line = next(ln for ln in out.splitlines() if ln.startswith("Trainer, 2 ranks"))
+    assert "over the torch control plane: 6 steps, 6 buckets through the DynamiQ hook" in line
+    assert "parameters identical on every rank: True" in out
+
+
+def test_accelerate_example_with_defaults():
+    pytest.importorskip("accelerate")
+    out = _run(torchrun(2, EXAMPLES / "accelerate_ddp.py", "--steps", "6"), "accelerate_ddp.py",
+               defaults=True)
+    line = next(ln for ln in out.splitlines() if ln.startswith("Accelerate, 2 processes"))
+    paths = ast.literal_eval(line.rsplit("hook: ", 1)[1])     # {path: buckets}
+    assert sum(paths.values()) == 6, line
+    assert "parameters identical on every rank: True" in out
+
+
+def test_fsdp2_bf16_example_with_defaults():
+    """FSDP2 with BF16 parameters and float32 reduction: every parameter
+    group's gradient goes through the ReduceScatter each step."""
+    pytest.importorskip("transformers")
+    out = _run(torchrun(2, EXAMPLES / "fsdp2_bf16.py", "--steps", "5"), "fsdp2_bf16.py",
+               defaults=True)
+    steps = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    assert len(steps) == 5 and all("3 reduce-scatter(s)" in ln for ln in steps), out
+    assert "FSDP2 with BF16 parameters over the torch control plane, 2 ranks" in out
 
 
 def test_train_lm_under_torchrun_with_ddp_defaults(tmp_path):

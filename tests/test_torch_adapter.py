@@ -81,6 +81,45 @@ def test_state_pickles_configuration_and_counter_but_no_comm():
     assert back._comm is None and back._collective is None and back.last_report is None
 
 
+@pytest.mark.parametrize("make", [dqt.HookState, dqt.ReduceScatter], ids=lambda m: m.__name__)
+def test_collective_options_reach_the_collective_and_the_pickle(make):
+    given = dict(hierarchy="nodes", node_size=1, links="intra=400GB/s,inter=25GB/s,nics=8",
+                 rail_budget="even", graphs=False, lanes=2)
+    state = make(**given)
+    assert state.collective_options() == given
+    back = pickle.loads(pickle.dumps(state))
+    assert back.collective_options() == given
+    coll = back.collective
+    assert (coll.hierarchy, coll.node_size, coll.rail_budget, coll.graphs, coll.lanes) == \
+        ("nodes", 1, "even", False, 2)
+    assert coll.links == (400e9, 25e9, 8)
+    assert make().collective_options() == {}     # the collective's defaults
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(hierarchy="rings"), "hierarchy must be one of"),
+    (dict(node_size=0), "node_size must be a positive integer"),
+    (dict(links="fast"), "links 'fast'"),
+    (dict(rail_budget="half"), "rail_budget must be one of"),
+    (dict(lanes=0), "lanes must be a positive integer or 'auto'"),
+    (dict(lanes="many"), "lanes must be a positive integer or 'auto'"),
+    (dict(graphs="yes"), "graphs must be True or False")])
+def test_collective_options_are_checked_when_the_state_is_made(bad, error):
+    for make in (dqt.HookState, dqt.ReduceScatter):
+        with pytest.raises((ValueError, TypeError), match=error):
+            make(**bad)
+
+
+def test_state_of_an_earlier_version_unpickles_with_the_collectives_defaults():
+    state = dqt.HookState()
+    old = state.__getstate__()
+    for name in ("hierarchy", "node_size", "links", "rail_budget", "graphs", "lanes"):
+        del old[name]
+    back = dqt.HookState.__new__(dqt.HookState)
+    back.__setstate__(old)
+    assert back.collective_options() == {}
+
+
 def test_state_counter_follows_calls_and_survives_reattach():
     from mpi4py import MPI
     state = dqt.HookState(codec=dq.Exact())

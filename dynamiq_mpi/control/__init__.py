@@ -149,7 +149,7 @@ def default_comm(environ=None):
     if mpi_mod is not None and mpi_mod.Is_initialized() and not mpi_mod.Is_finalized():
         mpi_size = max(mpi_size, mpi_mod.COMM_WORLD.Get_size())
     if mpi_size > 1:
-        from mpi4py import MPI
+        MPI = _mpi4py()
         if MPI.COMM_WORLD.Get_size() > 1:
             return MPI.COMM_WORLD
         # a launcher said several ranks but MPI started a singleton: a
@@ -168,5 +168,19 @@ def default_comm(environ=None):
             "the first collective (torchrun, Lightning, mp.spawn), pass comm= (an mpi4py "
             "communicator or a torch.distributed process group), or start the job with "
             "mpiexec; refusing to all-reduce over a world of one")
-    from mpi4py import MPI
-    return MPI.COMM_WORLD
+    return _mpi4py().COMM_WORLD
+
+
+def _mpi4py():
+    """mpi4py's MPI module, or an ImportError saying what needs it and what
+    to do (mpi4py is optional: a torch.distributed job never needs it)."""
+    try:
+        from mpi4py import MPI
+    except ImportError as exc:
+        raise ImportError(
+            "dynamiq_mpi: the MPI control plane (mpiexec, or a single process without "
+            "torch.distributed) needs mpi4py: pip install 'dynamiq-mpi[mpi]', or on a cluster "
+            "MPICC=$(which mpicc) pip install --no-binary mpi4py mpi4py for its own MPI. "
+            "Under torchrun, call torch.distributed.init_process_group() first or pass "
+            "comm= (a torch.distributed process group).") from exc
+    return MPI

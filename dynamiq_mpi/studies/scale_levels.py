@@ -1,7 +1,7 @@
 """The hierarchical (nodes, then rails) all-reduce of many simulated ranks,
 in memory independent of the number of ranks (``levels_allreduce``).
 
-The definition (issue 31; the multi-process implementation follows it to
+The definition (the multi-process implementation follows it to
 the letter).  ``n = N * K`` ranks, node ``j`` holding ranks ``jK .. jK+K-1``:
 
 1. in-node sum: ``s_j = x_{jK} + x_{jK+1} + ... + x_{jK+K-1}``, added left to

@@ -26,8 +26,8 @@ def _bits(run):
 
 def last_fifth_gain(run):
     """How much the validation loss fell over the last fifth of the run's
-    steps, relative to where that fifth began (issue 32 asks under 1 % of
-    BF16's: a run long enough to compare final losses); None without evals."""
+    steps, relative to where that fifth began (under 1 % of BF16's: a run
+    long enough to compare final losses); None without evals."""
     evals = run.get("evals") or []
     if len(evals) < 2:
         return None

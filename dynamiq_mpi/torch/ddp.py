@@ -26,6 +26,10 @@ import time
 import torch
 
 from .. import Collective, DynamiQ, Exact, InputMismatchError
+from ..api import default_hierarchy
+from ..call.hierarchy import default_node_size
+from ..call.prediction import default_links
+from ..call.rail_budget import default_rail_budget
 from ..control import as_plane, is_torch_group
 from ..settings import env_choice
 from .ddp_buckets import DEFAULT_FUSE_MB, HOOK_PATHS, STEP_ROUNDS, BucketRouter, auto_steps
@@ -35,6 +39,27 @@ __all__ = ["HookState", "ddp_comm_hook", "register_comm_hook", "allreduce_gradie
            "init_process_group_from_mpi", "tensor_as_array", "ReduceScatter"]
 
 DEFAULT_BUCKET_CAP_MB = 25.0   # DDP's default bucket size
+
+
+def _check_graphs(value):
+    if not isinstance(value, bool):
+        raise TypeError(f"graphs must be True or False, got {value!r}")
+    return value
+
+
+def _check_lanes(value):
+    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+        return value
+    raise ValueError(f"lanes must be a positive integer or 'auto', got {value!r}")
+
+
+# The options of the Collective a state makes, passed through as given; each
+# checked here as the collective checks it, so that a bad one raises where
+# the state is made, not in the first backward pass.  None (the default):
+# the collective's own default, or its DYNAMIQ_* variable.
+COLLECTIVE_OPTIONS = {"hierarchy": default_hierarchy, "node_size": default_node_size,
+                      "links": default_links, "rail_budget": default_rail_budget,
+                      "graphs": _check_graphs, "lanes": _check_lanes}
 
 
 # --------------------------------------------------------------------- arrays
@@ -122,6 +147,13 @@ class HookState:
     step of each path after a warm-up round: 7 + 6 x rounds steps in all
     before the choice).
 
+    The options of the :class:`~dynamiq_mpi.Collective` the state makes:
+    ``hierarchy`` ("flat", "nodes" or "auto"), ``node_size``, ``links``,
+    ``rail_budget``, ``graphs`` and ``lanes``, as the collective takes them
+    (see there); None leaves each to the collective's default (or its
+    ``DYNAMIQ_*`` variable).  They are checked when the state is made and
+    pickled with it.
+
     ``overlap`` (default: for CUDA buckets): the DDP hook hands compressed
     calls to a worker thread and returns the futures at once, so the
     backward pass is not held up by the call's host work and wait
@@ -130,13 +162,23 @@ class HookState:
     """
 
     _PICKLED = ("codec", "seed", "transport", "topology", "iteration", "measure_error",
-                "reports", "timing", "path", "nonfinite", "overlap", "fuse_mb", "auto_rounds")
+                "reports", "timing", "path", "nonfinite", "overlap", "fuse_mb", "auto_rounds",
+                *COLLECTIVE_OPTIONS)
 
     def __init__(self, codec=None, comm=None, seed: int = 0, transport: str = "auto", *,
                  topology: str = "ring", reports: bool = True, timing: bool = False,
                  path: str | None = None, nonfinite: str = "propagate",
                  overlap: bool | None = None, process_group=None,
-                 fuse_mb: float = DEFAULT_FUSE_MB, auto_rounds: int = STEP_ROUNDS):
+                 fuse_mb: float = DEFAULT_FUSE_MB, auto_rounds: int = STEP_ROUNDS,
+                 hierarchy: str | None = None, node_size: int | None = None, links=None,
+                 rail_budget: str | None = None, graphs: bool | None = None,
+                 lanes: int | str | None = None):
+        given = dict(hierarchy=hierarchy, node_size=node_size, links=links,
+                     rail_budget=rail_budget, graphs=graphs, lanes=lanes)
+        for name, value in given.items():
+            if value is not None:
+                COLLECTIVE_OPTIONS[name](value)
+            setattr(self, name, value)
         self.codec = DynamiQ(bits=5) if codec is None else codec
         self.seed = int(seed)
         self.transport = transport
@@ -207,6 +249,8 @@ class HookState:
         state.setdefault("overlap", None)
         state.setdefault("fuse_mb", DEFAULT_FUSE_MB)
         state.setdefault("auto_rounds", STEP_ROUNDS)
+        for name in COLLECTIVE_OPTIONS:
+            state.setdefault(name, None)
         for k in self._PICKLED:
             setattr(self, k, state[k])
         self._counter = int(state["counter"])
@@ -258,10 +302,17 @@ class HookState:
     def collective(self) -> Collective:
         with self._lock:
             if self._collective is None:
-                coll = Collective(comm=self.comm, transport=self.transport)
+                coll = Collective(comm=self.comm, transport=self.transport,
+                                  **self.collective_options())
                 coll.counter = self._counter
                 self._collective = coll
             return self._collective
+
+    def collective_options(self) -> dict:
+        """The :class:`~dynamiq_mpi.Collective` options given to the state
+        (those left to the collective's defaults omitted)."""
+        return {name: getattr(self, name) for name in COLLECTIVE_OPTIONS
+                if getattr(self, name) is not None}
 
     @property
     def counter(self) -> int:

@@ -93,15 +93,23 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
     without ``comm`` / ``process_group``, it reduces over the group FSDP
     calls it with (HSDP's shard group included; one object serves one
     group); made with one, FSDP's group must hold the same ranks, else every
-    rank raises ``InvalidInputError``.
+    rank raises ``InvalidInputError``.  ``hierarchy``, ``node_size``,
+    ``links``, ``rail_budget``, ``graphs`` and ``lanes``: the collective's
+    options, as :class:`HookState` takes them (``hierarchy="nodes"``: the
+    reduce-scatter goes uncompressed inside a node, compressed across).
     """
 
     def __init__(self, codec=None, seed: int = 0, comm=None, transport: str = "auto", *,
                  topology: str = "ring", reports: bool = False, timing: bool = False,
-                 path: str | None = None, nonfinite: str = "propagate", process_group=None):
+                 path: str | None = None, nonfinite: str = "propagate", process_group=None,
+                 hierarchy: str | None = None, node_size: int | None = None, links=None,
+                 rail_budget: str | None = None, graphs: bool | None = None,
+                 lanes: int | str | None = None):
         HookState.__init__(self, codec, comm, seed, transport, topology=topology,
                            reports=reports, timing=timing, path=path, nonfinite=nonfinite,
-                           process_group=process_group)
+                           process_group=process_group, hierarchy=hierarchy,
+                           node_size=node_size, links=links, rail_budget=rail_budget,
+                           graphs=graphs, lanes=lanes)
 
     @property
     def auto_steps(self) -> int:
