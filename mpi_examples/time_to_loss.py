@@ -334,13 +334,14 @@ def write_outputs(res, json_path, png_path):
 
 
 def plot(res, png):
-    """Validation loss against steps and against training time: every codec's
-    seed-mean curve, the target as a dashed line."""
+    """Validation loss against steps and against training time (every
+    codec's seed-mean curve, the target as a dashed line), and the hook's
+    measured vNMSE along the run."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(17, 4.5))
     for codec, r in res["codecs"].items():
         mc = r["mean_curve"]
         label = f"{codec} ({len(r['seeds'])} seed{'s' if len(r['seeds']) > 1 else ''})"
@@ -348,7 +349,16 @@ def plot(res, png):
                      ms=2.5, lw=1.2, label=label)
         axes[1].plot([p["training_s"] / 60 for p in mc], [p["val_loss"] for p in mc],
                      marker="o", ms=2.5, lw=1.2, label=label)
-    for ax, xlabel in zip(axes, ("step", "training time (min)")):
+        vn = [v for v in r["vnmse"] if v["vnmse"] > 0]
+        if vn:
+            axes[2].plot([v["step"] for v in vn], [v["vnmse"] for v in vn], marker="o",
+                         ms=2.5, lw=1.2, label=label)
+    axes[2].set_yscale("log")
+    axes[2].set_xlabel("step")
+    axes[2].set_ylabel("vNMSE of the step's all-reduce")
+    axes[2].grid(alpha=0.3, which="both")
+    axes[2].legend(fontsize=8)
+    for ax, xlabel in zip(axes[:2], ("step", "training time (min)")):
         if res["target_val_loss"] is not None:
             ax.axhline(res["target_val_loss"], ls="--", lw=0.8, color="gray",
                        label=f"{res['baseline']}'s final (mean)")
