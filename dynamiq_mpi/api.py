@@ -61,7 +61,7 @@ class Collective(CallRunner):
     shared memory, 1 elsewhere; ``report.transport_reason`` says which;
     ``$DYNAMIQ_NCCL_LANE_BYTES`` sets the smallest slice a lane gets).
     ``DYNAMIQ_NCCL_PAIR_ALLGATHER=1`` makes a two-rank exchange one NCCL
-    all-gather (measured slower here, docs/benchmarks.md 2.0f).
+    all-gather (measured slower on two H200s).
 
     ``path``: "auto" (default, or ``$DYNAMIQ_PATH``): per class of calls
     (size as a power of two, dtype, codec, ...) the collective times the
@@ -100,7 +100,7 @@ class Collective(CallRunner):
     replayed from then on, for one digest exchange and a graph launch of host
     time.  Default ``$DYNAMIQ_GRAPHS`` ("1" on), else off: the GPU suites
     pass with graphs on at 2 H100s (62 us of host time a 2^23 call against
-    934 eager), not yet run at 4 (docs/benchmarks.md 2.0m).
+    934 eager), untested at 4 (docs/benchmarks.md, section 5).
     :meth:`graph_stats` says what was captured.
     """
 

@@ -13,7 +13,7 @@ _MASK64 = (1 << 64) - 1
 
 # Separate key domains: value rounding and the correlated-rounding permutation
 # never share uniforms.  (Domain 3 keyed the stochastic group-scale codes, which
-# are deterministic since spec 2.7 changed; the numbers of 1 and 2 are kept.)
+# are now deterministic; the numbers of 1 and 2 are kept.)
 DOMAIN_VALUE = 1
 DOMAIN_PERM = 2
 

@@ -71,3 +71,47 @@ def test_the_check_catches_diary_wording(text):
     "&#42; an HTML entity", "section 2.0h of docs/benchmarks.md"])
 def test_the_check_passes_product_wording(text):
     assert not diary_hits(text), diary_hits(text)
+
+
+# The pages a user reads first speak of the library alone: no specification
+# outside the repository ("spec 5c", "../shared/spec") and no internal device
+# runner (benchmarks.md and the pages for contributors may name the scripts
+# that reproduce a measurement).
+USER_DOCS = ("README.md", "CHANGELOG.md", "docs/getting-started.md", "docs/tuning.md",
+             "docs/reference.md", "docs/troubleshooting.md")
+OUTSIDE = {
+    "a specification outside the repository": re.compile(
+        r"\bspec(?:ification)?s?\b(?:\s+(?:section\s+)?\d)?|\.\./shared\b|paper-notes", re.I),
+    "the internal device runner": re.compile(r"tools/device(?:\.sh|/)"),
+}
+
+
+def outside_hits(text: str) -> list:
+    return [(kind, " ".join(text[max(0, m.start() - 40):m.end() + 30].split()))
+            for kind, pattern in OUTSIDE.items() for m in pattern.finditer(text)]
+
+
+def test_user_docs_name_no_outside_spec_or_internal_runner():
+    found = [f"{name}: {kind}: ...{words}..." for name in USER_DOCS
+             for kind, words in outside_hits(open(os.path.join(ROOT, name), encoding="utf-8").read())]
+    assert not found, "\n".join(found)
+
+
+def test_public_docstrings_name_no_outside_spec():
+    """The installed package's docstrings (the research studies aside)."""
+    found = [f"{where}: ...{words}..." for where, text in _docstrings()
+             if "/studies/" not in where.replace(os.sep, "/")
+             for kind, words in outside_hits(text) if kind.startswith("a spec")]
+    assert not found, "\n".join(found)
+
+
+@pytest.mark.parametrize("text", ["as spec 5c says", "spec section 2", "see ../shared/spec",
+                                  "bash tools/device.sh build", "(paper-notes 7.4)"])
+def test_the_check_catches_outside_references(text):
+    assert outside_hits(text), text
+
+
+@pytest.mark.parametrize("text", ["CallSpec(codec)", "the paper's Table 7", "a spectrum",
+                                  "tools/profiling/p2p.py probe"])
+def test_the_check_passes_own_references(text):
+    assert not outside_hits(text), outside_hits(text)

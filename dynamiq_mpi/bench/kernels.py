@@ -43,7 +43,7 @@ def _parse(argv=None):
                     help="skip the occupancy timing-study rows (builds for 5 / 6 blocks per SM)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--scale-code", choices=("hybrid", "ceil"), default="hybrid",
-                    help="group scale codes (spec 2.7; hybrid is DynamiQ()'s default)")
+                    help="group scale codes (hybrid is DynamiQ()'s default)")
     ap.add_argument("--no-graphs", action="store_true",
                     help="time single launches with events (includes host overhead at small sizes)")
     return ap.parse_args(argv)

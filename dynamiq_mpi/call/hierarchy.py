@@ -1,4 +1,4 @@
-"""The hierarchical all-reduce (spec 5c): uncompressed inside a node,
+"""The hierarchical all-reduce: uncompressed inside a node,
 compressed across nodes, one rail per local rank.
 
 For ``n = N x K`` ranks in N nodes of K:

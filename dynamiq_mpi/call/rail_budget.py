@@ -1,5 +1,5 @@
 """One bit allocation over a node's rails (the hierarchical call's
-``rail_budget="joint"``, spec 5c).
+``rail_budget="joint"``).
 
 Each rail of a hierarchical call plans its own shard: planned apart, the
 rails split the call's budget evenly, so a rail that drew several of the

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 
 # The paper's constant, 4 / log2(512/17), not the artifact's 4 / (512/17): the
-# one consistent with the threshold ratios T24 = 17/512 T48 (paper-notes 3.2).
+# one consistent with the threshold ratios T24 = 17/512 T48.
 SLOPE = 4.0 / np.log2(512.0 / 17.0)
 WIDTHS = (2, 4, 8)
 BF16_WIDTH = 16                 # the optional raw BF16 class

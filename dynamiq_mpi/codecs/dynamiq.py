@@ -1,4 +1,4 @@
-"""The DynamiQ codec (spec section 2): its configuration, level tables and
+"""The DynamiQ codec: its configuration, level tables and
 statistics phase; the per-call plan is codecs/dynamiq_plan.py.
 
 Per call: local statistics (per super-group mean and squared norm of the
@@ -62,13 +62,13 @@ class DynamiQ(Codec):
     centring: bool = True           # subtract per-super-group means first
     zero_class: bool = True         # super-groups zero on every rank send nothing
     small_input: int = DEFAULT_SMALL_INPUT
-    # group scale codes (spec 2.7): "hybrid", the default since 2026-11-23
+    # group scale codes: "hybrid", the default
     # (unbiased stochastic codes where the rounded-up code is >= 128, the
     # rounded-up code below: no scale ratchet on long rings,
     # docs/error-study.md), or "ceil" (every code rounded up, the earlier
     # default)
     scale_code: str = "hybrid"
-    # the 16-bit class (spec 2.3, on by default since 2026-11-23): outlier
+    # the 16-bit class (on by default): outlier
     # super-groups travel as raw BF16 (no scales), every hop rounding the
     # float32 partial sum to nearest even; widths {0, 2, 4, 8, 16} as in the
     # paper's large-scale simulation.  False: widths {0, 2, 4, 8}

@@ -1,4 +1,4 @@
-"""The DynamiQ codec's per-call plan (spec section 2; codecs/dynamiq.py is the
+"""The DynamiQ codec's per-call plan (codecs/dynamiq.py is the
 codec, its configuration and statistics).
 
 From the reduced statistics the compiled planner gives every super-group its
@@ -69,7 +69,7 @@ def _params_for(codec, n_events, correlated, keys, kernels):
 
 
 # The most budget (bits per coordinate) the planner sets aside for the fixed
-# layout's padding; below the spec's 0.05-bit landing tolerance.
+# layout's padding; below a 0.05-bit landing tolerance.
 LAYOUT_RESERVE_BITS = 0.03
 
 

@@ -1,5 +1,5 @@
 """MX baselines (OCP Microscaling v1.0 element formats), adapted to a
-multi-hop all-reduce the way the paper adapts them (spec section 6).
+multi-hop all-reduce the way the paper adapts them.
 
 Blocks of 32 elements share one power-of-two (E8M0) scale; elements are FP8
 (E4M3, E5M2), FP6 (E3M2, E2M3) or FP4 (E2M1), rounded to nearest even and

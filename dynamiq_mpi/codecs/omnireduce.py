@@ -1,5 +1,5 @@
 """OmniReduce baseline (Fei et al., SIGCOMM'21), adapted to a multi-hop
-all-reduce as the paper adapts it (spec section 6; paper-notes 7.4): every
+all-reduce as the paper adapts it: every
 rank keeps its top-k 256-entry blocks by l2 norm, the ranks agree on the
 union of their kept blocks, the union is all-reduced densely in BF16
 (float32 accumulation at every hop, like the ``bf16`` codec) and every block

@@ -1,5 +1,5 @@
 """THC baseline (Li et al., NSDI'24), adapted to a multi-hop all-reduce as
-the paper adapts it (spec section 6): rotate, quantize every rank's values
+the paper adapts it: rotate, quantize every rank's values
 once to 16 levels on a range all ranks share, and carry exact integer sums
 from hop to hop, wide enough never to overflow and never re-quantized.
 

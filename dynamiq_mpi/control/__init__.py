@@ -132,7 +132,7 @@ def _torch_initialised() -> bool:
 
 def default_comm(environ=None):
     """The communicator a collective takes when given none, decided once per
-    collective (spec 5b):
+    collective:
 
     1. a job started by an MPI launcher with more than one rank (or mpi4py
        already initialised with more than one): ``MPI.COMM_WORLD``;

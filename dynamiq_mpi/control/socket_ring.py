@@ -3,7 +3,7 @@ exchanges (the per-call digests), sent and received by the calling thread.
 
 gloo runs every operation on a worker thread and completes it from its
 event loop's thread: about 0.3 ms for an 8-byte all-gather on a 16-core
-host, against MPI's 5-7 us (docs/benchmarks.md 2.0k), and a steady call
+host, against MPI's 5-7 us, and a steady call
 makes one such exchange.  Here each rank holds one connection to its ring
 successor and one from its predecessor (TCP_NODELAY); an all-gather of k
 bytes is n - 1 steps of send-k / receive-k on the calling thread, no hand-off.

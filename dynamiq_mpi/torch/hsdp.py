@@ -2,7 +2,7 @@
 inside a shard group (a node: its reduce-scatter stays uncompressed, NCCL's
 or gloo's own), and the gradient shards are all-reduced across the
 replicas, compressed, by :func:`dynamiq_mpi.allreduce` over the replicate
-group (spec 5c: the slow links between nodes carry the compressed bytes).
+group (the slow links between nodes carry the compressed bytes).
 
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard

@@ -36,7 +36,7 @@ MIN_LANE_BYTES = 1 << 20
 # Lane slices start at multiples of this (the wire slots' alignment).
 LANE_ALIGN = 256
 # lanes="auto" on a shared-memory link: 4 communicators, slices of >= 4 MiB
-# (measured on 2x H200, docs/benchmarks.md 2.0d/2.0f: 4 lanes took 2^26-2^28
+# (measured on 2x H200, docs/benchmarks.md: 4 lanes took 2^26-2^28
 # from 1.9-2.3x to 2.1-2.6x NCCL's all-reduce, while slicing the 2.6 MB
 # messages of 2^23 cost a third; 4 MiB slices leave those whole).
 SHM_LANES, SHM_LANE_BYTES = 4, 4 << 20
@@ -195,7 +195,7 @@ class NCCLTransport(RequestAnswers):
         default): an exchange with the one peer as an NCCL all-gather of the
         two messages instead of a send/receive pair, to use the collective's
         channels; measured slower on NVLink and shared memory, and better or
-        worse on sockets depending on the host (docs/benchmarks.md 2.0f), kept
+        worse on sockets depending on the host, kept
         as an option for other fabrics.  ``lanes="auto"``: see
         :func:`auto_lanes` (the ranks gather their :func:`link_record`);
         ``lane_bytes`` then defaults to the rule's."""
