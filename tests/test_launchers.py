@@ -123,6 +123,24 @@ def test_torchrun_trains_like_mpiexec(tmp_path, mode, n):
     assert np.array_equal(by_torch[0], by_mpi[0]), "the control planes gave different bits"
 
 
+def test_torchrun_fsdp2_bf16_parameters_against_fsdp2s_own(tmp_path):
+    """Under torchrun, MixedPrecisionPolicy(param_dtype=bfloat16) with
+    reduce_dtype float32 and bfloat16: ours with the Exact codec follows
+    FSDP2's own reduce-scatter, ours with the defaults stays close, and every
+    rank holds the same parameters."""
+    _run(torchrun(2, WORKER, "--mode", "fsdp_bf16", "--out", tmp_path), "torchrun")
+    ranks = results(tmp_path, 2)
+    for reduce, tol in (("fp32", 1e-5), ("bf16", 1e-2)):
+        own, exact, defaults = (ranks[0][f"{w}_{reduce}"] for w in ("own", "exact", "defaults"))
+        scale = np.linalg.norm(own - ranks[0]["init"])     # the training's own change
+        assert scale > 0
+        assert np.linalg.norm(exact - own) / scale < tol, reduce
+        assert np.linalg.norm(defaults - own) / scale < 0.05, reduce
+        for r in ranks[1:]:
+            for w in ("own", "exact", "defaults"):
+                assert np.array_equal(r[f"{w}_{reduce}"], ranks[0][f"{w}_{reduce}"]), (w, reduce)
+
+
 @pytest.mark.parametrize("launch", ["torchrun", "mpiexec"])
 def test_ddp_over_subgroups_averages_each_group_alone(tmp_path, launch):
     cmd = (torchrun if launch == "torchrun" else mpiexec)(4, WORKER, "--mode", "subgroups",

@@ -5,7 +5,8 @@
     python tests/launchers/train_worker.py --spawn N --mode ddp --out DIR   (mp.spawn, tcp://)
 
 Modes: ``ddp`` (the DDP hook), ``fsdp`` (FSDP2 with the compressed
-reduce-scatter), ``subgroups`` (4 ranks: DDP over {0, 1} and {2, 3}),
+reduce-scatter), ``fsdp_bf16`` (FSDP2 with BF16 parameters: its own
+reduce-scatter against ours), ``subgroups`` (4 ranks: DDP over {0, 1} and {2, 3}),
 ``allreduce`` (``dq.allreduce`` on raw arrays with the default communicator),
 ``gpu_allreduce`` (the same on CuPy arrays, against the CPU's bits),
 ``hsdp`` (4 ranks as 2 replicas x 2 shards, dqt.HSDP's compressed replicate
@@ -139,6 +140,37 @@ def train_fsdp(args, rank, group):
     return _train_sharded(model, rank, exact, rs)
 
 
+def run_fsdp_bf16(args, rank):
+    """FSDP2 as LLM jobs run it, MixedPrecisionPolicy(param_dtype=bfloat16,
+    reduce_dtype=float32 or bfloat16): FSDP2's own reduce-scatter, ours
+    with the Exact codec and ours with the defaults, from the same model and
+    batches; the final full parameters of each."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    out = {"init": torch.cat([v.reshape(-1) for v in make_model().state_dict().values()]).numpy()}
+    for name, reduce_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+        for who, rs in (("own", None), ("exact", dqt.ReduceScatter(codec=dq.Exact(),
+                                                                    path="compressed")),
+                        ("defaults", dqt.ReduceScatter())):
+            model = make_model()
+            for layer in (model[0], model[2], model[4]):
+                fully_shard(layer, mp_policy=mp)
+            fully_shard(model, mp_policy=mp)
+            if rs is not None:
+                for m in model.modules():
+                    if hasattr(m, "set_custom_reduce_scatter"):
+                        m.set_custom_reduce_scatter(rs)
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            for step in range(STEPS):
+                x, y = batch(step, rank)
+                nn.functional.mse_loss(model(x).float(), y).backward()
+                opt.step()
+                opt.zero_grad()
+            out[f"{who}_{name}"] = torch.cat([v.full_tensor().reshape(-1).float() for v in
+                                              model.state_dict().values()]).numpy()
+    return out, {"control_plane": "torch" if not started_by_mpi() else "mpi"}
+
+
 def train_hsdp(args, rank, group):
     """2 replicas x 2 shards: FSDP2 over the shard mesh, the replicate
     all-reduce compressed by dqt.HSDP; the first step's full gradient
@@ -218,6 +250,12 @@ def main_rank(args, spawn_rank=None):
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         color = rank // 2
         group = groups[color]
+    if args.mode == "fsdp_bf16":
+        arrays, info = run_fsdp_bf16(args, rank)
+        np.savez(os.path.join(args.out, f"rank{rank}.npz"), info=np.array(json.dumps(info)),
+                 **arrays)
+        dist.destroy_process_group()
+        return
     if args.mode in ("allreduce", "gpu_allreduce"):
         run = run_allreduce if args.mode == "allreduce" else run_gpu_allreduce
         flat, info = run(args, rank)
@@ -237,7 +275,7 @@ def _spawned(rank, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["ddp", "fsdp", "hsdp", "subgroups", "allreduce",
+    p.add_argument("--mode", choices=["ddp", "fsdp", "fsdp_bf16", "hsdp", "subgroups", "allreduce",
                                       "gpu_allreduce", "nogroup"], default="ddp")
     p.add_argument("--codec", choices=["dynamiq", "exact"], default="dynamiq")
     p.add_argument("--out", required=True)
