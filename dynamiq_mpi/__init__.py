@@ -13,10 +13,6 @@ from .schedules import TopologyError
 
 __version__ = "0.1.0"
 
-from ._moved import install as _install_moved  # noqa: E402  (old module paths, deprecated)
-
-_install_moved()
-
 
 def has_cuda() -> bool:
     """True if the CUDA kernels were built and a GPU is usable (never raises)."""

@@ -1,4 +1,4 @@
-"""The cost model (``python -m dynamiq_mpi model``, dynamiq_mpi/studies/cost_model.py):
+"""The cost model (``python -m dynamiq_mpi model``, dynamiq_mpi/cost_model/model.py):
 units, the pipeline's arithmetic, edge cases, monotonicity, and its stated
 error against the two-GPU measurements in docs/results (docs/cost-model.md)."""
 import json
@@ -8,8 +8,8 @@ import os
 import pytest
 
 from dynamiq_mpi.__main__ import main
-from dynamiq_mpi.studies import cost_model as cm
-from dynamiq_mpi.studies import cost_model_check as cc
+from dynamiq_mpi.cost_model import model as cm
+from dynamiq_mpi.cost_model import check as cc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "results")

@@ -173,7 +173,7 @@ def run(args) -> list:
 
     from .. import codecs as codec_mod
     from ..api import Collective
-    from ..studies.gradients import gradient_like_xp
+    from .gradients import gradient_like_xp
 
     comm = MPI.COMM_WORLD
     n, rank = comm.size, comm.rank

@@ -33,7 +33,7 @@ and all-gather for device arrays where every rank drives a GPU of its own
 (in the input's dtype, NCCL's order of summation), else the control plane's
 point-to-point (MPI, or gloo over a torch group) with a left-to-right sum,
 device arrays staged through host memory; the rail level runs the
-collective's GPU path for device arrays.  ``studies/scale_levels.py`` simulates the same
+collective's GPU path for device arrays.  ``research/scale_levels.py`` simulates the same
 definition at thousands of ranks.
 """
 from __future__ import annotations

@@ -494,7 +494,7 @@ def ddp_comm_hook(state: "HookState", bucket) -> torch.futures.Future[torch.Tens
 # --------------------------------------------------------------------- plain loops
 def gradient_buckets(grads, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> list:
     """The buckets of :func:`allreduce_gradients` (and of the training
-    simulator, studies/train_sim.py, which must cut alike): lists of indices
+    simulator, research/train_sim.py, which must cut alike): lists of indices
     into ``grads``, grouped by device and dtype in order of first appearance,
     coalesced up to ``bucket_cap_mb`` MiB (a larger tensor is a bucket of
     its own)."""

@@ -109,7 +109,7 @@ agreement alone and a bare 8-byte MPI Allgather, for scale.
     import dynamiq_mpi as dq
     from dynamiq_mpi import backend as backend_mod
     from dynamiq_mpi.codecs import codec_from_string
-    from dynamiq_mpi.studies.gradients import gradient_like_xp
+    from dynamiq_mpi.bench.gradients import gradient_like_xp
     from dynamiq_mpi.transports import mpi_host
 
     comm = MPI.COMM_WORLD
@@ -418,7 +418,7 @@ def profile(args):
     import dynamiq_mpi as dq
     from dynamiq_mpi import _gpu
     from dynamiq_mpi.codecs.allocation import record_bits
-    from dynamiq_mpi.studies.gradients import gradient_like_xp
+    from dynamiq_mpi.bench.gradients import gradient_like_xp
 
     comm = MPI.COMM_WORLD
     use_gpu(cp, comm)

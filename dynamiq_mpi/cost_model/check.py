@@ -21,9 +21,9 @@ import os
 import sys
 from pathlib import Path
 
-from .cost_model import (Cluster, Link, codec_cost, compressed_allreduce, load_rates,
+from .model import (Cluster, Link, codec_cost, compressed_allreduce, load_rates,
                          parse_bandwidth, predict, wire_only)
-from .cost_model_io import _write_json
+from .io import _write_json
 
 # our point-to-point over the collective's rate on the same link and bytes (42 MB)
 P2P_EFFICIENCY = {
@@ -386,7 +386,7 @@ def calibrate_in_call(results_dir, rates_name="h100"):
 
     def per_element(length):
         c = codec_cost("dynamiq", 5.0, rates, length / 2, widths=NORMAL_WIDTHS)
-        from .cost_model import _copy, _ns, planner_seconds
+        from .model import _copy, _ns, planner_seconds
         work = ((c.compress + c.dar + 2 * c.decode) * length / 2
                 + length * _ns(rates, "stats", length) * 1e-9)
         work += 2 * (length / 2) * c.wire_bits / 8 * 2 / _copy(rates)        # two messages copied

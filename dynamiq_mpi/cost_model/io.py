@@ -1,13 +1,13 @@
 """The command line of the cost model (``python -m dynamiq_mpi model``; the
-model itself is studies/cost_model.py): its arguments, the cluster, call and
+model itself is ``model.py``): its arguments, the cluster, call and
 kernel rates they name, and what it prints and writes (the table, the JSON)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from .cost_model import (DEFAULT_TILE_BYTES, HOST_MODES, Cluster, Link, load_rates, parse_bandwidth,
-                         parse_count, parse_time, predict, wire_only)
+from .model import (DEFAULT_TILE_BYTES, HOST_MODES, Cluster, Link, load_rates, parse_bandwidth,
+                    parse_count, parse_time, predict, wire_only)
 
 
 def add_arguments(p):

@@ -1,21 +1,21 @@
 """``python -m dynamiq_mpi model``: the cost model's command (predictions,
 sweeps, and ``--check`` / ``--map`` against the recorded measurements).
-The model is studies/cost_model.py, its arguments and output
-studies/cost_model_io.py, its check studies/cost_model_check.py; this module
-only dispatches, so none imports another's caller."""
+The model is ``model.py``, its arguments and output ``io.py``, its check
+``check.py``; this module only dispatches, so none imports another's
+caller."""
 from __future__ import annotations
 
 import sys
 
-from . import cost_model_check
-from .cost_model_io import (_SWEEPABLE, _describe, _inputs, _predict_args, _rates_for, _table,
-                            _write_json, add_arguments)  # noqa: F401 (add_arguments: the CLI's)
+from . import check
+from .io import (_SWEEPABLE, _describe, _inputs, _predict_args, _rates_for, _table,
+                 _write_json, add_arguments)  # noqa: F401 (add_arguments: the CLI's)
 
 
 def run(args, out=None):
     out = out or sys.stdout
     if args.check or args.map:
-        return cost_model_check.run(args, out)
+        return check.run(args, out)
     rates = _rates_for(args)
     if not args.sweep:
         c, elements, bits, res = _predict_args(args, rates)
@@ -45,5 +45,5 @@ def run(args, out=None):
         _write_json({"inputs": _inputs(c, elements, bits, args, rates), "sweep": param,
                      "rows": rows}, args.json, out)
     if args.plot:
-        cost_model_check.plot_sweep(rows, param, args.plot)
+        check.plot_sweep(rows, param, args.plot)
     return rows
