@@ -4,7 +4,6 @@ decided by the call planner (call/planner.py) and carried out by the runner
 (call/runner.py)."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 
@@ -19,8 +18,8 @@ from .call.runner import CallRunner, _sync
 from .call.workspace import FRESH, Workspace
 from .codecs import DEFAULT_CODEC
 from .codecs.base import DEFAULT_TILE_BYTES
-from .settings import env_choice
-from .transports import TRANSPORTS
+from .settings import env_choice, env_text
+from .transports import TRANSPORTS, transport_class
 from .transports.simulate import SimulatedTransport
 
 
@@ -126,12 +125,11 @@ class Collective(CallRunner):
         self.nonfinite = nonfinite
         self.layout = default_layout()
         self.graphs = default_graphs(graphs)
-        from .transports.mpi_host import HostTransport
         self.parent = comm
         self.transport = transport
         self.tile_bytes = int(tile_bytes)
         if lanes is None:
-            lanes = os.environ.get("DYNAMIQ_NCCL_LANES", "auto")
+            lanes = env_text("DYNAMIQ_NCCL_LANES", "auto")
         if lanes != "auto":
             try:
                 lanes = int(lanes)
@@ -140,12 +138,12 @@ class Collective(CallRunner):
             if lanes < 1:
                 raise ValueError(f"lanes must be a positive integer or 'auto', got {lanes!r}")
         self.lanes = lanes
-        lane_bytes = os.environ.get("DYNAMIQ_NCCL_LANE_BYTES")
+        lane_bytes = env_text("DYNAMIQ_NCCL_LANE_BYTES")
         if lane_bytes is not None and not (lane_bytes.strip().isdigit() and int(lane_bytes) > 0):
             raise ValueError("DYNAMIQ_NCCL_LANE_BYTES must be a positive number of bytes, "
                              f"got {lane_bytes!r}")
         self.lane_bytes = int(lane_bytes) if lane_bytes is not None else None
-        self._host = HostTransport(as_plane(comm))    # a private duplicate
+        self._host = transport_class("mpi")(as_plane(comm))    # a private duplicate
         self._plane = self._host.plane
         self.control_plane = self._plane.name
         self.rank, self.size = self._host.rank, self._host.size

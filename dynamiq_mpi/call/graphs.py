@@ -35,7 +35,7 @@ from ..codecs.base import signature_of
 from ..errors import InvalidInputError
 from ..rng import call_keys
 from ..settings import env_flag
-from ..transports.mpi_host import Digests, digest_with_counter, record_digest
+from ..control.agreement import Digests, digest_with_counter, record_digest
 from ..transports.ops import Agree, Route
 from .workspace import Workspace
 

@@ -38,7 +38,6 @@ definition at thousands of ranks.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -46,6 +45,7 @@ import numpy as np
 
 from ..backend import dtype_name
 from ..errors import InvalidInputError, NonFiniteInputError
+from ..settings import env_text
 from .rail_budget import JointRailBudget, applies
 
 BLOCK = 256          # the interleave's block: one DynamiQ super-group
@@ -149,7 +149,7 @@ class NodeLayout:
 def default_node_size(value=None):
     """``value``, else ``$DYNAMIQ_NODE_SIZE``, else None (find the nodes)."""
     if value is None:
-        value = os.environ.get("DYNAMIQ_NODE_SIZE", "").strip() or None
+        value = env_text("DYNAMIQ_NODE_SIZE", "").strip() or None
     if value is None:
         return None
     try:
@@ -271,7 +271,7 @@ def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, 
     from .. import schedules
     from .engine import CallSpec, _agree, _check_local, agreement_record
     from .engine_rs import _check_out
-    from ..transports.mpi_host import agree
+    from ..control.agreement import agree
     n = coll.size
     spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
                     path="compressed" if path == "auto" else path, nonfinite=nonfinite,
@@ -352,7 +352,7 @@ class Levels:
         works: on the device or staged to the host, its array module, length,
         dtype, ranks n, node size k, the rails' topology)."""
         from .engine import _holds_nonfinite
-        from ..transports.mpi_host import agree
+        from ..control.agreement import agree
         flat, flat_out, backend = agreed
         if nonfinite == "raise":
             flags = agree(coll._plane, _holds_nonfinite(backend.xp, flat))
@@ -539,7 +539,7 @@ class NodeCalls:
             self._auto = False
             return None
         from ..errors import InputMismatchError
-        from ..transports.mpi_host import agree
+        from ..control.agreement import agree
         from .engine import check_agreed
         mine = {"hierarchy": "auto", "node_size": k, "links": self.links}
         asks = agree(self._plane, mine)

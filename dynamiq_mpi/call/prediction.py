@@ -22,8 +22,9 @@ load it.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from ..settings import env_text
 
 MARGIN = 2.0                 # the predicted loser at least this much slower: not measured
 KERNELS = "h100-final"       # the model's kernel rates for device arrays
@@ -42,7 +43,7 @@ def default_links(value=None):
     (bandwidths as the model's command writes them: GB/s, Gb/s, MB/s ...; a
     bare number is GB/s); None: ``$DYNAMIQ_LINKS``, else none given."""
     if value is None:
-        value = os.environ.get("DYNAMIQ_LINKS", "").strip() or None
+        value = env_text("DYNAMIQ_LINKS", "").strip() or None
         if value is None:
             return None
     if isinstance(value, str):

@@ -110,7 +110,7 @@ agreement alone and a bare 8-byte MPI Allgather, for scale.
     from dynamiq_mpi import backend as backend_mod
     from dynamiq_mpi.codecs import codec_from_string
     from dynamiq_mpi.bench.gradients import gradient_like_xp
-    from dynamiq_mpi.transports import mpi_host
+    from dynamiq_mpi.control.agreement import agree
 
     comm = MPI.COMM_WORLD
     use_gpu(cp, comm)
@@ -200,7 +200,7 @@ agreement alone and a bare 8-byte MPI Allgather, for scale.
     comm.Barrier()
     t = time.perf_counter()
     for _ in range(200):
-        mpi_host.agree(comm, meta)
+        agree(comm, meta)
     t_agree = (time.perf_counter() - t) / 200 * 1e6
     t = time.perf_counter()
     for _ in range(200):
