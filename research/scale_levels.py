@@ -58,9 +58,9 @@ import numpy as np
 from dynamiq_mpi.codecs.base import DEFAULT_TILE_BYTES
 # the shards (step 2) and the rails' topology are the library's own, so the
 # simulation and the multi-process call (hierarchy.py) cut the same rails
-from dynamiq_mpi.call.hierarchy import (BLOCK, rail_blocks, rail_gather, rail_index,  # noqa: F401
-                         rail_length, rail_scatter, rail_topology)
-from dynamiq_mpi.call.rail_budget import RAIL_BUDGETS, applies, rail_shares
+from dynamiq_mpi.call.study import (BLOCK, RAIL_BUDGETS, applies, rail_blocks,  # noqa: F401
+                                    rail_gather, rail_index, rail_length, rail_scatter,
+                                    rail_shares, rail_topology)
 from dynamiq_mpi.codecs import DEFAULT_CODEC
 from dynamiq_mpi.codecs.dynamiq import DynamiQ
 from .scale_sim import (ArraySource, LogNormalMixture, RankSource, _vnmse, reduced_statistics,
@@ -304,9 +304,7 @@ class _Collected(Exception):
 def _rail_statistics(shards, codec, topology, seed, counter, tile_bytes):
     """The reduced statistics a simulated rail call plans from (None where
     it has none), through the engine's own statistics phase."""
-    from dynamiq_mpi.call.engine import CallSpec, rank_program
-    from dynamiq_mpi.call.workspace import FRESH
-    from dynamiq_mpi.transports.simulate import SimulatedTransport
+    from dynamiq_mpi.call.study import FRESH, CallSpec, SimulatedTransport, rank_program
     n = len(shards)
     if n < 2 or shards[0].shape[0] == 0:
         return None

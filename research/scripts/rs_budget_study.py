@@ -25,7 +25,6 @@ import json
 import numpy as np
 
 import dynamiq_mpi as dq
-from dynamiq_mpi.call.engine_rs import simulate_reduce_scatter
 from dynamiq_mpi.bench.gradients import gradient_like, layer_layout
 
 
@@ -44,8 +43,8 @@ def fsdp_layout(x, n, length):
 
 def run(xs, n, bits, seed, budget):
     codec = dq.DynamiQ(bits=bits, small_input=0)
-    outs, reps = simulate_reduce_scatter(xs, codec=codec, seed=seed, return_reports=True,
-                                         budget=budget)
+    outs, reps = dq.simulate_reduce_scatter(xs, codec=codec, seed=seed, return_reports=True,
+                                            budget=budget)
     sizes = reps[0].codec_info["block_bytes"]
     return np.concatenate(outs), max(sizes), float(np.mean(sizes)), reps[0].bits_per_coord
 
