@@ -1,5 +1,6 @@
-"""Command line of the studies: ``python -m research {vnmse,train-sim,schedule}``,
-run from the repository root (no MPI: every rank is simulated)."""
+"""Command line of the studies: ``python -m research {vnmse,train-sim,model-check,
+model-map,schedule}``, run from the repository root (no MPI: every rank is
+simulated)."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,17 @@ def main(argv=None):
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     errorstudy.add_arguments(p)
     p.set_defaults(func=errorstudy.run)
+    from . import model_check
+    p = sub.add_parser("model-check", help="the cost model against every two-GPU measurement "
+                                           "in docs/results", description=model_check.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_check.add_arguments(p)
+    p.set_defaults(func=model_check.run, check=True, map=None)
+    p = sub.add_parser("model-map", help="where compression pays, by the cost model (a PNG, "
+                                         "its data beside it as JSON; needs matplotlib)")
+    p.add_argument("map", metavar="FILE")
+    model_check.add_arguments(p)
+    p.set_defaults(func=model_check.run, check=False)
     sub.add_parser("train-sim", help="training with N simulated ranks on one device "
                                      "(python -m research train-sim --help)")
     p = sub.add_parser("schedule", help="print a ring or butterfly schedule")
