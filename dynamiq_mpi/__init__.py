@@ -3,9 +3,9 @@
     from dynamiq_mpi import allreduce, DynamiQ
     total = allreduce(grad, codec=DynamiQ(bits=5), topology="ring")
 """
-from .api import Collective, allreduce, collective_for, reduce_scatter, simulate_allreduce
+from .api import (Collective, allreduce, collective_for, reduce_scatter, simulate_allreduce,
+                  simulate_reduce_scatter)
 from .codecs import BF16, MXFP, THC, DynamiQ, Exact, OmniReduce
-from .call.engine_rs import simulate_reduce_scatter
 from .errors import (DynamiQError, InputMismatchError, InvalidInputError, NonFiniteInputError,
                      SumOverflowError)
 from .report import Report

@@ -8,6 +8,7 @@ import threading
 import time
 
 from .call.engine import CallSpec, check_nonfinite, default_layout, rank_program
+from .call.engine_rs import rank_program_rs
 from .call.graphs import default_graphs
 from .call.hierarchy import default_node_size
 from .call.paths import default_path
@@ -327,11 +328,27 @@ def simulate_allreduce(xs, *, codec=None, topology="ring", op="sum", seed=0, cou
     """Run the all-reduce of ``len(xs)`` ranks in this process (rank r passes
     ``xs[r]``; always the compressed path).  Returns the list of every rank's
     output (and reports).  ``layout``: see :func:`default_layout`."""
-    codec = _DEFAULT_CODEC if codec is None else codec
-    n = len(xs)
-    spec = CallSpec(codec, topology, op, seed, counter, "auto", tile_bytes,
+    spec = CallSpec(_DEFAULT_CODEC if codec is None else codec, topology, op, seed, counter,
+                    "auto", tile_bytes, nonfinite=nonfinite, layout=default_layout(layout))
+    return _simulate([rank_program(r, len(xs), xs[r], spec, None, FRESH, return_reports)
+                      for r in range(len(xs))], return_reports)
+
+
+def simulate_reduce_scatter(xs, *, codec=None, topology="ring", op="sum", seed=0, counter=0,
+                            tile_bytes=None, return_reports=False, nonfinite="propagate",
+                            budget="per-chunk", layout=None):
+    """Run the reduce-scatter of ``len(xs)`` ranks in this process (rank r
+    passes ``xs[r]``).  Returns every rank's chunk (and reports).
+    ``layout``: see :func:`default_layout`."""
+    spec = CallSpec(_DEFAULT_CODEC if codec is None else codec, topology, op, seed, counter,
+                    "auto", DEFAULT_TILE_BYTES if tile_bytes is None else tile_bytes,
                     nonfinite=nonfinite, layout=default_layout(layout))
-    results = SimulatedTransport(n).run(
-        [rank_program(r, n, xs[r], spec, None, FRESH, return_reports) for r in range(n)])
+    return _simulate([rank_program_rs(r, len(xs), xs[r], spec, None, FRESH, return_reports,
+                                      budget) for r in range(len(xs))], return_reports)
+
+
+def _simulate(programs, return_reports):
+    """Every rank's program driven in this process: the outputs (and reports)."""
+    results = SimulatedTransport(len(programs)).run(programs)
     outs = [r[0] for r in results]
     return (outs, [r[1] for r in results]) if return_reports else outs

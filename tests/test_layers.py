@@ -123,6 +123,14 @@ def test_the_ground_floor_imports_nothing_above_it():
     assert not bad, bad
 
 
+def test_the_public_names_come_from_the_public_face_not_the_call_machinery():
+    bad = [f"dynamiq_mpi/__init__.py:{line}: imports {module}"
+           for line, module, _ in _imports(PACKAGE / "__init__.py", PACKAGE)
+           if module.startswith(("dynamiq_mpi.call", "dynamiq_mpi.transports",
+                                 "dynamiq_mpi.control"))]
+    assert not bad, bad
+
+
 def test_the_package_never_imports_the_studies_or_the_examples():
     bad = [f"{p.relative_to(ROOT)}:{line}: imports {module}"
            for p in sorted(PACKAGE.rglob("*.py")) for line, module, _ in _imports(p, PACKAGE)

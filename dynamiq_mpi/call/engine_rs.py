@@ -317,25 +317,3 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
 def result_report(report, t0):
     report.seconds = time.perf_counter() - t0
     return report
-
-
-def simulate_reduce_scatter(xs, *, codec=None, topology="ring", op="sum", seed=0, counter=0,
-                            tile_bytes=None, return_reports=False, nonfinite="propagate",
-                            budget="per-chunk", layout=None):
-    """Run the reduce-scatter of ``len(xs)`` ranks in this process (rank r
-    passes ``xs[r]``).  Returns every rank's chunk (and reports).
-    ``layout``: see :func:`~dynamiq_mpi.call.engine.default_layout`."""
-    from ..codecs import DEFAULT_CODEC as _DEFAULT_CODEC
-    from .engine import default_layout
-    from ..codecs.base import DEFAULT_TILE_BYTES
-    from ..transports.simulate import SimulatedTransport
-    codec = _DEFAULT_CODEC if codec is None else codec
-    n = len(xs)
-    spec = CallSpec(codec, topology, op, seed, counter, "auto",
-                    DEFAULT_TILE_BYTES if tile_bytes is None else tile_bytes,
-                    nonfinite=nonfinite, layout=default_layout(layout))
-    results = SimulatedTransport(n).run(
-        [rank_program_rs(r, n, xs[r], spec, None, FRESH, return_reports, budget)
-         for r in range(n)])
-    outs = [r[0] for r in results]
-    return (outs, [r[1] for r in results]) if return_reports else outs
