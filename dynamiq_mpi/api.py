@@ -7,11 +7,12 @@ from __future__ import annotations
 import threading
 import time
 
-from .call.engine import CallSpec, check_nonfinite, default_layout, rank_program
+from .call.engine import rank_program
 from .call.engine_rs import rank_program_rs
 from .call.graphs import default_graphs
 from .call.hierarchy import default_node_size
 from .call.paths import default_path
+from .call.phases import CallSpec, check_nonfinite, default_layout
 from .call.prediction import default_links
 from .call.rail_budget import default_rail_budget
 from .call.planner import CallPlanner

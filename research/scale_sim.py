@@ -367,7 +367,7 @@ def _reduce(plan, bind, topology, n):
     """The sink's final compressed stream (tile 0 = the whole stream) of a
     reduce-scatter in which role ``v`` adds the local values ``bind(v)``
     binds the plan to, quantizing as event ``v`` - the engine's
-    ``_reduce_tile`` for every chunk at once."""
+    ``reduce_tile`` (call/phases.py) for every chunk at once."""
     if topology == "ring":
         payload = None
         for v in range(n):

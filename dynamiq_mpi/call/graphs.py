@@ -213,8 +213,8 @@ class GraphCalls:
         the same order, so peers replaying their graphs still match).
         Returns True: the call is done."""
         if not entry.agree(self._plane, counter):
-            from .engine import _agree      # every rank raises, as on the engine's path
-            _agree(self._plane.allgather(dict(entry.record, counter=counter)))
+            from .phases import check_agreement      # every rank raises, as on the engine's path
+            check_agreement(self._plane.allgather(dict(entry.record, counter=counter)))
             raise InvalidInputError("ranks disagree on the call")
         import cupy
         stream = cupy.cuda.get_current_stream()

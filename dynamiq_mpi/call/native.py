@@ -51,9 +51,9 @@ class SteadyNative:
         if self._digests is None:
             self._digests = Digests(comm)
         if not self._digests.match(digest_with_counter(self.static, counter)):
-            from .engine import _agree      # (engine imports this module)
-            _agree(comm.allgather(dict(self.record, counter=counter)))
-            raise InputMismatchError("ranks disagree on the call")   # _agree raised already
+            from .phases import check_agreement
+            check_agreement(comm.allgather(dict(self.record, counter=counter)))
+            raise InputMismatchError("ranks disagree on the call")   # (raised above)
         transport = route(self.transport, x)
         flat = x.reshape(-1)
         result = out.reshape(-1) if out is not None else self.backend.empty(flat.shape[0],

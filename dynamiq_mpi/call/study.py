@@ -15,7 +15,8 @@ and the declared interfaces of docs/design.md).
   (``RAIL_BUDGETS``, ``applies``, ``rail_shares``).
 """
 from ..transports.simulate import SimulatedTransport
-from .engine import CallSpec, rank_program
+from .engine import rank_program
+from .phases import CallSpec
 from .hierarchy import (BLOCK, rail_blocks, rail_gather, rail_index, rail_length, rail_scatter,
                         rail_topology)
 from .rail_budget import RAIL_BUDGETS, applies, rail_shares
