@@ -220,7 +220,8 @@ class GraphCalls:
         stream = cupy.cuda.get_current_stream()
         keys = call_keys(int(seed), counter)
 
-        from .engine import CallSpec, rank_program      # (the engine imports what this imports)
+        from .engine import rank_program      # (the engine imports what this imports)
+        from .phases import CallSpec
 
         def program(keys_at, workspace):      # (a replay needs none: only a capture or fallback)
             spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,

@@ -13,9 +13,10 @@ from ..errors import InvalidInputError
 from ..settings import env_text
 from ..transports import explain_transport, transport_class
 from ..transports.ops import Agree, Route
-from .engine import CallSpec, rank_program
+from .engine import rank_program
 from .graphs import GraphCalls
 from .hierarchy import NodeCalls
+from .phases import CallSpec
 
 
 class CallRunner(GraphCalls, NodeCalls):
