@@ -3,19 +3,15 @@
     from dynamiq_mpi import allreduce, DynamiQ
     total = allreduce(grad, codec=DynamiQ(bits=5), topology="ring")
 """
-from .api import Collective, allreduce, collective_for, reduce_scatter, simulate_allreduce
+from .api import (COLLECTIVE_OPTIONS, Collective, allreduce, check_collective_options,
+                  collective_for, reduce_scatter, simulate_allreduce, simulate_reduce_scatter)
 from .codecs import BF16, MXFP, THC, DynamiQ, Exact, OmniReduce
-from .call.engine_rs import simulate_reduce_scatter
 from .errors import (DynamiQError, InputMismatchError, InvalidInputError, NonFiniteInputError,
                      SumOverflowError)
 from .report import Report
 from .schedules import TopologyError
 
 __version__ = "0.1.0"   # the one version: setup.cfg reads it from here
-
-from ._moved import install as _install_moved  # noqa: E402  (old module paths, deprecated)
-
-_install_moved()
 
 
 def has_cuda() -> bool:
@@ -27,6 +23,7 @@ def has_cuda() -> bool:
     return _has_cuda()
 
 
-__all__ = ["allreduce", "simulate_allreduce", "reduce_scatter", "simulate_reduce_scatter", "Collective", "collective_for", "DynamiQ",
+__all__ = ["allreduce", "simulate_allreduce", "reduce_scatter", "simulate_reduce_scatter", "Collective", "collective_for",
+           "COLLECTIVE_OPTIONS", "check_collective_options", "DynamiQ",
            "Exact", "BF16", "MXFP", "THC", "OmniReduce", "Report", "has_cuda", "DynamiQError", "InputMismatchError",
            "InvalidInputError", "NonFiniteInputError", "SumOverflowError", "TopologyError"]

@@ -1,6 +1,8 @@
-"""Command line: ``python -m dynamiq_mpi {doctor,demo,bench,vnmse,model,kernels,schedule,train-sim}``.
+"""Command line: ``python -m dynamiq_mpi {doctor,demo,bench,kernels,model}``.
 
-Run under ``mpiexec -n N`` for the MPI commands.  An exception on any rank
+Run under ``mpiexec -n N`` for the MPI commands.  The studies (the error
+study, the training simulator, the schedules) are not installed: they run
+from a checkout, ``python -m research {vnmse,train-sim,schedule}``.  An exception on any rank
 prints its traceback and aborts the whole job (no rank is left hanging).
 """
 from __future__ import annotations
@@ -44,7 +46,7 @@ def cmd_demo(args):
     from mpi4py import MPI
 
     from . import Collective
-    from .studies.gradients import gradient_like
+    from .bench.gradients import gradient_like
 
     comm = _world()
     rank, n = comm.rank, comm.size
@@ -98,23 +100,16 @@ def cmd_demo(args):
         raise RuntimeError("ranks disagree on the all-reduce result")
 
 
-def cmd_schedule(args):
-    from .schedules import build, describe
-    print(describe(build(args.topology, args.n)))
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["kernels"]:   # the GPU kernel benchmark keeps its own options
         from .bench.kernels import main as bench_main
         return bench_main(argv[1:])
-    if argv[:1] == ["train-sim"]:  # training with simulated ranks (studies/train_sim.py)
-        from .studies.train_sim import main as train_sim_main
-        train_sim_main(argv[1:])
-        return None
     parser = argparse.ArgumentParser(prog="python -m dynamiq_mpi", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    from . import doctor
+    # listed for --help only: "kernels" is dispatched above, with its own options
+    sub.add_parser("kernels", help="the GPU kernel benchmark (its options: kernels --help)")
+    from .bench import doctor
     p = sub.add_parser("doctor", help="what the library found: kernels, CuPy, NCCL, torch, MPI, "
                                       "launcher, and what the default call would choose",
                        description=doctor.__doc__,
@@ -127,13 +122,7 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="also write the table as JSON")
     p.add_argument("--gpu", action="store_true", help="all-reduce CuPy arrays (rank r on GPU r % count)")
     p.set_defaults(func=cmd_demo, mpi=True)
-    from .studies import errorstudy   # the study lives in studies/errorstudy.py
-    p = sub.add_parser("vnmse", help="error study of every codec, simulated ranks (no MPI)",
-                       description=errorstudy.__doc__,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    errorstudy.add_arguments(p)
-    p.set_defaults(func=errorstudy.run, mpi=False)
-    from .studies import cost_model, cost_model_cli   # the model, and its command
+    from .cost_model import cli as cost_model_cli, model as cost_model
     p = sub.add_parser("model", help="predicted time of NCCL's, our flat and our hierarchical "
                                      "all-reduce on a cluster (CPU only)",
                        description=cost_model.__doc__,
@@ -145,10 +134,6 @@ def main(argv=None):
     from .bench import add_arguments, run as bench_run
     add_arguments(p)
     p.set_defaults(func=bench_run, mpi=True)
-    p = sub.add_parser("schedule", help="print a ring or butterfly schedule")
-    p.add_argument("topology", choices=["ring", "butterfly"])
-    p.add_argument("n", type=int)
-    p.set_defaults(func=cmd_schedule, mpi=False)
     args = parser.parse_args(argv)
     if not args.mpi:
         return args.func(args)

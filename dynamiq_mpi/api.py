@@ -4,14 +4,15 @@ decided by the call planner (call/planner.py) and carried out by the runner
 (call/runner.py)."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 
-from .call.engine import CallSpec, check_nonfinite, default_layout, rank_program
+from .call.engine import rank_program
+from .call.engine_rs import rank_program_rs
 from .call.graphs import default_graphs
 from .call.hierarchy import default_node_size
 from .call.paths import default_path
+from .call.phases import CallSpec, check_nonfinite, default_layout
 from .call.prediction import default_links
 from .call.rail_budget import default_rail_budget
 from .call.planner import CallPlanner
@@ -19,8 +20,8 @@ from .call.runner import CallRunner, _sync
 from .call.workspace import FRESH, Workspace
 from .codecs import DEFAULT_CODEC
 from .codecs.base import DEFAULT_TILE_BYTES
-from .settings import env_choice
-from .transports import TRANSPORTS
+from .settings import env_choice, env_text
+from .transports import TRANSPORTS, transport_class
 from .transports.simulate import SimulatedTransport
 
 
@@ -126,26 +127,16 @@ class Collective(CallRunner):
         self.nonfinite = nonfinite
         self.layout = default_layout()
         self.graphs = default_graphs(graphs)
-        from .transports.mpi_host import HostTransport
         self.parent = comm
         self.transport = transport
         self.tile_bytes = int(tile_bytes)
-        if lanes is None:
-            lanes = os.environ.get("DYNAMIQ_NCCL_LANES", "auto")
-        if lanes != "auto":
-            try:
-                lanes = int(lanes)
-            except (TypeError, ValueError):
-                lanes = 0
-            if lanes < 1:
-                raise ValueError(f"lanes must be a positive integer or 'auto', got {lanes!r}")
-        self.lanes = lanes
-        lane_bytes = os.environ.get("DYNAMIQ_NCCL_LANE_BYTES")
+        self.lanes = default_lanes(lanes)
+        lane_bytes = env_text("DYNAMIQ_NCCL_LANE_BYTES")
         if lane_bytes is not None and not (lane_bytes.strip().isdigit() and int(lane_bytes) > 0):
             raise ValueError("DYNAMIQ_NCCL_LANE_BYTES must be a positive number of bytes, "
                              f"got {lane_bytes!r}")
         self.lane_bytes = int(lane_bytes) if lane_bytes is not None else None
-        self._host = HostTransport(as_plane(comm))    # a private duplicate
+        self._host = transport_class("mpi")(as_plane(comm))    # a private duplicate
         self._plane = self._host.plane
         self.control_plane = self._plane.name
         self.rank, self.size = self._host.rank, self._host.size
@@ -257,6 +248,49 @@ def default_hierarchy(value=None) -> str:
     return env_choice(value, "DYNAMIQ_HIERARCHY", HIERARCHIES, "hierarchy", default="flat")
 
 
+def default_lanes(value=None):
+    """``value``, else ``$DYNAMIQ_NCCL_LANES``, else "auto": NCCL lanes a
+    call may use, a positive integer or "auto"."""
+    if value is None:
+        value = env_text("DYNAMIQ_NCCL_LANES", "auto")
+    if value == "auto":
+        return value
+    try:
+        lanes = int(value) if not isinstance(value, (bool, float)) else 0
+    except (TypeError, ValueError):
+        lanes = 0
+    if lanes < 1:
+        raise ValueError(f"lanes must be a positive integer or 'auto', got {value!r}")
+    return lanes
+
+
+def _check_graphs(value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"graphs must be True or False, got {value!r}")
+    return value
+
+
+# The options a Collective takes from its maker beyond the control plane and
+# the transport, and the check of each (also its reading of DYNAMIQ_*).
+_OPTION_CHECKS = {"hierarchy": default_hierarchy, "node_size": default_node_size,
+                  "links": default_links, "rail_budget": default_rail_budget,
+                  "graphs": _check_graphs, "lanes": default_lanes}
+COLLECTIVE_OPTIONS = tuple(_OPTION_CHECKS)
+
+
+def check_collective_options(**options) -> None:
+    """Check the given (not None) :data:`COLLECTIVE_OPTIONS` as
+    :class:`Collective` checks them, before anything is set up: a state that
+    makes its collective later (the torch adapter's) raises where it is made,
+    not in the first backward pass."""
+    unknown = sorted(set(options) - set(_OPTION_CHECKS))
+    if unknown:
+        raise TypeError(f"not an option of Collective: {', '.join(unknown)}")
+    for name, value in options.items():
+        if value is not None:
+            _OPTION_CHECKS[name](value)
+
+
 _collectives = {}
 _collectives_lock = threading.Lock()
 
@@ -295,7 +329,7 @@ def allreduce(x, *, codec=None, topology="ring", op="sum", comm=None, seed=0, ou
     ``nonfinite``: "propagate" (NCCL's semantics: NaN/Inf on any rank gives a
     NaN output on every rank and ``report.nonfinite``) or "raise"
     (``NonFiniteInputError`` on every rank).
-    ``hierarchy``: "flat" (default) or "nodes" (see :class:`Collective`).
+    ``hierarchy``: "flat" (default), "nodes" or "auto" (see :class:`Collective`).
     """
     return collective_for(comm).allreduce(x, codec=codec, topology=topology, op=op, seed=seed,
                                           out=out, transport=transport,
@@ -329,11 +363,27 @@ def simulate_allreduce(xs, *, codec=None, topology="ring", op="sum", seed=0, cou
     """Run the all-reduce of ``len(xs)`` ranks in this process (rank r passes
     ``xs[r]``; always the compressed path).  Returns the list of every rank's
     output (and reports).  ``layout``: see :func:`default_layout`."""
-    codec = _DEFAULT_CODEC if codec is None else codec
-    n = len(xs)
-    spec = CallSpec(codec, topology, op, seed, counter, "auto", tile_bytes,
+    spec = CallSpec(_DEFAULT_CODEC if codec is None else codec, topology, op, seed, counter,
+                    "auto", tile_bytes, nonfinite=nonfinite, layout=default_layout(layout))
+    return _simulate([rank_program(r, len(xs), xs[r], spec, None, FRESH, return_reports)
+                      for r in range(len(xs))], return_reports)
+
+
+def simulate_reduce_scatter(xs, *, codec=None, topology="ring", op="sum", seed=0, counter=0,
+                            tile_bytes=None, return_reports=False, nonfinite="propagate",
+                            budget="per-chunk", layout=None):
+    """Run the reduce-scatter of ``len(xs)`` ranks in this process (rank r
+    passes ``xs[r]``).  Returns every rank's chunk (and reports).
+    ``layout``: see :func:`default_layout`."""
+    spec = CallSpec(_DEFAULT_CODEC if codec is None else codec, topology, op, seed, counter,
+                    "auto", DEFAULT_TILE_BYTES if tile_bytes is None else tile_bytes,
                     nonfinite=nonfinite, layout=default_layout(layout))
-    results = SimulatedTransport(n).run(
-        [rank_program(r, n, xs[r], spec, None, FRESH, return_reports) for r in range(n)])
+    return _simulate([rank_program_rs(r, len(xs), xs[r], spec, None, FRESH, return_reports,
+                                      budget) for r in range(len(xs))], return_reports)
+
+
+def _simulate(programs, return_reports):
+    """Every rank's program driven in this process: the outputs (and reports)."""
+    results = SimulatedTransport(len(programs)).run(programs)
     outs = [r[0] for r in results]
     return (outs, [r[1] for r in results]) if return_reports else outs

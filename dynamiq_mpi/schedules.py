@@ -71,7 +71,8 @@ def _ring_reduce_steps(rank: int, n: int) -> list:
             for s in range(n - 1)]
 
 
-def _trailing_ones(v: int) -> int:
+def trailing_ones(v: int) -> int:
+    """How many low bits of ``v`` are set: role ``v``'s level in the butterfly's tree."""
     t = 0
     while v & 1:
         v >>= 1
@@ -89,7 +90,7 @@ def _butterfly_reduce_steps(rank: int, n: int) -> list:
     level = 0
     while (1 << level) < n:
         dist = 1 << level
-        roles = [v for v in range(n - 1) if _trailing_ones(v) == level]
+        roles = [v for v in range(n - 1) if trailing_ones(v) == level]
         for v in roles:
             steps.append(Step(REDUCE, (rank - v) % n, (rank + dist) % n,
                               (rank - dist - v) % n, (rank - dist) % n))

@@ -1,11 +1,24 @@
-"""Settings a caller may leave to the environment: an argument, else the
-variable, else the default, checked alike (ground floor: imports nothing of
-the package)."""
+"""Settings a caller may leave to the environment, and the one module of the
+package that reads the environment: an argument, else the variable, else the
+default, checked alike (ground floor: imports nothing of the package).
+docs/design.md lists every ``DYNAMIQ_*`` variable."""
 from __future__ import annotations
 
 import os
 
 _TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+
+
+def environment():
+    """The process environment, for the variables of launchers, MPI and NCCL
+    that a module interprets itself (``RANK``, ``MASTER_ADDR``, ``NCCL_*``)."""
+    return os.environ
+
+
+def env_text(variable: str, default=None):
+    """``$variable`` as set (not stripped), else ``default``."""
+    return os.environ.get(variable, default)
 
 
 def env_choice(value, variable: str, choices: tuple, what: str, default: str = "auto") -> str:
@@ -20,7 +33,14 @@ def env_choice(value, variable: str, choices: tuple, what: str, default: str = "
 
 
 def env_flag(value, variable: str) -> bool:
-    """``value``, else whether ``$variable`` says yes ("1", "true", "on")."""
+    """``value``, else whether ``$variable`` says yes ("1", "true", "on"): off
+    by default."""
     if value is None:
         return os.environ.get(variable, "").strip().lower() in _TRUE
     return bool(value)
+
+
+def env_switch(variable: str) -> bool:
+    """Whether ``$variable`` leaves a feature on: on unless it says no ("0",
+    "false", "off", "no")."""
+    return os.environ.get(variable, "").strip().lower() not in _FALSE

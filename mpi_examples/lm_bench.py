@@ -121,8 +121,8 @@ def main(argv=None):
 
     import dynamiq_mpi as dq
     import dynamiq_mpi.torch as dqt
-    from dynamiq_mpi.studies.corpus import load_corpus
-    from dynamiq_mpi.studies.workloads import build_model, rank_batch
+    from research.corpus import load_corpus
+    from research.workloads import build_model, rank_batch
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     owns_group = not dist.is_initialized()

@@ -29,7 +29,7 @@ bfloat16)`` (BF16 reduce-scatter of the group), any dynamiq_mpi codec
 ``dynamiq_mpi.torch.ReduceScatter`` (``set_custom_reduce_scatter``).
 
 The corpus (docs/training.md): the files of ``CORPUS_FILES``
-(``dynamiq_mpi/studies/corpus.py``), relative to
+(``research/corpus.py``), relative to
 ``sysconfig.get_paths()["stdlib"]``: modules present under the same path in
 Python 3.11 and 3.12.  In that sorted list every 10th file (index % 10 == 9)
 is validation, the rest training; files are joined by a NUL byte, the
@@ -45,7 +45,10 @@ import statistics
 import sys
 import time
 
-from dynamiq_mpi.studies.corpus import CORPUS_FILES, load_corpus  # noqa: F401 (the example's API)
+# The corpus, the model and the batches are shared with the training simulator
+# in research/ (a folder of the checkout, not installed): run from a checkout.
+sys.path.insert(1, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from research.corpus import CORPUS_FILES, load_corpus  # noqa: E402,F401 (the example's API)
 
 # Model and run sizes: GPU default (~26M parameters), a 0.8B LLaMA, --tiny (CPU tests).
 PRESETS = {
@@ -138,15 +141,15 @@ def parse_args(argv):
 
 def lr_at(step, args):
     """Linear warm-up, then cosine decay to 10 % of the peak."""
-    from dynamiq_mpi.studies.workloads import lr_at as schedule    # one definition for both
+    from research.workloads import lr_at as schedule    # one definition for both
     return schedule(step, args)
 
 
 def batch_for(step, rank, world, data, args, torch):
     """Rank ``rank``'s share of the global batch of ``step``: a function of
     (seed, step, world, batch) only, so identical for every codec (the
-    training simulator's rule, dynamiq_mpi/studies/workloads.py)."""
-    from dynamiq_mpi.studies.workloads import rank_batch
+    training simulator's rule, research/workloads.py)."""
+    from research.workloads import rank_batch
     return rank_batch(step, rank, world, data, args)
 
 
@@ -218,7 +221,7 @@ def _compute_probe(ddp, opt, w, device, torch, sync):
 
 
 def _loss(model, w, device, torch, reduction="mean"):
-    from dynamiq_mpi.studies.workloads import lm_loss    # one definition for both
+    from research.workloads import lm_loss    # one definition for both
     return lm_loss(model, w, device, reduction)
 
 
@@ -264,7 +267,7 @@ def main(argv=None):
     import transformers
 
     import dynamiq_mpi.torch as dqt
-    from dynamiq_mpi.studies.workloads import build_model
+    from research.workloads import build_model
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     owns_group = not dist.is_initialized()    # else the caller's (e.g. a test's) group

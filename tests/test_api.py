@@ -161,26 +161,6 @@ def test_ranks_sharing_a_gpu_are_named_and_distinct_gpus_pass():
         "ranks [0, 1] share GPU 0000:01 on a; ranks [2, 4] share GPU 0000:01 on b")
 
 
-def test_moved_modules_keep_their_old_import_paths_with_a_warning():
-    """The studies, the kernel benchmark and FSDP's module moved into
-    subpackages (docs/design.md); the old paths hand out the new modules."""
-    import importlib
-    import sys
-    import warnings
-
-    from dynamiq_mpi._moved import MOVED
-    for old, new in MOVED.items():
-        if old.endswith("torch_fsdp"):
-            pytest.importorskip("torch", exc_type=ImportError)
-        sys.modules.pop(old, None)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            module = importlib.import_module(old)
-        assert module is importlib.import_module(new)
-        assert any(issubclass(w.category, DeprecationWarning) and new in str(w.message)
-                   for w in caught), (old, [str(w.message) for w in caught])
-
-
 def test_device_routes_reach_their_transports(monkeypatch):
     """The runner's device routes (call/runner.py), on the CPU: NCCL asked
     for ranks that share a GPU stages through host memory under "auto" and

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import dynamiq_mpi as dq
-from dynamiq_mpi.studies.scale_sim import LogNormalMixture
+from research.scale_sim import LogNormalMixture
 from helpers import exact_sum, fresh_seed, vnmse
 
 

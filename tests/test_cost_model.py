@@ -1,6 +1,7 @@
-"""The cost model (``python -m dynamiq_mpi model``, dynamiq_mpi/studies/cost_model.py):
+"""The cost model (``python -m dynamiq_mpi model``, dynamiq_mpi/cost_model/model.py):
 units, the pipeline's arithmetic, edge cases, monotonicity, and its stated
-error against the two-GPU measurements in docs/results (docs/cost-model.md)."""
+error against the two-GPU measurements in docs/results (docs/cost-model.md;
+``python -m research model-check``, research/model_check.py)."""
 import json
 import math
 import os
@@ -8,8 +9,9 @@ import os
 import pytest
 
 from dynamiq_mpi.__main__ import main
-from dynamiq_mpi.studies import cost_model as cm
-from dynamiq_mpi.studies import cost_model_check as cc
+from dynamiq_mpi.cost_model import model as cm
+from research import model_check as cc
+from research.__main__ import main as research_main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "docs", "results")
@@ -161,7 +163,7 @@ def test_subcommand(tmp_path, capsys):
     rows = json.loads(sweep.read_text())["rows"]
     assert [r["value"] for r in rows] == ["100Gb/s", "400Gb/s"]
     assert rows[0]["levels_ring"]["speedup"] > rows[1]["levels_ring"]["speedup"]
-    main(["model", "--check", "--json", str(tmp_path / "c.json")])
+    research_main(["model-check", "--json", str(tmp_path / "c.json")])
     check = json.loads((tmp_path / "c.json").read_text())
     assert check["check"]["rows"] and check["sanity"]
 
@@ -169,7 +171,7 @@ def test_subcommand(tmp_path, capsys):
 def test_map(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "map.png"
-    main(["model", "--map", str(png)])
+    research_main(["model-map", str(png)])
     assert png.stat().st_size > 10_000
     data = json.loads(png.with_suffix(".json").read_text())
     assert {g["best"] for g in data["winner"]} >= {"nccl", "levels_ring"}

@@ -44,15 +44,15 @@ def test_every_result_file_is_named_by_a_document():
     assert not unnamed, f"result files no document names: {unnamed}"
 
 
-TOOL = re.compile(r"(?<![\w/])(tools/[\w./-]*\w(?:\.py|\.sh)|tools/[\w-]+/)")
+TOOL = re.compile(r"(?<![\w/])((?:tools|research)/[\w./-]*\w(?:\.py|\.sh)|(?:tools|research)/[\w-]+/)")
 # a line that tells where a tool was (a run's record): its old path stands
 HISTORY = re.compile(r"\b(was|now)\b")
 
 
 def test_every_tool_path_named_in_a_document_exists():
     """Commands in README.md, docs/*.md, the Makefile and .ci/run name tools
-    where they are (tools/ is grouped by purpose: testing, device, profiling,
-    studies)."""
+    and studies where they are (tools/ is grouped by purpose: testing,
+    device, profiling; the studies are in research/)."""
     docs = ([os.path.join(ROOT, name) for name in ("README.md", "Makefile", ".ci/run")]
             + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))))
     missing = set()

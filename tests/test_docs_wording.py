@@ -81,7 +81,8 @@ USER_DOCS = ("README.md", "CHANGELOG.md", "docs/getting-started.md", "docs/tunin
              "docs/reference.md", "docs/troubleshooting.md")
 OUTSIDE = {
     "a specification outside the repository": re.compile(
-        r"\bspec(?:ification)?s?\b(?:\s+(?:section\s+)?\d)?|\.\./shared\b|paper-notes", re.I),
+        r"\bspec(?:ification)?s?\s+(?:section\s+)?\d|\(spec\b|\bthe spec\b|\.\./shared\b"
+        r"|paper-notes", re.I),
     "the internal device runner": re.compile(r"tools/device(?:\.sh|/)"),
 }
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import dynamiq_mpi
-from dynamiq_mpi import doctor
+from dynamiq_mpi.bench import doctor
 
 ROOT = Path(__file__).resolve().parent.parent
 LAUNCH_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMI_RANK", "PMIX_RANK", "WORLD_SIZE", "RANK",

@@ -1,5 +1,5 @@
-"""The error study (``python -m dynamiq_mpi vnmse``, dynamiq_mpi/studies/errorstudy.py)
-and the gradient capture (tools/studies/capture_gradients.py)."""
+"""The error study (``python -m research vnmse``, research/errorstudy.py)
+and the gradient capture (research/scripts/capture_gradients.py)."""
 import argparse
 import importlib.util
 import json
@@ -8,8 +8,8 @@ import os
 import numpy as np
 import pytest
 
-from dynamiq_mpi.studies import errorstudy
-from dynamiq_mpi.__main__ import main as cli
+from research import errorstudy
+from research.__main__ import main as cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -145,7 +145,7 @@ def test_plot(tmp_path):
 
 def _capture_module():
     spec = importlib.util.spec_from_file_location(
-        "capture_gradients", os.path.join(ROOT, "tools", "studies", "capture_gradients.py"))
+        "capture_gradients", os.path.join(ROOT, "research", "scripts", "capture_gradients.py"))
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -180,7 +180,7 @@ def test_capture_tiny(tmp_path):
 
 
 def test_codecs_without_scale_adapter_run_on_simulate_allreduce():
-    from dynamiq_mpi.studies.scale_sim import supports
+    from research.scale_sim import supports
     others = [s for s in errorstudy.available_codecs(("thc", "omnireduce"))
               if not supports(errorstudy.parse_codec(s))]
     if not others:
@@ -193,7 +193,7 @@ def test_codecs_without_scale_adapter_run_on_simulate_allreduce():
 
 
 def test_paths_resolve_to_the_checkout():
-    # the module lives in dynamiq_mpi/studies/: the repository is two folders up
+    # the module lives in research/: the repository is one folder up
     assert errorstudy.CAPTURE_SCRIPT.exists()
     assert errorstudy.DEFAULT_CACHE == errorstudy.REPO / ".cache" / "gradients"
 
@@ -207,7 +207,7 @@ def test_node_size_rows(tmp_path, capsys):
     keys plus node_size, nodes, rail_topology; a butterfly over a node count
     that is not a power of two runs the ring on the rail level (said in the
     row, never an error); ranks that do not make whole nodes: an error row."""
-    from dynamiq_mpi.studies.scale_levels import levels_allreduce
+    from research.scale_levels import levels_allreduce
     out = tmp_path / "levels.json"
     cli(["vnmse", "--data", "lognormal", "--ranks", "4,5,6,8", "--length", "5000",
          "--codecs", "dynamiq:5,thc", "--node-size", "2", "--quiet", "--json", str(out)])

@@ -245,7 +245,7 @@ def test_reduce_scatter_layouts_decode_the_same_bits(n, topology):
     layout too (one chunk each): the same chunks as the exact layout, bit for
     bit; NaN in one block turns every rank's chunk NaN, as the exact layout's
     refusal does, decided on the device."""
-    from dynamiq_mpi.call.engine_rs import simulate_reduce_scatter
+    from dynamiq_mpi import simulate_reduce_scatter
     seed = fresh_seed()
     for codec in (dq.DynamiQ(small_input=0), dq.DynamiQ(small_input=0, bits=3, bf16_class=False),
                   dq.DynamiQ()):                              # (small inputs: BF16)

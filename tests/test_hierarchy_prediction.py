@@ -1,6 +1,6 @@
 """The cost model's prediction that seeds hierarchy="auto"
 (dynamiq_mpi/call/prediction.py): its numbers are the cost model's own
-(studies/cost_model.py), its two documented anchors (docs/cost-model.md,
+(cost_model/model.py), its two documented anchors (docs/cost-model.md,
 "The issue's two sanity points"), the links a collective is given, and how
 the hierarchy chooser (call/paths.py) uses a prediction.  The MPI side
 (every rank alike, the output's bits) is tests/mpi/test_hierarchy_mpi.py."""
@@ -10,7 +10,7 @@ from mpi4py import MPI
 import dynamiq_mpi as dq
 from dynamiq_mpi.call import prediction as pr
 from dynamiq_mpi.call.paths import PathChooser
-from dynamiq_mpi.studies import cost_model as cm
+from dynamiq_mpi.cost_model import model as cm
 
 
 def model(nodes, k, intra, inter, nics, elements, codec="dynamiq", bits=5.0, topology="ring",

@@ -1,5 +1,7 @@
 """The package's house rules that show in its imports (docs/design.md):
 
+* every relative import, lazy ones included, names a module and names that
+  exist (some run only on a GPU);
 * no import circle between the package's modules, counting imports inside
   functions too (a lazy import still ties two modules together);
 * the top level shows the public face and the layers, at most 13 modules;
@@ -129,4 +131,31 @@ def test_every_relative_import_names_a_module_that_exists():
                 base = _resolve(node.module or "", node.level, name, path.name == "__init__.py")
                 if importlib.util.find_spec(base) is None:
                     missing.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {base}")
+    assert not missing, missing
+
+
+def test_every_relative_import_takes_a_name_its_module_has():
+    """The same for the names: ``from .x import y`` (lazy ones included) takes
+    a ``y`` that module ``x`` defines or that is its submodule.  Modules that
+    need what this machine lacks (CuPy, torch) are left out."""
+    import importlib
+    missing = []
+    for name, path in _modules().items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.ImportFrom) and node.level):
+                continue
+            base = _resolve(node.module or "", node.level, name, path.name == "__init__.py")
+            try:
+                module = importlib.import_module(base)
+            except ImportError:
+                continue
+            for alias in node.names:
+                if alias.name == "*" or hasattr(module, alias.name):
+                    continue
+                try:
+                    importlib.import_module(f"{base}.{alias.name}")
+                except ImportError:
+                    missing.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: "
+                                   f"{base}.{alias.name}")
     assert not missing, missing

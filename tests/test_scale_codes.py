@@ -11,7 +11,7 @@ import pytest
 import dynamiq_mpi as dq
 from dynamiq_mpi import _cpu as K
 from dynamiq_mpi.codecs.levels import build_tables
-from dynamiq_mpi.studies.scale_sim import LogNormalMixture, scale_allreduce
+from research.scale_sim import LogNormalMixture, scale_allreduce
 from tests import reference_model as M
 
 WIDTH, EPS = 4, 0.20

@@ -1,4 +1,4 @@
-"""The hierarchical all-reduce on simulated ranks (dynamiq_mpi/studies/scale_levels.py):
+"""The hierarchical all-reduce on simulated ranks (research/scale_levels.py):
 bit for bit a reference built here from the definition's steps (with its own
 interleave of 256-element blocks, not the module's), the flat study at node
 size 1, rails of nearly equal length, lower error than flat where shards are
@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 import dynamiq_mpi as dq
-from dynamiq_mpi.studies.scale_levels import (NodeRailSource, levels_allreduce,
+from research.scale_levels import (NodeRailSource, levels_allreduce,
                                               levels_simulate, rail_blocks, rail_gather,
                                               rail_index, rail_length, rail_scatter)
-from dynamiq_mpi.studies.scale_sim import (ArraySource, LogNormalMixture, RankSource,
+from research.scale_sim import (ArraySource, LogNormalMixture, RankSource,
                                            scale_allreduce)
 
 from helpers import exact_sum, fresh_seed, joint_rail_codecs, rank_inputs, vnmse

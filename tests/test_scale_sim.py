@@ -1,4 +1,4 @@
-"""The scale simulator (dynamiq_mpi/studies/scale_sim.py): bit for bit
+"""The scale simulator (research/scale_sim.py): bit for bit
 simulate_allreduce at small n, memory independent of n, its sources."""
 import tracemalloc
 
@@ -8,9 +8,9 @@ import pytest
 import dynamiq_mpi as dq
 from dynamiq_mpi.codecs.base import Codec
 from dynamiq_mpi.errors import NonFiniteInputError
-from dynamiq_mpi.studies.gradients import gradient_like
-from dynamiq_mpi.studies import scale_sim
-from dynamiq_mpi.studies.scale_sim import ArraySource, LogNormalMixture, scale_allreduce, supports
+from dynamiq_mpi.bench.gradients import gradient_like
+from research import scale_sim
+from research.scale_sim import ArraySource, LogNormalMixture, scale_allreduce, supports
 
 from helpers import exact_sum, fresh_seed, rank_inputs
 
@@ -245,7 +245,7 @@ def test_progress_lines(capsys, monkeypatch):
 
 def test_detailed_report_gives_the_widths_of_simulate_allreduce():
     """scale_allreduce(detailed=True): the codec's detailed report, DynamiQ's
-    per-super-group widths included (tools/studies/ring_class_share.py uses them)."""
+    per-super-group widths included (research/scripts/ring_class_share.py uses them)."""
     source = LogNormalMixture(40 * 256, seed=3)
     xs = [source.rank_vector(np, r) for r in range(4)]
     codec = dq.DynamiQ(bits=7, small_input=0)

@@ -1,5 +1,5 @@
-"""The training simulator (``python -m dynamiq_mpi train-sim``,
-studies/train_sim.py): N data-parallel ranks in one process.
+"""The training simulator (``python -m research train-sim``,
+research/train_sim.py): N data-parallel ranks in one process.
 
 At N = 2 its gradients equal a real two-rank job's (``--real`` under
 mpiexec: each rank its own process, ``allreduce_gradients`` over MPI) bit
@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch", exc_type=ImportError)
 pytest.importorskip("transformers", exc_type=ImportError)
 
-from dynamiq_mpi.studies import train_sim, train_sim_table  # noqa: E402
+from research import train_sim, train_sim_table  # noqa: E402
 from helpers import vnmse  # noqa: E402
 from test_launchers import _run, mpiexec  # noqa: E402
 
@@ -38,7 +38,7 @@ def test_two_simulated_ranks_equal_the_real_two_rank_job(tmp_path, workload, mon
     work = ["--workload", workload]
     sim, record = _sim(tmp_path, "sim", "--ranks", "2", "--codec", CODEC, "--seed", str(seed),
                        *work)
-    _run(mpiexec(2, "-m", "dynamiq_mpi", "train-sim", *TINY, "--ranks", "2", "--codec", CODEC,
+    _run(mpiexec(2, "-m", "research", "train-sim", *TINY, "--ranks", "2", "--codec", CODEC,
                  "--seed", seed, "--real", "--dump", tmp_path / "real.npy", *work,
                  "--json", tmp_path / "real.json"), "the real two-rank job")
     real = np.load(tmp_path / "real.npy")
@@ -261,7 +261,7 @@ def test_max_seconds_needs_a_checkpoint(capsys):
 
 
 def test_the_cells_script_resumes_a_queue(tmp_path, monkeypatch):
-    """tools/studies/train_sim_cells.sh: with MAX_SECONDS=0 each call takes
+    """research/scripts/train_sim_cells.sh: with MAX_SECONDS=0 each call takes
     every run one step further from its checkpoint, a complete run is then
     skipped ("have"), and a run that could not end by END_AT is not started."""
     import os
@@ -269,7 +269,7 @@ def test_the_cells_script_resumes_a_queue(tmp_path, monkeypatch):
     import sys
     import time
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                          "tools", "studies", "train_sim_cells.sh")
+                          "research", "scripts", "train_sim_cells.sh")
     out = tmp_path / "cells"
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(out), PRESET="tiny", STEPS="2",
                MAX_SECONDS="0", TRAIN_ARGS="--eval-every 1", RUNS="2/dynamiq/ring/1/0",

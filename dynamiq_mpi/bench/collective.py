@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import platform
 import sys
 import time
@@ -32,6 +31,7 @@ import numpy as np
 from ..backend import BFLOAT16
 from ..call.paths import SAMPLES, WARMUP
 from ..codecs.base import DEFAULT_TILE_BYTES
+from ..settings import environment
 from ..transports import TRANSPORTS
 
 DTYPES = {"bf16": BFLOAT16, "bfloat16": BFLOAT16, "f32": np.dtype(np.float32),
@@ -71,8 +71,8 @@ class _Device:
             import cupy
             from cupy.cuda import nccl
             self.xp, self.nccl = cupy, nccl
-            local = int(os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK",
-                                       os.environ.get("MPI_LOCALRANKID", comm.rank)))
+            env = environment()
+            local = int(env.get("OMPI_COMM_WORLD_LOCAL_RANK", env.get("MPI_LOCALRANKID", comm.rank)))
             cupy.cuda.Device(local % cupy.cuda.runtime.getDeviceCount()).use()
             uid = comm.bcast(nccl.get_unique_id() if comm.rank == 0 else None)
             self.ref = nccl.NcclCommunicator(comm.size, uid, comm.rank)
@@ -173,7 +173,7 @@ def run(args) -> list:
 
     from .. import codecs as codec_mod
     from ..api import Collective
-    from ..studies.gradients import gradient_like_xp
+    from .gradients import gradient_like_xp
 
     comm = MPI.COMM_WORLD
     n, rank = comm.size, comm.rank
@@ -280,7 +280,7 @@ def run(args) -> list:
         if args.json:
             meta = dict(command=" ".join(sys.argv), ranks=n, device=dev.name,
                         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                        env={k: v for k, v in os.environ.items() if k.startswith(NCCL_ENV_PREFIXES)},
+                        env={k: v for k, v in environment().items() if k.startswith(NCCL_ENV_PREFIXES)},
                         python=platform.python_version(), args=vars(args),
                         # CUDA graphs of steady compressed calls ($DYNAMIQ_GRAPHS)
                         graphs=coll.graphs, graph_stats=coll.graph_stats())
@@ -304,7 +304,7 @@ def _has_cuda():
 
 
 def print_table(rows, n, device, args):
-    env = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+    env = {k: v for k, v in environment().items() if k.startswith("NCCL_")}
     print(f"# dynamiq-mpi bench: {n} ranks, {device}, {args.dtype}, "
           f"{args.iters} timed calls after {args.warmup} warm-up, slowest rank")
     if env:

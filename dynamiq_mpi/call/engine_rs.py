@@ -44,9 +44,9 @@ import numpy as np
 
 from .. import schedules
 from ..codecs.base import align_up, plan_chunks, plan_layout
-from .engine import (NATIVE_DTYPES, CallSpec, _agree, _check_local, _reduce_stats, _reduce_tile,
-                     agreement_record, check_out_buffer, finish_into, propagate_nonfinite, raise_refusal,
-                     report_plan, resolve_layout)
+from .phases import (NATIVE_DTYPES, CallSpec, agreement_record, check_agreement, check_local,
+                     check_out_buffer, finish_into, propagate_nonfinite, raise_refusal,
+                     reduce_stats, reduce_tile, report_plan, resolve_layout)
 from .rail_budget import joins
 from ..backend import dtype_name
 from ..errors import InvalidInputError, NonFiniteInputError, SumOverflowError
@@ -173,7 +173,7 @@ def run_reduce_scatter(plans, schedule, rank):
             payload = recv = None
             if i < len(send_tiles):
                 t = send_tiles[i]
-                payload = yield from _reduce_tile(sp, t, pending.pop((step.send_chunk, t), []),
+                payload = yield from reduce_tile(sp, t, pending.pop((step.send_chunk, t), []),
                                                   event)
                 sent += sp.tile_nbytes(t)
             if i < len(recv_tiles):
@@ -189,7 +189,7 @@ def run_reduce_scatter(plans, schedule, rank):
     plan = plans[own]
     event = schedule.event(rank, own)
     for t in plan.chunk_tiles[0]:
-        final = yield from _reduce_tile(plan, t, pending.pop((own, t), []), event)
+        final = yield from reduce_tile(plan, t, pending.pop((own, t), []), event)
         plan.decode(t, final)           # the sink adopts its own decoded bytes
     assert not pending, pending
     assert n == 1 or event == n - 1
@@ -205,7 +205,7 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
     try:
         if budget not in BUDGETS:
             raise ValueError(f"budget must be one of {BUDGETS}, got {budget!r}")
-        flat, _, backend = _check_local(x, None, spec, n)
+        flat, _, backend = check_local(x, None, spec, n)
         if flat.shape[0] % n:
             raise ValueError(f"reduce_scatter needs a length divisible by the {n} ranks, got "
                              f"{flat.shape[0]} (pad it, as FSDP does)")
@@ -220,7 +220,7 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
     metas = yield Agree(agreement_record(error, flat, backend, spec,
                                          collective="reduce_scatter", budget=budget))
     try:
-        _agree(metas)
+        check_agreement(metas)
     except InvalidInputError as exc:
         raise InvalidInputError(str(exc).replace("all-reduce", "reduce-scatter", 1)) from None
     transport = yield Route(choose_transport(spec.transport, metas))
@@ -243,7 +243,7 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
     yield Mark("statistics")
     reduced, sent, stats_total = None, 0, 0
     if blocks.combined is not None:
-        reduced, sent, stats_total = yield from _reduce_stats(
+        reduced, sent, stats_total = yield from reduce_stats(
             blocks.combined, n, rank, schedule, backend, workspace, spec.tile_bytes)
     yield Mark("plan")
     codec = blocks.codec
@@ -317,25 +317,3 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
 def result_report(report, t0):
     report.seconds = time.perf_counter() - t0
     return report
-
-
-def simulate_reduce_scatter(xs, *, codec=None, topology="ring", op="sum", seed=0, counter=0,
-                            tile_bytes=None, return_reports=False, nonfinite="propagate",
-                            budget="per-chunk", layout=None):
-    """Run the reduce-scatter of ``len(xs)`` ranks in this process (rank r
-    passes ``xs[r]``).  Returns every rank's chunk (and reports).
-    ``layout``: see :func:`~dynamiq_mpi.call.engine.default_layout`."""
-    from ..codecs import DEFAULT_CODEC as _DEFAULT_CODEC
-    from .engine import default_layout
-    from ..codecs.base import DEFAULT_TILE_BYTES
-    from ..transports.simulate import SimulatedTransport
-    codec = _DEFAULT_CODEC if codec is None else codec
-    n = len(xs)
-    spec = CallSpec(codec, topology, op, seed, counter, "auto",
-                    DEFAULT_TILE_BYTES if tile_bytes is None else tile_bytes,
-                    nonfinite=nonfinite, layout=default_layout(layout))
-    results = SimulatedTransport(n).run(
-        [rank_program_rs(r, n, xs[r], spec, None, FRESH, return_reports, budget)
-         for r in range(n)])
-    outs = [r[0] for r in results]
-    return (outs, [r[1] for r in results]) if return_reports else outs

@@ -35,7 +35,7 @@ from ..codecs.base import signature_of
 from ..errors import InvalidInputError
 from ..rng import call_keys
 from ..settings import env_flag
-from ..transports.mpi_host import Digests, digest_with_counter, record_digest
+from ..control.agreement import Digests, digest_with_counter, record_digest
 from ..transports.ops import Agree, Route
 from .workspace import Workspace
 
@@ -213,14 +213,15 @@ class GraphCalls:
         the same order, so peers replaying their graphs still match).
         Returns True: the call is done."""
         if not entry.agree(self._plane, counter):
-            from .engine import _agree      # every rank raises, as on the engine's path
-            _agree(self._plane.allgather(dict(entry.record, counter=counter)))
+            from .phases import check_agreement      # every rank raises, as on the engine's path
+            check_agreement(self._plane.allgather(dict(entry.record, counter=counter)))
             raise InvalidInputError("ranks disagree on the call")
         import cupy
         stream = cupy.cuda.get_current_stream()
         keys = call_keys(int(seed), counter)
 
-        from .engine import CallSpec, rank_program      # (the engine imports what this imports)
+        from .engine import rank_program      # (the engine imports what this imports)
+        from .phases import CallSpec
 
         def program(keys_at, workspace):      # (a replay needs none: only a capture or fallback)
             spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,

@@ -33,12 +33,11 @@ and all-gather for device arrays where every rank drives a GPU of its own
 (in the input's dtype, NCCL's order of summation), else the control plane's
 point-to-point (MPI, or gloo over a torch group) with a left-to-right sum,
 device arrays staged through host memory; the rail level runs the
-collective's GPU path for device arrays.  ``studies/scale_levels.py`` simulates the same
+collective's GPU path for device arrays.  ``research/scale_levels.py`` simulates the same
 definition at thousands of ranks.
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass
 
@@ -46,6 +45,7 @@ import numpy as np
 
 from ..backend import dtype_name
 from ..errors import InvalidInputError, NonFiniteInputError
+from ..settings import env_text
 from .rail_budget import JointRailBudget, applies
 
 BLOCK = 256          # the interleave's block: one DynamiQ super-group
@@ -149,7 +149,7 @@ class NodeLayout:
 def default_node_size(value=None):
     """``value``, else ``$DYNAMIQ_NODE_SIZE``, else None (find the nodes)."""
     if value is None:
-        value = os.environ.get("DYNAMIQ_NODE_SIZE", "").strip() or None
+        value = env_text("DYNAMIQ_NODE_SIZE", "").strip() or None
     if value is None:
         return None
     try:
@@ -269,9 +269,9 @@ def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, 
     exchange and every rank raises).  Returns (flat input, flat out or None,
     backend)."""
     from .. import schedules
-    from .engine import CallSpec, _agree, _check_local, agreement_record
+    from .phases import CallSpec, agreement_record, check_agreement, check_local
     from .engine_rs import _check_out
-    from ..transports.mpi_host import agree
+    from ..control.agreement import agree
     n = coll.size
     spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
                     path="compressed" if path == "auto" else path, nonfinite=nonfinite,
@@ -282,9 +282,9 @@ def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, 
         local = CallSpec(codec, "ring", op, seed, counter, transport, tile_bytes,
                          path=spec.path, nonfinite=nonfinite, layout=coll.layout)
         if collective == "allreduce":
-            flat, flat_out, backend = _check_local(x, out, local, n)
+            flat, flat_out, backend = check_local(x, out, local, n)
         else:
-            flat, _, backend = _check_local(x, None, local, n)
+            flat, _, backend = check_local(x, None, local, n)
             if flat.shape[0] % n:
                 raise ValueError(f"reduce_scatter needs a length divisible by the {n} "
                                  f"ranks, got {flat.shape[0]} (pad it, as FSDP does)")
@@ -295,7 +295,7 @@ def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, 
                               node_size=coll.node_size, collective=collective,
                               rail_budget=coll.rail_budget)
     record["can"] = {}      # the rails choose their transport in their own agreement
-    _agree(agree(coll._plane, record))
+    check_agreement(agree(coll._plane, record))
     return flat, flat_out, backend
 
 
@@ -351,11 +351,11 @@ class Levels:
         on the device?, in-node level, why, the input where that level
         works: on the device or staged to the host, its array module, length,
         dtype, ranks n, node size k, the rails' topology)."""
-        from .engine import _holds_nonfinite
-        from ..transports.mpi_host import agree
+        from .phases import holds_nonfinite
+        from ..control.agreement import agree
         flat, flat_out, backend = agreed
         if nonfinite == "raise":
-            flags = agree(coll._plane, _holds_nonfinite(backend.xp, flat))
+            flags = agree(coll._plane, holds_nonfinite(backend.xp, flat))
             bad = [r for r, f in enumerate(flags) if f]
             if bad:
                 raise NonFiniteInputError(f"NaN or Inf in the input of ranks {bad}")
@@ -394,7 +394,7 @@ class Levels:
                   tile_bytes, path, nonfinite, return_report):
         """One hierarchical call after :func:`agree_call` (every rank of the
         collective makes it)."""
-        from .engine import _holds_nonfinite
+        from .phases import holds_nonfinite
         from ..report import Report
         t0 = time.perf_counter()
         lay = self.layout
@@ -441,7 +441,7 @@ class Levels:
                         dtype=dtype_name(dtype), op=op, seed=int(seed), call_counter=counter,
                         transport=rail_rep.transport, path=rail_rep.path,
                         path_reason=rail_rep.path_reason,
-                        nonfinite=bool(_holds_nonfinite(xp, result)) if length else False,
+                        nonfinite=bool(holds_nonfinite(xp, result)) if length else False,
                         wire_bytes_total=wire,
                         stats_bytes_total=rail_rep.stats_bytes_total,
                         bytes_sent=rail_rep.bytes_sent + node_bytes,
@@ -539,8 +539,8 @@ class NodeCalls:
             self._auto = False
             return None
         from ..errors import InputMismatchError
-        from ..transports.mpi_host import agree
-        from .engine import check_agreed
+        from ..control.agreement import agree
+        from .phases import check_agreed
         mine = {"hierarchy": "auto", "node_size": k, "links": self.links}
         asks = agree(self._plane, mine)
         if any(not isinstance(a, dict) or a.get("hierarchy") != "auto" for a in asks):
@@ -565,7 +565,7 @@ class NodeCalls:
         """A hierarchical call: agreed first over the whole plane (a rank
         making a flat call meets the same exchange and every rank raises),
         then the node and rail planes, made once."""
-        from .engine import check_nonfinite
+        from .phases import check_nonfinite
         check_nonfinite(call["nonfinite"])
         return_report = call.pop("return_report")
         agreed = agree_call(self, x, out, collective, **call)

@@ -14,13 +14,13 @@ record and its digest, so a steady call costs one 8-byte ``MPI_Allgather``
 transport's all-reduce.  A rank whose call differs sends a different digest,
 and then every rank exchanges the full records and raises the engine's
 error, exactly as on the engine's path (the digests are the same function
-of the record, transports/mpi_host.py), so no rank is left waiting.
+of the record, control/agreement.py), so no rank is left waiting.
 """
 from __future__ import annotations
 
 from ..codecs.base import signature_of
 from ..errors import InputMismatchError
-from ..transports.mpi_host import Digests, digest_with_counter, record_digest
+from ..control.agreement import Digests, digest_with_counter, record_digest
 from .wire import _gpu_kernels, from_wire, to_wire, wire_dtype  # noqa: F401 (the old module's)
 
 
@@ -51,9 +51,9 @@ class SteadyNative:
         if self._digests is None:
             self._digests = Digests(comm)
         if not self._digests.match(digest_with_counter(self.static, counter)):
-            from .engine import _agree      # (engine imports this module)
-            _agree(comm.allgather(dict(self.record, counter=counter)))
-            raise InputMismatchError("ranks disagree on the call")   # _agree raised already
+            from .phases import check_agreement
+            check_agreement(comm.allgather(dict(self.record, counter=counter)))
+            raise InputMismatchError("ranks disagree on the call")   # (raised above)
         transport = route(self.transport, x)
         flat = x.reshape(-1)
         result = out.reshape(-1) if out is not None else self.backend.empty(flat.shape[0],

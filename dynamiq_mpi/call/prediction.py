@@ -1,7 +1,7 @@
 """The cost model's prediction that seeds ``hierarchy="auto"`` (planner.py).
 
 For a class of calls (size as a power of two, dtype, codec, topology) the
-cost model (studies/cost_model.py, ``python -m dynamiq_mpi model``) predicts
+cost model (cost_model/model.py, ``python -m dynamiq_mpi model``) predicts
 the flat compressed call and the hierarchical one over the collective's node
 layout and links.  The hierarchy choice (paths.PathChooser) then measures
 the predicted winner first; where the links were given (``links=`` or
@@ -22,8 +22,9 @@ load it.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from ..settings import env_text
 
 MARGIN = 2.0                 # the predicted loser at least this much slower: not measured
 KERNELS = "h100-final"       # the model's kernel rates for device arrays
@@ -42,7 +43,7 @@ def default_links(value=None):
     (bandwidths as the model's command writes them: GB/s, Gb/s, MB/s ...; a
     bare number is GB/s); None: ``$DYNAMIQ_LINKS``, else none given."""
     if value is None:
-        value = os.environ.get("DYNAMIQ_LINKS", "").strip() or None
+        value = env_text("DYNAMIQ_LINKS", "").strip() or None
         if value is None:
             return None
     if isinstance(value, str):
@@ -55,7 +56,7 @@ def default_links(value=None):
             not {"intra", "inter"} <= set(value):
         raise ValueError(f"links must give intra and inter (and optionally nics), got {value!r} "
                          "(argument or $DYNAMIQ_LINKS)")
-    from ..studies.cost_model import parse_bandwidth
+    from ..cost_model.model import parse_bandwidth
     intra, inter = parse_bandwidth(value["intra"]), parse_bandwidth(value["inter"])
     try:
         nics = int(value.get("nics", 0))
@@ -136,7 +137,7 @@ def predict_hierarchies(nodes: int, node_size: int, elements: int, itemsize: int
     rail_codec = model_codec(codec, elements // node_size)
     if not flat_codec or not rail_codec or not flat_codec[0] or not rail_codec[0]:
         return None
-    from ..studies import cost_model as cm
+    from ..cost_model import model as cm
     intra, inter, nics = links or (DEFAULT_INTRA, DEFAULT_INTER, 0)
     nics = nics or node_size
     rates = cm.load_rates(KERNELS)

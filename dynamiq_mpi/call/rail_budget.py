@@ -80,7 +80,7 @@ def rail_shares(codec, summaries) -> list:
 
 
 class JointRailBudget:
-    """The plan hook of one rail call (engine.CallSpec.plan_hook) and its
+    """The plan hook of one rail call (phases.CallSpec.plan_hook) and its
     in-node exchange.  ``node``: the node's plane (ranks in local order);
     ``length``: this rail's shard length."""
 

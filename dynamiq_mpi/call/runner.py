@@ -6,16 +6,17 @@ the hierarchical call; the transports made on first use; the caller's
 stream fenced around device calls."""
 from __future__ import annotations
 
-import os
 import time
 
 from ..backend import backend_for
 from ..errors import InvalidInputError
-from ..transports import explain_transport
+from ..settings import env_text
+from ..transports import explain_transport, transport_class
 from ..transports.ops import Agree, Route
-from .engine import CallSpec, rank_program
+from .engine import rank_program
 from .graphs import GraphCalls
 from .hierarchy import NodeCalls
+from .phases import CallSpec
 
 
 class CallRunner(GraphCalls, NodeCalls):
@@ -134,14 +135,13 @@ class CallRunner(GraphCalls, NodeCalls):
                     "transport='mpi-cuda' needs the MPI control plane; this collective runs "
                     "over a torch.distributed group (use transport='auto', 'nccl' or 'mpi')")
             if self._mpi_cuda is None:        # every rank gets here in the same call
-                from ..transports.mpi_cuda import MPICudaTransport
-                self._mpi_cuda = MPICudaTransport(self._plane.mpi_comm)
+                self._mpi_cuda = transport_class("mpi-cuda")(self._plane.mpi_comm)
             return self._mpi_cuda
         if transport != "nccl":
             return self._host
         device = x.device.id
         if device not in self._nccl:          # every rank gets here in the same call
-            from ..transports.nccl import NCCLTransport, ranks_sharing_a_gpu
+            from ..transports.nccl import ranks_sharing_a_gpu
             shared = self._gpu_sharing.get(device)
             if shared is None:
                 shared = self._gpu_sharing[device] = ranks_sharing_a_gpu(self._plane, device)
@@ -153,9 +153,9 @@ class CallRunner(GraphCalls, NodeCalls):
                 self._route_why = (f"auto: NCCL needs one GPU per rank ({shared}): device "
                                    "buffers staged through host memory")
                 return self._host
-            pair = os.environ.get("DYNAMIQ_NCCL_PAIR_ALLGATHER")
-            self._nccl[device] = NCCLTransport(self._plane, device, self.lanes,
-                                               self.lane_bytes, pair_allgather=pair == "1")
+            pair = env_text("DYNAMIQ_NCCL_PAIR_ALLGATHER")
+            self._nccl[device] = transport_class("nccl")(self._plane, device, self.lanes,
+                                                         self.lane_bytes, pair_allgather=pair == "1")
         return self._nccl[device]
 
     def _fence_stream(self):

@@ -17,12 +17,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-import os
 
 import numpy as np
 
 from ..backend import as_float32
 from ..errors import NonFiniteInputError, SumOverflowError
+from ..settings import env_text
 from .allocation import BF16_WIDTH, CLASSES, WIDTHS, record_bits, summarise, theta_to_u, widths_of
 from .base import (Plan, StreamLayout, align_up, current_layout, fixed_tiling, planned_chunks,
                    tile_stream)
@@ -416,7 +416,7 @@ class _DynamiQPlan(Plan):
         float32 stream plus the final scatter; the same bits), on CPU and GPU,
         the 16-bit class included.  ``DYNAMIQ_DECODE_INTO_OUTPUT=0`` keeps the
         two passes (for A/B runs)."""
-        if os.environ.get("DYNAMIQ_DECODE_INTO_OUTPUT") == "0":
+        if env_text("DYNAMIQ_DECODE_INTO_OUTPUT") == "0":
             return False
         self._bound = (out, float(divisor))
         return True

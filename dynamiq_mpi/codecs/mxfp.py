@@ -152,7 +152,7 @@ class MXFP(Codec):
             byte = workspace.take(xp, "mx.stats", nb, np.uint8)
             backend.kernels.mx_stats(backend.kernels.Source(x), nb, byte)
             return byte, None
-        vals = _padded_blocks(xp, x, nb)
+        vals = padded_blocks(xp, x, nb)
         with np.errstate(invalid="ignore"):
             amax = xp.max(xp.abs(vals), axis=1)
         _, k = xp.frexp(amax)
@@ -166,7 +166,8 @@ class MXFP(Codec):
         return _MXPlan(self, x, reduced_stats, n, backend, local_state, workspace, tile_bytes)
 
 
-def _padded_blocks(xp, x, nb):
+def padded_blocks(xp, x, nb):
+    """``x`` as float32, zero-padded to ``nb`` blocks of BLOCK: (nb, BLOCK)."""
     vals = xp.zeros(nb * BLOCK, dtype=np.float32)
     vals[:x.shape[0]] = as_float32(x)
     return vals.reshape(nb, BLOCK)

@@ -20,10 +20,10 @@ the torch plane is.
 """
 from __future__ import annotations
 
-import os
 import sys
 
 from ..errors import InvalidInputError
+from ..settings import environment
 
 
 class ControlPlane:
@@ -143,7 +143,7 @@ def default_comm(environ=None):
        naming what to do - never a silent world of one;
     4. else (one process): ``MPI.COMM_WORLD`` of size 1.
     """
-    env = os.environ if environ is None else environ
+    env = environment() if environ is None else environ
     mpi_size, mpi_var = _env_size(_MPI_SIZE_VARS, env)
     mpi_mod = sys.modules.get("mpi4py.MPI")
     if mpi_mod is not None and mpi_mod.Is_initialized() and not mpi_mod.Is_finalized():

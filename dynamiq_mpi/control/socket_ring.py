@@ -17,10 +17,11 @@ slots, shm_slots.py: gloo alone).
 """
 from __future__ import annotations
 
-import os
 import socket
 import struct
 import time
+
+from ..settings import env_switch
 
 # All-gathers up to this many bytes in all go over the ring (larger ones:
 # gloo, which pipelines better).
@@ -28,7 +29,7 @@ MAX_BYTES = 64 << 10
 
 
 def enabled() -> bool:
-    return os.environ.get("DYNAMIQ_SOCKET_RING", "1").strip().lower() not in ("0", "off", "no")
+    return env_switch("DYNAMIQ_SOCKET_RING")
 
 
 def _address(same_host: bool) -> str:

@@ -25,11 +25,8 @@ import time
 
 import torch
 
-from .. import Collective, DynamiQ, Exact, InputMismatchError
-from ..api import default_hierarchy
-from ..call.hierarchy import default_node_size
-from ..call.prediction import default_links
-from ..call.rail_budget import default_rail_budget
+from .. import (COLLECTIVE_OPTIONS, Collective, DynamiQ, Exact, InputMismatchError,
+               check_collective_options)
 from ..control import as_plane, is_torch_group
 from ..settings import env_choice
 from .ddp_buckets import DEFAULT_FUSE_MB, HOOK_PATHS, STEP_ROUNDS, BucketRouter, auto_steps
@@ -39,27 +36,6 @@ __all__ = ["HookState", "ddp_comm_hook", "register_comm_hook", "allreduce_gradie
            "init_process_group_from_mpi", "tensor_as_array", "ReduceScatter"]
 
 DEFAULT_BUCKET_CAP_MB = 25.0   # DDP's default bucket size
-
-
-def _check_graphs(value):
-    if not isinstance(value, bool):
-        raise TypeError(f"graphs must be True or False, got {value!r}")
-    return value
-
-
-def _check_lanes(value):
-    if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-        return value
-    raise ValueError(f"lanes must be a positive integer or 'auto', got {value!r}")
-
-
-# The options of the Collective a state makes, passed through as given; each
-# checked here as the collective checks it, so that a bad one raises where
-# the state is made, not in the first backward pass.  None (the default):
-# the collective's own default, or its DYNAMIQ_* variable.
-COLLECTIVE_OPTIONS = {"hierarchy": default_hierarchy, "node_size": default_node_size,
-                      "links": default_links, "rail_budget": default_rail_budget,
-                      "graphs": _check_graphs, "lanes": _check_lanes}
 
 
 # --------------------------------------------------------------------- arrays
@@ -143,9 +119,9 @@ class HookState:
 
     ``fuse_mb`` (default 256): the compressed path reduces consecutive DDP
     buckets in one call once they hold this many MiB (0: every bucket alone);
-    ``auto_rounds``: the A/B rounds of ``path="auto"`` (each round times one
-    step of each path after a warm-up round: 7 + 6 x rounds steps in all
-    before the choice).
+    ``auto_rounds``: the A/B rounds of ``path="auto"`` (each round runs two
+    steps of each path and times the second; after step 0 and a warm-up
+    round: 7 + 6 x rounds steps in all before the choice).
 
     The options of the :class:`~dynamiq_mpi.Collective` the state makes:
     ``hierarchy`` ("flat", "nodes" or "auto"), ``node_size``, ``links``,
@@ -175,9 +151,8 @@ class HookState:
                  lanes: int | str | None = None):
         given = dict(hierarchy=hierarchy, node_size=node_size, links=links,
                      rail_budget=rail_budget, graphs=graphs, lanes=lanes)
+        check_collective_options(**given)   # None: the collective's default or DYNAMIQ_*
         for name, value in given.items():
-            if value is not None:
-                COLLECTIVE_OPTIONS[name](value)
             setattr(self, name, value)
         self.codec = DynamiQ(bits=5) if codec is None else codec
         self.seed = int(seed)
@@ -545,7 +520,7 @@ def ddp_comm_hook(state: "HookState", bucket) -> torch.futures.Future[torch.Tens
 # --------------------------------------------------------------------- plain loops
 def gradient_buckets(grads, bucket_cap_mb: float = DEFAULT_BUCKET_CAP_MB) -> list:
     """The buckets of :func:`allreduce_gradients` (and of the training
-    simulator, studies/train_sim.py, which must cut alike): lists of indices
+    simulator, research/train_sim.py, which must cut alike): lists of indices
     into ``grads``, grouped by device and dtype in order of first appearance,
     coalesced up to ``bucket_cap_mb`` MiB (a larger tensor is a bucket of
     its own)."""

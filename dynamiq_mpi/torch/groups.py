@@ -9,6 +9,7 @@ import torch
 
 from ..control import is_torch_group
 from ..errors import InvalidInputError
+from ..settings import environment
 
 
 def _dist_matches(comm) -> bool:
@@ -68,7 +69,6 @@ def init_process_group_from_mpi(backend: str | None = None, comm=None, timeout=N
     ``(rank, world_size, device)``.
     """
     import datetime
-    import os
 
     from mpi4py import MPI
     dist = torch.distributed
@@ -87,9 +87,9 @@ def init_process_group_from_mpi(backend: str | None = None, comm=None, timeout=N
         return dist.get_rank(), dist.get_world_size(), device
 
     names = comm.allgather(MPI.Get_processor_name())
-    host = os.environ.get("MASTER_ADDR") or (
+    host = environment().get("MASTER_ADDR") or (
         "127.0.0.1" if len(set(names)) == 1 else socket.gethostname())
-    port = int(os.environ.get("MASTER_PORT", "0"))
+    port = int(environment().get("MASTER_PORT", "0"))
     timeout = timeout or datetime.timedelta(minutes=5)
     store, error = None, None
     if rank == 0:

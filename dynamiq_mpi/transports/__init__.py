@@ -13,6 +13,9 @@ answers it:
   rank's MPI says it is CUDA-aware (``cuda_aware``).
 * ``simulate`` (``simulate``): all ranks in one process.
 
+Each answers the engine's requests as a :class:`base.Transport`; the
+agreement they share lives in ``control/agreement.py``.
+
 ``auto`` picks ``nccl`` when every rank passes a device array and NCCL is
 usable on every rank, else ``mpi-cuda`` when every rank's MPI is CUDA-aware,
 else ``mpi``.  The choice is a pure function of the agreed per-rank records,
@@ -24,7 +27,34 @@ from __future__ import annotations
 
 from ..errors import InvalidInputError
 
-TRANSPORTS = ("auto", "nccl", "mpi-cuda", "mpi")
+
+
+def _nccl():
+    from .nccl import NCCLTransport
+    return NCCLTransport
+
+
+def _mpi_cuda():
+    from .mpi_cuda import MPICudaTransport
+    return MPICudaTransport
+
+
+def _host():
+    from .mpi_host import HostTransport
+    return HostTransport
+
+
+# The transports a call may name, each a subclass of base.Transport, imported
+# on first use (NCCL's needs CuPy); "auto" chooses among them from every
+# rank's record (explain_transport).  The simulated transport drives all ranks
+# of simulate_allreduce at once and is not a call's choice.
+REGISTRY = {"nccl": _nccl, "mpi-cuda": _mpi_cuda, "mpi": _host}
+TRANSPORTS = ("auto",) + tuple(REGISTRY)
+
+
+def transport_class(name: str):
+    """The class of the transport called ``name`` (a key of REGISTRY)."""
+    return REGISTRY[name]()
 
 # The transports with an all-reduce of their own (the "native" path of a
 # call), per array backend, and the wire dtypes it sums: NCCL on device
@@ -48,15 +78,14 @@ def transport_capabilities(backend) -> dict:
     ``mpi-cuda`` on an MPI without it says so whatever the arrays.  Kept per
     backend and environment override: the answers do not change while the
     process lives (a copy is handed out)."""
-    import os
-
+    from ..settings import env_text
     from .cuda_aware import ENV, _mpi_running
     name = None if backend is None else backend.name
     nccl = None
     if name == "gpu":
         from .nccl import nccl_status
         nccl = nccl_status()
-    key = (name, os.environ.get(ENV, ""), _mpi_running(), nccl)
+    key = (name, env_text(ENV, ""), _mpi_running(), nccl)
     can = _CAPABILITIES.get(key)
     if can is None:
         can = _CAPABILITIES[key] = _capabilities(backend)

@@ -32,6 +32,8 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from ..settings import env_text, environment
+
 ENV = "DYNAMIQ_CUDA_AWARE_MPI"
 INFO_KEY = "mpi_memory_alloc_kinds"
 GPU_QUERY = "MPIX_GPU_query_support"
@@ -59,7 +61,7 @@ def detect(environ=None, info=None, libraries=None) -> CudaAwareness:
     attributes are the C functions (default: :func:`loaded_mpi_library_paths`).
     A source is touched only when the ones before it did not answer.
     """
-    environ = os.environ if environ is None else environ
+    environ = environment() if environ is None else environ
     from_env = _from_env(environ.get(ENV, ""))
     if from_env is not None:
         return from_env
@@ -188,7 +190,7 @@ _probed = None
 def cuda_aware_mpi() -> CudaAwareness:
     """This process's answer: the environment override, else the MPI probes
     (made once; the MPI does not change while the process lives)."""
-    from_env = _from_env(os.environ.get(ENV, ""))
+    from_env = _from_env(env_text(ENV, ""))
     if from_env is not None:
         return from_env
     if not _mpi_running():

@@ -35,7 +35,7 @@ from __future__ import annotations
 import time
 import warnings
 
-from .mpi_host import RequestAnswers, Timeline
+from .base import Timeline, Transport
 from .ops import Received
 
 _TAG = 0x5D18
@@ -47,7 +47,7 @@ def _address(array) -> int:
     return data.ptr if hasattr(data, "ptr") else array.ctypes.data
 
 
-class MPICudaTransport(RequestAnswers):
+class MPICudaTransport(Transport):
     name = "mpi-cuda"
 
     def __init__(self, comm, xp=None, synchronize=None):

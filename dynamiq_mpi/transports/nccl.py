@@ -25,7 +25,7 @@ import threading
 import time
 
 from ..backend import dtype_name
-from .mpi_host import RequestAnswers
+from .base import Transport
 from .ops import Received, payload_array
 
 _status_lock = threading.Lock()
@@ -52,9 +52,10 @@ def _env_on(value) -> bool:
 def link_record(environ=None) -> dict:
     """What this rank knows of the link NCCL will use for it (gathered by
     every rank to choose the lanes alike)."""
-    import os
     import socket
-    env = os.environ if environ is None else environ
+
+    from ..settings import environment
+    env = environment() if environ is None else environ
     return {"host": socket.gethostname(), "p2p_disabled": _env_on(env.get("NCCL_P2P_DISABLE")),
             "shm_disabled": _env_on(env.get("NCCL_SHM_DISABLE"))}
 
@@ -182,7 +183,7 @@ def _union(intervals):
     return total
 
 
-class NCCLTransport(RequestAnswers):
+class NCCLTransport(Transport):
     name = "nccl"
 
     def __init__(self, plane, device_id: int, lanes=1, lane_bytes: int | None = None,

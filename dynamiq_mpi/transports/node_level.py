@@ -22,11 +22,10 @@ refuses them) and ``$DYNAMIQ_NODE_NCCL`` is not 0.
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from ..backend import dtype_name
+from ..settings import env_switch
 
 ENV = "DYNAMIQ_NODE_NCCL"
 
@@ -145,7 +144,7 @@ def node_level_for(plane, node_plane, device_id: int, staged, modules=None):
     (every rank gets the same answer, so a node never splits between the
     two)."""
     from .nccl import describe_sharing, nccl_status
-    wanted = os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    wanted = env_switch(ENV)
     if modules is None:
         usable, why_not = nccl_status()
         key = ("?", "?")

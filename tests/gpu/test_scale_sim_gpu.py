@@ -1,4 +1,4 @@
-"""The scale simulator (studies/scale_sim.py) on CuPy arrays: the GPU
+"""The scale simulator (research/scale_sim.py) on CuPy arrays: the GPU
 kernels walked role by role give simulate_allreduce's bits on the same
 device arrays (and so the CPU path's), for every codec with an adapter.
 The training simulator (train-sim) reduces its buckets this way on a GPU.
@@ -30,8 +30,8 @@ NAMES = sorted(CODECS)
 def test_scale_allreduce_on_cupy_equals_simulate_allreduce(n, topology, name):
     import cupy as cp
 
-    from dynamiq_mpi.studies.scale_sim import ArraySource, scale_allreduce
-    from dynamiq_mpi.studies.gradients import gradient_like
+    from research.scale_sim import ArraySource, scale_allreduce
+    from dynamiq_mpi.bench.gradients import gradient_like
     if topology == "butterfly" and n & (n - 1):
         pytest.skip("butterfly needs a power of two")
     seed = fresh_seed()
@@ -61,8 +61,8 @@ def test_thc_statistics_pass_on_cupy_equals_each_rank_on_the_host(chunk, monkeyp
 
     from dynamiq_mpi.backend import backend_for
     from dynamiq_mpi.call.workspace import FRESH
-    from dynamiq_mpi.studies import scale_sim
-    from dynamiq_mpi.studies.gradients import gradient_like
+    from research import scale_sim
+    from dynamiq_mpi.bench.gradients import gradient_like
     seed = fresh_seed()
     n, length = 9, 5 * 1024 + 300 + seed % 256
     host = [gradient_like(length, r, seed=seed % 997) for r in range(n)]

@@ -1,8 +1,8 @@
-"""``dynamiq_mpi.doctor`` inside an MPI job: rank 0 gathers every rank's host."""
+"""``dynamiq_mpi.bench.doctor`` inside an MPI job: rank 0 gathers every rank's host."""
 import pytest
 from mpi4py import MPI
 
-from dynamiq_mpi import doctor
+from dynamiq_mpi.bench import doctor
 
 comm = MPI.COMM_WORLD
 if comm.size > 3:

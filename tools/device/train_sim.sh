@@ -1,6 +1,6 @@
 #!/bin/bash
 # One GPU: cells of the simulated-ranks training table (docs/training.md,
-# `python -m dynamiq_mpi train-sim`), resumable across device calls.
+# `python -m research train-sim`), resumable across device calls.
 #   RUNS="N/codec/topology/node_size/seed ..."  ("dynamiq": dynamiq:5:small_input=0)
 #   HOST_RUNS="..."    the same, with --reduce-on host (the codec in NumPy, the
 #                      same bits: the host's cores take a share; --node-size runs
@@ -36,7 +36,7 @@ if [ "${MPS:-1}" != 0 ] && command -v nvidia-cuda-mps-control > /dev/null; then
   export CUDA_MPS_PIPE_DIRECTORY=${CUDA_MPS_PIPE_DIRECTORY:-/tmp/dynamiq_mps_pipe}
   export CUDA_MPS_LOG_DIRECTORY=${CUDA_MPS_LOG_DIRECTORY:-/tmp/dynamiq_mps_log}
   mkdir -p "$CUDA_MPS_PIPE_DIRECTORY" "$CUDA_MPS_LOG_DIRECTORY"
-  if nvidia-cuda-mps-control -d && timeout 120 $PY -m dynamiq_mpi train-sim --preset tiny \
+  if nvidia-cuda-mps-control -d && timeout 120 $PY -m research train-sim --preset tiny \
       --device "$DEVICE" --ranks 8 --codec dynamiq:5:small_input=0 --batched --steps 3 --eval-every 0 \
       --quiet --json "$OUT/mps_check.json"; then
     echo "CUDA MPS on"; trap mps_stop EXIT
@@ -53,14 +53,14 @@ n_dev=$(wc -w <<< "${RUNS:-}"); n_host=$(wc -w <<< "${HOST_RUNS:-}")
 # the two queues run side by side; the one table comes after both
 export NO_TABLE=1
 [ "$n_dev" -gt 0 ] && RUNS="$RUNS" OUT=$OUT/runs JOBS=${JOBS:-$n_dev} \
-  bash "$HERE/../studies/train_sim_cells.sh" > "$OUT/device_runs.log" 2>&1 &
+  bash "$HERE/../../research/scripts/train_sim_cells.sh" > "$OUT/device_runs.log" 2>&1 &
 [ "$n_host" -gt 0 ] && RUNS="$HOST_RUNS" OUT=$OUT/runs JOBS=${JOBS:-$n_host} \
   TRAIN_ARGS="$TRAIN_ARGS --reduce-on host" \
-  bash "$HERE/../studies/train_sim_cells.sh" > "$OUT/host_runs.log" 2>&1 &
+  bash "$HERE/../../research/scripts/train_sim_cells.sh" > "$OUT/host_runs.log" 2>&1 &
 wait
 grep -sahE "stopped|failed|have|: [0-9]+ s$|Error" "$OUT"/device_runs.log "$OUT"/host_runs.log
 echo "all runs: $(( $(date +%s) - t0 )) s"
-$PY -m dynamiq_mpi train-sim table "$OUT"/runs/*.json --png "$OUT/train_sim_curves.png" \
+$PY -m research train-sim table "$OUT"/runs/*.json --png "$OUT/train_sim_curves.png" \
   | tee "$OUT/table.txt"
 # files come back at most 16 MiB each: the archive in parts (cat them to unpack)
 tar czf - -C "$OUT/runs" . | split -b 15M - "$OUT/train_sim_runs.tgz.part-" && rm -r "$OUT/runs"

@@ -109,8 +109,8 @@ agreement alone and a bare 8-byte MPI Allgather, for scale.
     import dynamiq_mpi as dq
     from dynamiq_mpi import backend as backend_mod
     from dynamiq_mpi.codecs import codec_from_string
-    from dynamiq_mpi.studies.gradients import gradient_like_xp
-    from dynamiq_mpi.transports import mpi_host
+    from dynamiq_mpi.bench.gradients import gradient_like_xp
+    from dynamiq_mpi.control.agreement import agree
 
     comm = MPI.COMM_WORLD
     use_gpu(cp, comm)
@@ -200,7 +200,7 @@ agreement alone and a bare 8-byte MPI Allgather, for scale.
     comm.Barrier()
     t = time.perf_counter()
     for _ in range(200):
-        mpi_host.agree(comm, meta)
+        agree(comm, meta)
     t_agree = (time.perf_counter() - t) / 200 * 1e6
     t = time.perf_counter()
     for _ in range(200):
@@ -418,7 +418,7 @@ def profile(args):
     import dynamiq_mpi as dq
     from dynamiq_mpi import _gpu
     from dynamiq_mpi.codecs.allocation import record_bits
-    from dynamiq_mpi.studies.gradients import gradient_like_xp
+    from dynamiq_mpi.bench.gradients import gradient_like_xp
 
     comm = MPI.COMM_WORLD
     use_gpu(cp, comm)

@@ -140,7 +140,7 @@ see whether their threads slow it.  Both variants must give the same bytes.
 
     import dynamiq_mpi as dq
     from dynamiq_mpi.codecs import codec_from_string
-    from dynamiq_mpi.studies.gradients import gradient_like_xp
+    from dynamiq_mpi.bench.gradients import gradient_like_xp
 
     comm = two_ranks(cp, local=True)
     stream = cp.cuda.get_current_stream()

@@ -8,7 +8,7 @@ import cupy as cp
 import dynamiq_mpi as dq
 from dynamiq_mpi import _gpu
 from dynamiq_mpi.codecs.allocation import record_bits
-from dynamiq_mpi.studies.gradients import gradient_like_xp
+from dynamiq_mpi.bench.gradients import gradient_like_xp
 
 LOG2 = 27
 

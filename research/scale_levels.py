@@ -37,7 +37,7 @@ rails' own bits per coordinate weighted by shard length.  The in-node phases
 are not compressed and are not counted.
 
 ``levels_allreduce`` runs the rails one after another through
-:func:`~dynamiq_mpi.studies.scale_sim.scale_allreduce`, each on a
+:func:`~research.scale_sim.scale_allreduce`, each on a
 :class:`NodeRailSource` that produces node sums of one rail's shard on
 demand from the flat study's :class:`RankSource` (``K`` rank rows summed per
 node row, only the rail's rows generated, never all ``n`` inputs at once;
@@ -55,14 +55,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..codecs.base import DEFAULT_TILE_BYTES
+from dynamiq_mpi.codecs.base import DEFAULT_TILE_BYTES
 # the shards (step 2) and the rails' topology are the library's own, so the
 # simulation and the multi-process call (hierarchy.py) cut the same rails
-from ..call.hierarchy import (BLOCK, rail_blocks, rail_gather, rail_index,  # noqa: F401
-                         rail_length, rail_scatter, rail_topology)
-from ..call.rail_budget import RAIL_BUDGETS, applies, rail_shares
-from ..codecs import DEFAULT_CODEC
-from ..codecs.dynamiq import DynamiQ
+from dynamiq_mpi.call.study import (BLOCK, RAIL_BUDGETS, applies, rail_blocks,  # noqa: F401
+                                    rail_gather, rail_index, rail_length, rail_scatter,
+                                    rail_shares, rail_topology)
+from dynamiq_mpi.codecs import DEFAULT_CODEC
+from dynamiq_mpi.codecs.dynamiq import DynamiQ
 from .scale_sim import (ArraySource, LogNormalMixture, RankSource, _vnmse, reduced_statistics,
                         scale_allreduce)
 
@@ -304,9 +304,7 @@ class _Collected(Exception):
 def _rail_statistics(shards, codec, topology, seed, counter, tile_bytes):
     """The reduced statistics a simulated rail call plans from (None where
     it has none), through the engine's own statistics phase."""
-    from ..call.engine import CallSpec, rank_program
-    from ..call.workspace import FRESH
-    from ..transports.simulate import SimulatedTransport
+    from dynamiq_mpi.call.study import FRESH, CallSpec, SimulatedTransport, rank_program
     n = len(shards)
     if n < 2 or shards[0].shape[0] == 0:
         return None
@@ -332,7 +330,7 @@ def levels_simulate(xs, node_size, *, codec=None, topology="ring", op="sum", see
     dtype simulate_allreduce takes), each rail by
     :func:`~dynamiq_mpi.simulate_allreduce`: any codec, memory ``n`` vectors.
     ``rail_budget`` as in :func:`levels_allreduce`."""
-    from .. import simulate_allreduce
+    from dynamiq_mpi import simulate_allreduce
     codec = DEFAULT_CODEC if codec is None else codec
     t0 = time.perf_counter()
     n = len(xs)

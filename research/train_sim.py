@@ -1,9 +1,9 @@
-"""``python -m dynamiq_mpi train-sim``: data-parallel training with N ranks
+"""``python -m research train-sim``: data-parallel training with N ranks
 simulated in one process, on one device.
 
-    python -m dynamiq_mpi train-sim --ranks 32 --codec dynamiq:5 --topology ring \\
+    python -m research train-sim --ranks 32 --codec dynamiq:5 --topology ring \\
         --steps 300 --seed 0 --json run.json
-    python -m dynamiq_mpi train-sim table docs/results/train_sim/*.json --png curves.png
+    python -m research train-sim table docs/results/train_sim/*.json --png curves.png
 
 Every rank's micro-batch gradient is computed by its own backward pass of the
 one model (data-parallel replicas hold the same parameters, so one model
@@ -28,7 +28,7 @@ against the exact mean is recorded along the run.
 
 Workload ``lm``: the byte-level causal LM of mpi_examples/train_lm.py
 (LLaMA-style, ``transformers`` built from a config, trained from scratch on
-the standard-library corpus of studies/corpus.py).
+the standard-library corpus of research/corpus.py).
 """
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ PRESETS = {
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m dynamiq_mpi train-sim",
+    p = argparse.ArgumentParser(prog="python -m research train-sim",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=8, help="simulated data-parallel ranks N")
     p.add_argument("--codec", default="dynamiq:5", help="fp32, bf16, dynamiq:B, mxfp:FMT, ...")
@@ -68,7 +68,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="model init, data order, codec seed")
     p.add_argument("--workload", default="lm", choices=["lm", "cls"],
                    help="lm: byte-level LM from scratch; cls: fine-tune a pretrained one to "
-                        "classify source by package (studies/workloads.py)")
+                        "classify source by package (research/workloads.py)")
     p.add_argument("--preset", default="small", choices=sorted(PRESETS))
     for k, v in PRESETS["small"].items():
         p.add_argument("--" + k.replace("_", "-"), type=type(v), default=None,
@@ -116,7 +116,7 @@ class Reducer:
     vNMSE of every call against the exact mean."""
 
     def __init__(self, spec, n, seed, topology, node_size, on_host=False):
-        from ..codecs import codec_from_string
+        from dynamiq_mpi.codecs import codec_from_string
         self.spec, self.n, self.seed, self.on_host = spec, n, seed, on_host
         self.topology, self.node_size = topology, node_size
         self.codec = None if spec in ("fp32", "bf16") else codec_from_string(spec)
@@ -165,7 +165,7 @@ class Reducer:
         import numpy as np
         import torch
 
-        from .. import simulate_allreduce
+        from dynamiq_mpi import simulate_allreduce
         from .scale_sim import ArraySource, scale_allreduce, supports
         if self.node_size > 1:          # the hierarchical call, on the host
             from .scale_levels import levels_simulate
@@ -246,7 +246,7 @@ def run(args) -> dict:
     import numpy as np
     import torch
 
-    from ..torch.ddp import gradient_buckets
+    from dynamiq_mpi.torch.ddp import gradient_buckets
 
     use_cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     comm = None
@@ -271,7 +271,7 @@ def run(args) -> dict:
     reducer, state = None, None
     if args.real:
         import dynamiq_mpi.torch as dqt
-        from ..codecs import codec_from_string
+        from dynamiq_mpi.codecs import codec_from_string
         state = dqt.HookState(codec=codec_from_string(args.codec), comm=comm, seed=args.seed,
                               topology=args.topology, path="compressed", reports=False)
     else:
@@ -454,7 +454,7 @@ def _progress(total, quiet):
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv and argv[0] == "table":
-        p = argparse.ArgumentParser(prog="python -m dynamiq_mpi train-sim table")
+        p = argparse.ArgumentParser(prog="python -m research train-sim table")
         p.add_argument("runs", nargs="+")
         p.add_argument("--png", default=None)
         a = p.parse_args(argv[1:])

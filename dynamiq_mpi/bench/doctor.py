@@ -17,6 +17,8 @@ import socket
 import struct
 import sys
 
+from ..settings import environment
+
 # Environment variables by launcher, the first that is set names it.
 LAUNCHERS = (("torchrun", ("TORCHELASTIC_RUN_ID", "LOCAL_WORLD_SIZE")),
              ("mpiexec", ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS")),
@@ -80,12 +82,12 @@ def _arch_list(archs) -> str:
 def kernels() -> dict:
     out = {}
     try:
-        from . import _cpu
+        from .. import _cpu
         out["cpu"] = f"built ({os.path.basename(_cpu.__file__)})"
     except Exception as exc:
         out["cpu"] = f"NOT BUILT: {exc} (reinstall: pip install -v .)"
     try:
-        from . import _gpu
+        from .. import _gpu
     except Exception as exc:
         out["gpu"] = (f"not built ({exc.__class__.__name__}): nvcc was missing or failed at "
                       "install time, or DYNAMIQ_NO_CUDA=1; CuPy arrays cannot be reduced")
@@ -117,7 +119,7 @@ def packages() -> dict:
             out["gpus"] = runtime.getDeviceCount()
         except Exception as exc:
             out["gpus"] = f"none usable ({exc.__class__.__name__}: {exc})"
-        from .transports.nccl import nccl_status
+        from ..transports.nccl import nccl_status
         ok, why = nccl_status()
         if ok:
             from cupy.cuda import nccl
@@ -138,7 +140,7 @@ def packages() -> dict:
 
 # ---------------------------------------------------------------- MPI
 def launcher(environ=None) -> str:
-    env = os.environ if environ is None else environ
+    env = environment() if environ is None else environ
     for name, variables in LAUNCHERS:
         for var in variables:
             if env.get(var, "").strip():
@@ -147,8 +149,8 @@ def launcher(environ=None) -> str:
 
 
 def _launched_by_mpi(environ=None) -> bool:
-    from .control import _MPI_SIZE_VARS, _env_size
-    return _env_size(_MPI_SIZE_VARS, os.environ if environ is None else environ)[0] > 1
+    from ..control import _MPI_SIZE_VARS, _env_size
+    return _env_size(_MPI_SIZE_VARS, environment() if environ is None else environ)[0] > 1
 
 
 def mpi(ask: bool) -> dict:
@@ -173,7 +175,7 @@ def mpi(ask: bool) -> dict:
     if not MPI.Is_initialized():
         out["cuda_aware"] = "not asked (MPI is not initialised in a torch.distributed job)"
         return out
-    from .transports.cuda_aware import cuda_aware_mpi
+    from ..transports.cuda_aware import cuda_aware_mpi
     aware = cuda_aware_mpi()
     verdict = "yes" if aware.aware else ("unknown" if aware.source == "none" else "no")
     out["cuda_aware"] = f"{verdict} ({aware.why})"
@@ -184,10 +186,10 @@ def mpi(ask: bool) -> dict:
 def default_choices(found: dict) -> dict:
     """What a call with the library's defaults would choose, from what was
     found (nothing is measured: ``path="auto"`` measures on the first calls)."""
-    from .api import default_hierarchy
-    from .call.graphs import default_graphs
-    from .call.paths import default_path
-    from .codecs import DEFAULT_CODEC
+    from ..api import default_hierarchy
+    from ..call.graphs import default_graphs
+    from ..call.paths import default_path
+    from ..codecs import DEFAULT_CODEC
     out = {}
     gpu_ready = (found["kernels"].get("gpu_usable") and found["packages"].get("cupy")
                  and not str(found["packages"].get("nccl", "")).startswith("unavailable"))
@@ -251,7 +253,7 @@ def collect(environ=None) -> dict:
     found["defaults"] = default_choices(found)
     found["ranks"] = [_this_rank()]
     if launched and found["mpi"].get("mpi4py"):
-        from .control import default_comm
+        from ..control import default_comm
         comm = default_comm()
         found["control_plane"] = f"mpi ({comm.Get_size()} ranks)"
         found["ranks"] = comm.gather(found["ranks"][0], root=0)
@@ -259,7 +261,7 @@ def collect(environ=None) -> dict:
     elif torch_job:
         found["control_plane"] = ("torch, once the job calls "
                                   "torch.distributed.init_process_group()")
-        rank = (os.environ if environ is None else environ).get("RANK", "0")
+        rank = (environment() if environ is None else environ).get("RANK", "0")
         found["rank"] = int(rank) if rank.isdigit() else 0    # rank 0 alone prints
     else:
         found["control_plane"] = ("mpi, a world of one" if found["mpi"].get("mpi4py")

@@ -1,4 +1,4 @@
-"""The error study's output (``python -m dynamiq_mpi vnmse``, studies/errorstudy.py
+"""The error study's output (``python -m research vnmse``, research/errorstudy.py
 runs the study): the sweep and ablation tables it prints and the plot of
 vNMSE against the number of ranks it draws."""
 from __future__ import annotations

@@ -4,7 +4,7 @@ generator change): fixed 4-bit codes on a ring of n ranks, T calls with fresh
 keys each (tests/test_statistics.errors_over_calls), MSE of the sum with and
 without correlated rounding, their ratio and ||mean error||^2 / MSE.
 
-    python tools/studies/generator_error_ab.py ROOT [ROOT ...]   [--calls 300] [--ranks 3,5,8]
+    python research/scripts/generator_error_ab.py ROOT [ROOT ...]   [--calls 300] [--ranks 3,5,8]
 
 ROOT is a directory holding a built `dynamiq_mpi` package (the working tree
 is `.`; an old one: `git archive <rev> dynamiq_mpi pyx src_cuda setup.py

@@ -1,5 +1,5 @@
 """The cost model against what was measured, and where compression pays
-(``python -m dynamiq_mpi model --check`` / ``--map FILE``; docs/cost-model.md).
+(``python -m research model-check`` / ``model-map FILE``; docs/cost-model.md).
 
 Every two-GPU bench run in docs/results (a JSON document with ``meta`` and
 ``rows``, two ranks) is read. The link of a run follows from its NCCL
@@ -21,9 +21,10 @@ import os
 import sys
 from pathlib import Path
 
-from .cost_model import (Cluster, Link, codec_cost, compressed_allreduce, load_rates,
-                         parse_bandwidth, predict, wire_only)
-from .cost_model_io import _write_json
+from dynamiq_mpi.cost_model.io import write_json
+from dynamiq_mpi.cost_model.model import (HOST_MODES, Cluster, Link, codec_cost,
+                                          compressed_allreduce, copy_rate, kernel_ns, load_rates,
+                                          parse_bandwidth, planner_seconds, predict, wire_only)
 
 # our point-to-point over the collective's rate on the same link and bytes (42 MB)
 P2P_EFFICIENCY = {
@@ -287,25 +288,8 @@ def draw_map(data, path):
     ax[1].set_title("fastest: grey NCCL, orange flat ring, green levels (ring);\n"
                     "number: best compressed speed-up over NCCL", fontsize=9)
     fig.suptitle(f"Predicted, 2^28 BF16 elements per GPU, DynamiQ 5 bits, kernels "
-                 f"{data['rates']}, host {data['host']} (python -m dynamiq_mpi model --map)",
+                 f"{data['rates']}, host {data['host']} (python -m research model-map)",
                  fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def plot_sweep(rows, param, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, ax = plt.subplots(figsize=(6, 4))
-    xs = list(range(len(rows)))
-    for k in rows[0]:
-        if k != "value":
-            ax.plot(xs, [r[k]["speedup"] for r in rows], marker="o", label=k.replace("_", " "))
-    ax.set_xticks(xs, [r["value"] for r in rows], fontsize=7)
-    ax.set_xlabel(param), ax.set_ylabel("speed-up over NCCL"), ax.set_yscale("log")
-    ax.grid(True, alpha=0.3), ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -314,7 +298,7 @@ def plot_sweep(rows, param, path):
 # ------------------------------------------------------------------ command line
 
 def _default_results():
-    return str(Path(__file__).resolve().parents[2] / "docs" / "results")
+    return str(Path(__file__).resolve().parents[1] / "docs" / "results")
 
 
 def _print_check(res, out):
@@ -337,6 +321,16 @@ def _print_check(res, out):
                   f"{s['max_abs_error']:5.1%}  within 25 %: {s['within_25pct']}\n")
     for why, count in res["skipped"].items():
         out.write(f"  not predicted: {count} rows, {why}\n")
+
+
+def add_arguments(p):
+    p.add_argument("--results", default=None, help="docs/results (default: this checkout's)")
+    p.add_argument("--json", default=None, help="write the result as JSON ('-': stdout)")
+    p.add_argument("--gpu", default="h100-final",
+                   help="kernel rates: a set of kernel_rates.json (h100, h200, h100-final, "
+                        "h200-final); the check takes h200 for h100-final (the runs' GPUs)")
+    p.add_argument("--host", choices=HOST_MODES, default="fixed",
+                   help="host time per call (the check takes exact for fixed: the runs' layout)")
 
 
 def run(args, out=None):
@@ -363,7 +357,7 @@ def run(args, out=None):
         if args.json != "-":
             out.write(f"wrote {args.map} and {Path(args.map).with_suffix('.json')}\n")
     if args.json:
-        _write_json(doc, args.json, out)
+        write_json(doc, args.json, out)
     return doc
 
 
@@ -386,10 +380,9 @@ def calibrate_in_call(results_dir, rates_name="h100"):
 
     def per_element(length):
         c = codec_cost("dynamiq", 5.0, rates, length / 2, widths=NORMAL_WIDTHS)
-        from .cost_model import _copy, _ns, planner_seconds
         work = ((c.compress + c.dar + 2 * c.decode) * length / 2
-                + length * _ns(rates, "stats", length) * 1e-9)
-        work += 2 * (length / 2) * c.wire_bits / 8 * 2 / _copy(rates)        # two messages copied
+                + length * kernel_ns(rates, "stats", length) * 1e-9)
+        work += 2 * (length / 2) * c.wire_bits / 8 * 2 / copy_rate(rates)    # two messages copied
         return 2 * work, 2 * planner_seconds(rates, length)                  # both ranks
 
     (w23, p23), (w26, p26) = per_element(1 << 23), per_element(1 << 26)

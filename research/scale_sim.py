@@ -53,18 +53,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .. import schedules
-from ..backend import as_float32, backend_for
-from ..codecs.base import DEFAULT_TILE_BYTES, Tiling
-from ..codecs.dynamiq import DynamiQ
-from ..codecs.mxfp import BLOCK as MX_BLOCK
-from ..codecs.mxfp import MXFP, _padded_blocks
-from ..codecs.omnireduce import OmniReduce
-from ..codecs.plain import BF16, ElementwisePlan, Exact
-from ..codecs.thc import THC, range_bytes, rotate, run_signs
-from ..rng import call_keys
-from ..schedules import _trailing_ones
-from ..call.workspace import FRESH
+from dynamiq_mpi import schedules
+from dynamiq_mpi.backend import as_float32, backend_for
+from dynamiq_mpi.codecs.base import DEFAULT_TILE_BYTES, Tiling
+from dynamiq_mpi.codecs.dynamiq import DynamiQ
+from dynamiq_mpi.codecs.mxfp import BLOCK as MX_BLOCK
+from dynamiq_mpi.codecs.mxfp import MXFP, padded_blocks
+from dynamiq_mpi.codecs.omnireduce import OmniReduce
+from dynamiq_mpi.codecs.plain import BF16, ElementwisePlan, Exact
+from dynamiq_mpi.codecs.thc import THC, range_bytes, rotate, run_signs
+from dynamiq_mpi.rng import call_keys
+from dynamiq_mpi.schedules import trailing_ones
+from dynamiq_mpi.call.study import FRESH
 
 # the inputs (rank sources) live in scale_sources.py
 from .scale_sources import (SUPER, PAPER_MIXTURE, ArraySource, LogNormalMixture,  # noqa: F401,E402
@@ -146,7 +146,7 @@ class _MXAdapter(_MaxStatsAdapter):
         if sim.backend.name == "gpu":
             return None
         nb = -(-x.shape[0] // MX_BLOCK)
-        return _padded_blocks(sim.xp, x, nb)
+        return padded_blocks(sim.xp, x, nb)
 
 
 def _row_absmax(xp, x, nrows):
@@ -350,7 +350,7 @@ def _adapter_for(codec):
         return _OmniAdapter()
     raise NotImplementedError(
         f"scale_allreduce has no adapter for codec {type(codec).__name__!r} "
-        "(see _adapter_for in dynamiq_mpi/studies/scale_sim.py); use simulate_allreduce")
+        "(see _adapter_for in research/scale_sim.py); use simulate_allreduce")
 
 
 def supports(codec) -> bool:
@@ -367,7 +367,7 @@ def _reduce(plan, bind, topology, n):
     """The sink's final compressed stream (tile 0 = the whole stream) of a
     reduce-scatter in which role ``v`` adds the local values ``bind(v)``
     binds the plan to, quantizing as event ``v`` - the engine's
-    ``_reduce_tile`` for every chunk at once."""
+    ``reduce_tile`` (call/phases.py) for every chunk at once."""
     if topology == "ring":
         payload = None
         for v in range(n):
@@ -378,7 +378,7 @@ def _reduce(plan, bind, topology, n):
 
     def node(w):
         # children w - 2^k, k < trailing ones of w, received in that order
-        kids = [node(w - (1 << k)) for k in range(_trailing_ones(w))]
+        kids = [node(w - (1 << k)) for k in range(trailing_ones(w))]
         bind(w)
         if not kids:
             return plan.compress(0, w).copy()

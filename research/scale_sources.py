@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..rng import splitmix64
+from dynamiq_mpi.rng import splitmix64
 
 SUPER = 256
 _M32 = np.uint64(0xFFFFFFFF)

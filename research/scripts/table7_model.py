@@ -1,11 +1,11 @@
 """Why the paper's Table 7 ring at 8.5 bits (0.0105) is 13x below ours: a model
 that needs no compiled codec (docs/error-study.md, "The 8.5-bit gap").
 
-    python tools/studies/table7_model.py [--n 8192] [--nsg 32768] [--budgets 5,6,8.5]
+    python research/scripts/table7_model.py [--n 8192] [--nsg 32768] [--budgets 5,6,8.5]
 
 1. Per width, the relative error of one super-group's sum after the ring's
    chain of n hops and after the butterfly's binomial tree
-   (tools/studies/ring_scale_model.py: unit-variance contributions, the library's
+   (research/scripts/ring_scale_model.py: unit-variance contributions, the library's
    level tables, correlated rounding; scales: the unbiased stochastic code
    for 2 and 4 bits, which the hybrid code is where it matters, spec 2.7's
    rounded-up code for 8; width 16 = the paper's raw BF16 class, every hop

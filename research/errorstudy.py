@@ -1,23 +1,23 @@
-"""``python -m dynamiq_mpi vnmse``: the error study, on simulated ranks (no MPI).
+"""``python -m research vnmse``: the error study, on simulated ranks (no MPI).
 
-    python -m dynamiq_mpi vnmse                                  # the default study
-    python -m dynamiq_mpi vnmse --data real --ranks 8 --topologies ring
-    python -m dynamiq_mpi vnmse --ablation --json ablation.json  # the ablation ladder
-    python -m dynamiq_mpi vnmse --data lognormal --ranks 8192 --length 1048576 \\
+    python -m research vnmse                                  # the default study
+    python -m research vnmse --data real --ranks 8 --topologies ring
+    python -m research vnmse --ablation --json ablation.json  # the ablation ladder
+    python -m research vnmse --data lognormal --ranks 8192 --length 1048576 \\
         --codecs dynamiq:5 --topologies ring                     # the scale simulator
-    python -m dynamiq_mpi vnmse --data lognormal --ranks 8192 --length 65536 \\
+    python -m research vnmse --data lognormal --ranks 8192 --length 65536 \\
         --codecs dynamiq:5 --node-size 8                         # 1024 nodes of 8
 
 For every data set, codec, topology and number of ranks ``n`` it prints the
 vNMSE of the all-reduce, ``||out - sum||^2 / ||sum||^2`` against the float64
 sum of the inputs, beside the bits per coordinate actually put on the wire
 (all bytes of all ranks, statistics included).  Every codec runs on the
-library's own engine: :func:`dynamiq_mpi.studies.scale_sim.scale_allreduce` (bit for
+library's own engine: :func:`research.scale_sim.scale_allreduce` (bit for
 bit :func:`~dynamiq_mpi.simulate_allreduce`, in memory independent of ``n``)
 where it has an adapter for the codec, else ``simulate_allreduce``.
 
 ``--node-size K`` (default 1: the flat call) runs the hierarchical
-all-reduce instead (dynamiq_mpi/studies/scale_levels.py): in-node sums of K
+all-reduce instead (research/scale_levels.py): in-node sums of K
 consecutive ranks, then K rails, each the flat compressed all-reduce of one
 interleaved shard (the 256-element blocks ``j`` with ``j mod K == l``) over
 the n / K nodes (a butterfly over a node count that is not a power of two
@@ -29,7 +29,7 @@ Data sets (``--data``):
 
 * ``real``: gradients of a small LLaMA (transformers, word-level vocabulary
   built from Python's standard library, the corpus of
-  mpi_examples/train_lm.py), captured by tools/studies/capture_gradients.py: rank
+  mpi_examples/train_lm.py), captured by research/scripts/capture_gradients.py: rank
   ``r`` = micro-batch ``r`` at one model step.  The embedding rows of words
   absent from every rank's micro-batch are exactly zero (the skew of the
   paper's fine-tuning gradients).  A contiguous slice of whole tensors (the
@@ -40,7 +40,7 @@ Data sets (``--data``):
 * ``lognormal``: the paper's large-scale synthetic gradient (section 6.2):
   super-group magnitudes from its two-component LogNormal mixture,
   coordinates i.i.d. normal, generated on the fly (any ``n``).
-* ``gradient_like``: :func:`dynamiq_mpi.studies.gradients.gradient_like` (layer
+* ``gradient_like``: :func:`dynamiq_mpi.bench.gradients.gradient_like` (layer
   scales over five decades, Student-t entries, an embedding table with 90 %
   of rows zero on every rank).
 
@@ -66,9 +66,9 @@ import numpy as np
 
 from .errorstudy_tables import plot_sweep, print_ablation, print_sweep
 
-REPO = Path(__file__).resolve().parents[2]     # the checkout (this file: dynamiq_mpi/studies/)
+REPO = Path(__file__).resolve().parents[1]     # the checkout (this file: research/)
 DEFAULT_CACHE = REPO / ".cache" / "gradients"
-CAPTURE_SCRIPT = REPO / "tools" / "studies" / "capture_gradients.py"
+CAPTURE_SCRIPT = REPO / "research" / "scripts" / "capture_gradients.py"
 REAL_NAME = "llama_words"
 
 # The default codec list; spellings that this installation's codec_from_string
@@ -86,7 +86,7 @@ def parse_codec(spec: str, overrides=None):
     ``small_input=0`` unless the spelling sets it, and each field of
     ``overrides`` (``--scale-code``, ``--bf16-class``) unless the spelling
     sets that field."""
-    from ..codecs import DynamiQ, codec_from_string
+    from dynamiq_mpi.codecs import DynamiQ, codec_from_string
     codec = codec_from_string(spec)
     if isinstance(codec, DynamiQ):
         fields = {"small_input": 0, **(overrides or {})}
@@ -124,7 +124,7 @@ def ablation_ladder(bits):
     the paper's rows use widths {0, 2, 4, 8} and the rounded-up group codes,
     then two rows add what the library's defaults add (spec 2.3, 2.7): the
     hybrid group codes, then the 16-bit class (the last row is ``DynamiQ(bits)``)."""
-    from ..codecs import DynamiQ
+    from dynamiq_mpi.codecs import DynamiQ
     base = dict(bits=bits, uniform=True, variable_width=False, hierarchical=False,
                 correlated=False, zero_class=False, small_input=0, scale_code="ceil",
                 bf16_class=False)
@@ -144,7 +144,7 @@ def ablation_ladder(bits):
 # ----------------------------------------------------------------------------- data
 def real_gradients(cache=DEFAULT_CACHE, capture=True, quiet=False):
     """(gradients (ranks, length) float32, metadata) of the captured model;
-    runs tools/studies/capture_gradients.py first when the capture is missing."""
+    runs research/scripts/capture_gradients.py first when the capture is missing."""
     cache = Path(cache)
     npy, meta_path = cache / f"{REAL_NAME}.npy", cache / f"{REAL_NAME}.json"
     if not (npy.exists() and meta_path.exists()):
@@ -153,7 +153,7 @@ def real_gradients(cache=DEFAULT_CACHE, capture=True, quiet=False):
         if not CAPTURE_SCRIPT.exists():
             raise FileNotFoundError(f"{npy} is missing and so is {CAPTURE_SCRIPT} to make it")
         if not quiet:
-            print(f"capturing real gradients into {cache} (tools/studies/capture_gradients.py) ...",
+            print(f"capturing real gradients into {cache} (research/scripts/capture_gradients.py) ...",
                   file=sys.stderr, flush=True)
         subprocess.run([sys.executable, str(CAPTURE_SCRIPT), "--out", str(cache / REAL_NAME)],
                        check=True, stdout=sys.stderr)
@@ -166,14 +166,14 @@ class _Data:
     """One data set: a source for up to ``max_ranks`` ranks, and its notes."""
 
     def __init__(self, name, args, max_ranks):
-        from .gradients import gradient_like
+        from dynamiq_mpi.bench.gradients import gradient_like
         from .scale_sim import ArraySource, LogNormalMixture
         self.name, self.notes = name, {}
         if name in ("real", "real-dense"):
             grads, meta = real_gradients(args.cache)
             if grads.shape[0] < max_ranks:
                 raise SystemExit(f"the capture has {grads.shape[0]} ranks, {max_ranks} asked "
-                                 f"for: re-run tools/studies/capture_gradients.py --ranks {max_ranks}")
+                                 f"for: re-run research/scripts/capture_gradients.py --ranks {max_ranks}")
             start = meta["dense_start"] if name == "real-dense" else 0
             xs = np.asarray(grads[:max_ranks, start:], dtype=np.float32)
             self.source = ArraySource(xs)
@@ -223,7 +223,7 @@ def run_one(data, n, codec, topology, seed, counter, engine="auto", progress=Fal
     """(vNMSE, bits per coordinate, codec info, seconds, engine) of one
     all-reduce; ``node_size`` > 1: the hierarchical one (scale_levels.py)
     with ``rail_budget``."""
-    from .. import simulate_allreduce
+    from dynamiq_mpi import simulate_allreduce
     from .scale_sim import scale_allreduce, supports
     t0 = time.perf_counter()
     if node_size > 1:
@@ -360,7 +360,7 @@ def _git_state():
         head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
                               text=True, check=True).stdout.strip()
         dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--",
-                                "dynamiq_mpi", "src_cuda", "pyx"],
+                                "dynamiq_mpi", "research", "src_cuda", "pyx"],
                                capture_output=True, text=True, check=True).stdout.strip()
         return head + ("+local changes" if dirty else "")
     except Exception:
@@ -450,7 +450,7 @@ def run(args, out=None):
     print(f"\n({seconds:.0f} s)", file=out)
     result = dict(
         kind="ablation" if args.ablation else "sweep",
-        command="python -m dynamiq_mpi vnmse " + " ".join(sys.argv[2:]) if
+        command="python -m research vnmse " + " ".join(sys.argv[2:]) if
         sys.argv[1:2] == ["vnmse"] else None,
         date=started.isoformat(timespec="seconds"), git=git, host=platform.node(),
         cpu=platform.processor() or platform.machine(),
@@ -472,7 +472,7 @@ def run(args, out=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m dynamiq_mpi vnmse", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m research vnmse", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(p)
     return run(p.parse_args(argv))

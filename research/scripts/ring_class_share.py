@@ -1,7 +1,7 @@
 """Which super-groups carry a long ring's error?  (docs/error-study.md, "Long
 rings with the defaults".)
 
-    python tools/studies/ring_class_share.py --json docs/results/error_study_defaults_ring_classes.json
+    python research/scripts/ring_class_share.py --json docs/results/error_study_defaults_ring_classes.json
 
 For the paper's LogNormal mixture (Table 7 set-up, 2^16 elements per rank) and
 each n, the library's ring (``scale_allreduce``, the default codec) is run
@@ -38,7 +38,7 @@ def main(argv=None):
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     import dynamiq_mpi as dq
-    from dynamiq_mpi.studies.scale_sim import LogNormalMixture, scale_allreduce
+    from research.scale_sim import LogNormalMixture, scale_allreduce
     t0 = time.perf_counter()
     src = LogNormalMixture(args.length, seed=0)
     rows = []
@@ -76,8 +76,8 @@ def main(argv=None):
                               f"{c['energy_share']:.1%} of the energy, error/energy "
                               f"{c['error_over_energy']:.3g}, worst 5 {c['worst5_share_of_total']:.0%}"
                               for w, c in classes.items()), flush=True)
-    res = dict(tool="tools/studies/ring_class_share.py",
-               command="python tools/studies/ring_class_share.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    res = dict(tool="research/scripts/ring_class_share.py",
+               command="python research/scripts/ring_class_share.py " + " ".join(sys.argv[1:] if argv is None else argv),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                git=subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
                                   text=True).stdout.strip(),

@@ -1,13 +1,13 @@
 #!/bin/bash
 # Cells of the simulated-ranks training table on the CPU (or any one device),
-# JOBS at a time (docs/training.md, `python -m dynamiq_mpi train-sim`).
+# JOBS at a time (docs/training.md, `python -m research train-sim`).
 #   RUNS="N/codec/topology/node_size/seed[/workload[/steps[/batch]]] ..."
 #        ("dynamiq": dynamiq:5:small_input=0; workload lm or cls, WORKLOAD's by default;
 #        steps STEPS's, else the preset's; batch: sequences a rank, the preset's by default;
 #        a run of other steps or batch is named ..._tSTEPS_bBATCH)
 #   PRESET=compact DEVICE=cpu JOBS=2 OUT=dir [STEPS=...] [WORKLOAD=lm|cls]
 #   [TRAIN_ARGS="--batched --reduce-on host"] [MAX_SECONDS=s] [END_AT=epoch seconds]
-#   bash tools/studies/train_sim_cells.sh
+#   bash research/scripts/train_sim_cells.sh
 # Each run writes OUT/NAME.json as it goes ("partial": true until it ends)
 # and its state to OUT/NAME.ckpt at every evaluation: a run already complete
 # is skipped, a partial one goes on from its checkpoint (the same bits), so
@@ -18,6 +18,8 @@
 set -uo pipefail
 OUT=${OUT:-train_sim_out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
+# `python -m research` from any working directory: the checkout on the path
+export PYTHONPATH=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)${PYTHONPATH:+:$PYTHONPATH}
 export PRESET=${PRESET:-compact} DEVICE=${DEVICE:-cpu} WORKLOAD=${WORKLOAD:-lm} OUT PY
 export STEPS=${STEPS:-} TRAIN_ARGS=${TRAIN_ARGS:-} MAX_SECONDS=${MAX_SECONDS:-} END_AT=${END_AT:-}
 complete() {    # a run's JSON that parses and was written at its end (dated, not partial)
@@ -38,7 +40,7 @@ one() {
     (( left < 30 )) && { echo "skipped (deadline): $1"; return 0; }
     [[ -z $limit ]] || (( left < limit )) && limit=$left
   fi
-  if OMP_NUM_THREADS=1 $PY -m dynamiq_mpi train-sim --preset "$PRESET" --device "$DEVICE" \
+  if OMP_NUM_THREADS=1 $PY -m research train-sim --preset "$PRESET" --device "$DEVICE" \
       --workload "$work" --ranks "$n" --codec "$codec" --topology "$topo" --node-size "$k" \
       --seed "$seed" ${steps:+--steps $steps} ${batch:+--batch $batch} $TRAIN_ARGS \
       --quiet --json "$json" \
@@ -55,4 +57,4 @@ one() {
 export -f one
 printf '%s\n' ${RUNS:?RUNS is empty} | xargs -P "${JOBS:-2}" -I{} bash -c 'one {}'
 [[ -n ${NO_TABLE:-} ]] || ! compgen -G "$OUT/*.json" > /dev/null ||
-  $PY -m dynamiq_mpi train-sim table "$OUT"/*.json
+  $PY -m research train-sim table "$OUT"/*.json

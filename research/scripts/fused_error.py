@@ -3,7 +3,7 @@ gradients of one LLaMA step (mpi_examples/train_lm.py's model and batches),
 cut into DDP-sized buckets, all-reduced by DynamiQ bucket by bucket and in
 fused groups (the hook's rule), each against the exact float64 mean.
 
-    mpiexec -n 2 python tools/studies/fused_error.py --preset default --json out.json
+    mpiexec -n 2 python research/scripts/fused_error.py --preset default --json out.json
 
 Prints vNMSE and bits a coordinate for every grouping (one bucket a call,
 the hook's default fuse_mb, the whole model in one call), the same seed and
@@ -38,8 +38,8 @@ def main(argv=None):
 
     import dynamiq_mpi as dq
     import train_lm
-    from dynamiq_mpi.studies.corpus import load_corpus
-    from dynamiq_mpi.studies.workloads import build_model, lm_loss, rank_batch
+    from research.corpus import load_corpus
+    from research.workloads import build_model, lm_loss, rank_batch
     from dynamiq_mpi.torch.ddp import gradient_buckets
     from dynamiq_mpi.torch.ddp_buckets import fused_groups
 

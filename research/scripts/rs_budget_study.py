@@ -1,7 +1,7 @@
 """Reduce-scatter: one DynamiQ threshold per chunk or one global threshold?
 
 Runs the simulator (all ranks in one process, the code that runs under
-mpiexec) on gradient-like data (dynamiq_mpi.studies.gradients: layers over five
+mpiexec) on gradient-like data (dynamiq_mpi.bench.gradients: layers over five
 decades of scale, an embedding table with 90 % zero rows) in two layouts:
 
 * ``zero``: the flat gradient cut into n contiguous chunks (ZeRO: chunk r
@@ -17,7 +17,7 @@ lowered until its largest message is no larger than the per-chunk one (equal
 time: a ring step lasts as long as its largest message, a chunk travels n-1
 hops in sequence).
 
-    PYTHONPATH=. python tools/studies/rs_budget_study.py [--length 1048576] [--seeds 2]
+    PYTHONPATH=. python research/scripts/rs_budget_study.py [--length 1048576] [--seeds 2]
 """
 import argparse
 import json
@@ -25,8 +25,7 @@ import json
 import numpy as np
 
 import dynamiq_mpi as dq
-from dynamiq_mpi.call.engine_rs import simulate_reduce_scatter
-from dynamiq_mpi.studies.gradients import gradient_like, layer_layout
+from dynamiq_mpi.bench.gradients import gradient_like, layer_layout
 
 
 def fsdp_layout(x, n, length):
@@ -44,8 +43,8 @@ def fsdp_layout(x, n, length):
 
 def run(xs, n, bits, seed, budget):
     codec = dq.DynamiQ(bits=bits, small_input=0)
-    outs, reps = simulate_reduce_scatter(xs, codec=codec, seed=seed, return_reports=True,
-                                         budget=budget)
+    outs, reps = dq.simulate_reduce_scatter(xs, codec=codec, seed=seed, return_reports=True,
+                                            budget=budget)
     sizes = reps[0].codec_info["block_bytes"]
     return np.concatenate(outs), max(sizes), float(np.mean(sizes)), reps[0].bits_per_coord
 

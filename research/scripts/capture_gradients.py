@@ -1,6 +1,6 @@
-"""Capture real gradients for the error study (``python -m dynamiq_mpi vnmse``).
+"""Capture real gradients for the error study (``python -m research vnmse``).
 
-    python tools/studies/capture_gradients.py --out .cache/gradients/llama_words
+    python research/scripts/capture_gradients.py --out .cache/gradients/llama_words
 
 A small LLaMA (transformers, randomly initialised, CPU) is trained for
 ``--steps`` steps on Python's standard library source (the corpus of

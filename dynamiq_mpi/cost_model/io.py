@@ -1,13 +1,13 @@
 """The command line of the cost model (``python -m dynamiq_mpi model``; the
-model itself is studies/cost_model.py): its arguments, the cluster, call and
+model itself is ``model.py``): its arguments, the cluster, call and
 kernel rates they name, and what it prints and writes (the table, the JSON)."""
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from .cost_model import (DEFAULT_TILE_BYTES, HOST_MODES, Cluster, Link, load_rates, parse_bandwidth,
-                         parse_count, parse_time, predict, wire_only)
+from .model import (DEFAULT_TILE_BYTES, HOST_MODES, Cluster, Link, load_rates, parse_bandwidth,
+                    parse_count, parse_time, predict, wire_only)
 
 
 def add_arguments(p):
@@ -47,11 +47,6 @@ def add_arguments(p):
                    help="PARAM=v1,v2,...: one row per value (inter, intra, nodes, gpus-per-node, "
                         "nics-per-node, elements, bits)")
     g.add_argument("--plot", default=None, help="with --sweep: speed-up over NCCL as a PNG")
-    g.add_argument("--check", action="store_true",
-                   help="predict every two-GPU measurement in --results and print the error")
-    g.add_argument("--results", default=None, help="docs/results (default: this checkout's)")
-    g.add_argument("--map", default=None,
-                   help="draw where compression pays (PNG; its data beside it as JSON)")
 
 
 _SWEEPABLE = {"inter": "inter", "intra": "intra", "nodes": "nodes", "gpus-per-node": "gpus_per_node",
@@ -123,9 +118,26 @@ def _table(res, out):
                   f"{'; '.join(notes)}\n")
 
 
-def _write_json(doc, path, out):
+def write_json(doc, path, out):
     text = json.dumps(doc, indent=1)
     if path == "-":
         out.write(text + "\n")
     else:
         Path(path).write_text(text + "\n")
+
+
+def plot_sweep(rows, param, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = list(range(len(rows)))
+    for k in rows[0]:
+        if k != "value":
+            ax.plot(xs, [r[k]["speedup"] for r in rows], marker="o", label=k.replace("_", " "))
+    ax.set_xticks(xs, [r["value"] for r in rows], fontsize=7)
+    ax.set_xlabel(param), ax.set_ylabel("speed-up over NCCL"), ax.set_yscale("log")
+    ax.grid(True, alpha=0.3), ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -17,7 +17,7 @@ Three calls are predicted (docs/cost-model.md):
   every hop compressed). A point-to-point message between consecutive ranks
   of two nodes crosses through one NIC; a butterfly step at distance ``d``
   sends ``min(d, K)`` flows out of every node, sharing its NICs.
-* **Our hierarchical all-reduce** (spec 5c): NCCL's reduce-scatter in the
+* **Our hierarchical all-reduce**: NCCL's reduce-scatter in the
   node, K rails (one per local rank, each a compressed all-reduce of 1/K of
   the input over the N nodes, sharing the node's NICs), NCCL's all-gather.
 
@@ -166,7 +166,7 @@ def wire_only(rates):
                                 for k, v in rates["ns_per_element"].items()})
 
 
-def _ns(rates, key, elements):
+def kernel_ns(rates, key, elements):
     """ns per element of a kernel at this size (log-linear between the measured
     sizes, clamped: a tile below the smallest runs at the smallest's rate)."""
     table = rates["ns_per_element"]
@@ -206,7 +206,7 @@ def codec_cost(codec, bits, rates, tile_elements, widths=None, correlated=True,
     super-groups per width ({0,2,4,8,16} -> count), e.g. a measured call's;
     default the benchmark data's mix at 5 bits, kept for other budgets."""
     f_call = rates.get("in_call_factor", 1.0)
-    ns = lambda key: _ns(rates, key, tile_elements) * 1e-9 * f_call   # noqa: E731
+    ns = lambda key: kernel_ns(rates, key, tile_elements) * 1e-9 * f_call   # noqa: E731
     copy = rates["copy_gbps"][max(rates["copy_gbps"], key=int)] * 1e9   # bytes/s, read + write
     mem = lambda nbytes: nbytes / copy * f_call                         # noqa: E731
     bf16_cast = ns("bf16_cast") / 6        # s per byte moved by our BF16 kernels
@@ -351,11 +351,11 @@ def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
     data = data_phase(n, ran, chunk, cost, link_for, tile_bytes, launch)
     d = {"stats_local": 0.0, "stats_exchange": 0.0, "plan": 0.0}
     if cost.stats_bytes:
-        d["stats_local"] = (elements * _ns(rates, "stats", elements) * 1e-9
+        d["stats_local"] = (elements * kernel_ns(rates, "stats", elements) * 1e-9
                             * rates.get("in_call_factor", 1.0) + launch)
         sbytes = elements * cost.stats_bytes
         if n == 2:                       # one exchange of the whole vector, one summing kernel
-            d["stats_exchange"] = link_for(1).time(sbytes) + sbytes * 3 / _copy(rates) + launch
+            d["stats_exchange"] = link_for(1).time(sbytes) + sbytes * 3 / copy_rate(rates) + launch
         elif n > 2:                      # the exact codec's all-reduce, same schedule
             exact = codec_cost("exact", 32, rates, sbytes / 4, in_bytes=4)
             d["stats_exchange"] = data_phase(n, ran, sbytes / 4 / n, exact, link_for,
@@ -363,7 +363,7 @@ def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
     if cost.planner:
         d["plan"] = planner_seconds(rates, elements)
     # the caller's rows absent from the stream (DynamiQ's 0-bit class) and the mean
-    d["finish"] = elements * in_bytes / _copy(rates) * 0.25 + launch
+    d["finish"] = elements * in_bytes / copy_rate(rates) * 0.25 + launch
     d["data"] = data["seconds"]
     device = sum(d.values())
     hops = data["hops"] + (0 if not cost.stats_bytes else (1 if n == 2 else 2 * (n - 1)))
@@ -387,7 +387,8 @@ def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
             "parts": d, "kernels": data["kernels"], "wire": data["wire"]}
 
 
-def _copy(rates):
+def copy_rate(rates):
+    """Bytes per second of a device-to-device copy (read + write), the largest measured."""
     return rates["copy_gbps"][max(rates["copy_gbps"], key=int)] * 1e9
 
 

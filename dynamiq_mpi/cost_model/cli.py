@@ -1,21 +1,18 @@
-"""``python -m dynamiq_mpi model``: the cost model's command (predictions,
-sweeps, and ``--check`` / ``--map`` against the recorded measurements).
-The model is studies/cost_model.py, its arguments and output
-studies/cost_model_io.py, its check studies/cost_model_check.py; this module
-only dispatches, so none imports another's caller."""
+"""``python -m dynamiq_mpi model``: the cost model's command (predictions
+and sweeps).  The model is ``model.py``, its arguments and output ``io.py``;
+this module only dispatches, so none imports another's caller.  The model's
+check against the recorded measurements is a study:
+``python -m research model-check`` (research/model_check.py)."""
 from __future__ import annotations
 
 import sys
 
-from . import cost_model_check
-from .cost_model_io import (_SWEEPABLE, _describe, _inputs, _predict_args, _rates_for, _table,
-                            _write_json, add_arguments)  # noqa: F401 (add_arguments: the CLI's)
+from .io import (_SWEEPABLE, _describe, _inputs, _predict_args, _rates_for, _table,
+                 add_arguments, plot_sweep, write_json)  # noqa: F401 (add_arguments: the CLI's)
 
 
 def run(args, out=None):
     out = out or sys.stdout
-    if args.check or args.map:
-        return cost_model_check.run(args, out)
     rates = _rates_for(args)
     if not args.sweep:
         c, elements, bits, res = _predict_args(args, rates)
@@ -23,7 +20,7 @@ def run(args, out=None):
             out.write(_describe(c, elements, bits, args, rates) + "\n")
             _table(res, out)
         if args.json:
-            _write_json({"inputs": _inputs(c, elements, bits, args, rates), "prediction": res},
+            write_json({"inputs": _inputs(c, elements, bits, args, rates), "prediction": res},
                         args.json, out)
         return res
     param, _, values = args.sweep.partition("=")
@@ -42,8 +39,8 @@ def run(args, out=None):
             out.write(f"{r['value']:>14s} " + " ".join(
                 f"{r[k]['seconds'] * 1e3:9.3f} {r[k]['speedup']:5.2f}x " for k in keys) + "\n")
     if args.json:
-        _write_json({"inputs": _inputs(c, elements, bits, args, rates), "sweep": param,
+        write_json({"inputs": _inputs(c, elements, bits, args, rates), "sweep": param,
                      "rows": rows}, args.json, out)
     if args.plot:
-        cost_model_check.plot_sweep(rows, param, args.plot)
+        plot_sweep(rows, param, args.plot)
     return rows

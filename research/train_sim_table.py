@@ -1,4 +1,4 @@
-"""``python -m dynamiq_mpi train-sim table RUNS.json... [--png FIG]``: the
+"""``python -m research train-sim table RUNS.json... [--png FIG]``: the
 table of the simulated-ranks training runs (train_sim.py writes their JSON)
 and their curves.  A run's JSON, or a collection ``{"runs": [...]}``."""
 from __future__ import annotations

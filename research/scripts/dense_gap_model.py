@@ -2,7 +2,7 @@
 model of the spec?  (Issue 21, item 4; docs/error-study.md, "Dense gradients
 against a NumPy model of the spec".)
 
-    python tools/studies/dense_gap_model.py --json docs/results/error_study_dense_gap.json
+    python research/scripts/dense_gap_model.py --json docs/results/error_study_dense_gap.json
 
 A plain NumPy model of spec section 2 on the ring (every coordinate's chain of
 n quantizations, chunk c starting at rank c), written without the library's
@@ -172,7 +172,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     import dynamiq_mpi as dq
     from dynamiq_mpi.codecs.allocation import allocate_xp, record_bits
-    from dynamiq_mpi.studies.errorstudy import real_gradients
+    from research.errorstudy import real_gradients
     grads, meta = real_gradients(args.cache)
     xs = np.asarray(grads[:args.ranks, meta["dense_start"]:], dtype=np.float32)
     n, length = xs.shape
@@ -219,7 +219,7 @@ def main(argv=None):
             print(f"  {name:52s} {np.mean(vals):.4g}  (x{np.mean(vals) / lib_old:.3f} of the library)",
                   flush=True)
         rows.append(row)
-    res = dict(tool="tools/studies/dense_gap_model.py", command="python tools/studies/dense_gap_model.py "
+    res = dict(tool="research/scripts/dense_gap_model.py", command="python research/scripts/dense_gap_model.py "
                + " ".join(sys.argv[1:] if argv is None else argv),
                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                git=subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,

@@ -1,5 +1,5 @@
 """The byte-level corpus of the training studies (mpi_examples/train_lm.py,
-``python -m dynamiq_mpi train-sim``): modules of Python's standard library,
+``python -m research train-sim``): modules of Python's standard library,
 present under the same paths in Python 3.11 and 3.12, so the data ships with
 every interpreter and nothing downloads.
 

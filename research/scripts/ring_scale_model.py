@@ -1,7 +1,7 @@
 """NumPy model of the ring's re-quantization chain (independent of the compiled
 codec): why DynamiQ's ring error grows faster than n (docs/error-study.md).
 
-    python tools/studies/ring_scale_model.py --n 2048 --width 2 --rules hier,exact,stoch
+    python research/scripts/ring_scale_model.py --n 2048 --width 2 --rules hier,exact,stoch
 
 Every hop: y = q_prev + x_h (x_h ~ N(0,1) i.i.d., one worker of a super-group with
 shared magnitude; the relative error is scale-free), group scale by a rule, stochastic

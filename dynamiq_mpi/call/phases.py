@@ -1,0 +1,343 @@
+"""The phases of a call that the all-reduce (engine.py), the reduce-scatter
+(engine_rs.py) and the hierarchical call (hierarchy.py) share: the call's
+specification and its local checks, the agreement record and its check, the
+statistics phase, the schedule run tile by tile, and the finish (the result in
+the caller's layout, non-finite input, the report).  The generators here
+yield the same requests as the engines (transports/ops.py)."""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import schedules
+from ..backend import BFLOAT16, SUPPORTED_DTYPES, backend_for, dtype_name
+from ..codecs.base import DEFAULT_TILE_BYTES, LAYOUTS, Codec, align_up, signature_of
+from ..codecs.plain import ByteMaxPlan, ElementwisePlan, exact_sum_into
+from ..errors import InputMismatchError, InvalidInputError, NonFiniteInputError, SumOverflowError
+from ..rng import call_keys
+from ..settings import env_choice
+from ..transports import TRANSPORTS, transport_capabilities
+from ..transports.ops import Claim, Exchange, Mark
+
+OPS = ("sum", "mean")
+PATHS = ("compressed", "native")
+NONFINITE = ("propagate", "raise")
+LAYOUT_CHOICES = ("auto",) + LAYOUTS
+# Input dtypes the codecs read directly; others are converted to float32 first.
+NATIVE_DTYPES = SUPPORTED_DTYPES[:2]
+
+
+@dataclass(frozen=True)
+class CallSpec:
+    codec: Codec
+    topology: str
+    op: str
+    seed: int
+    counter: int
+    transport: str = "auto"
+    tile_bytes: int = DEFAULT_TILE_BYTES
+    path: str = "compressed"        # or "native": the transport's own all-reduce
+    nonfinite: str = "propagate"    # or "raise"
+    # the compressed stream's layout (codecs/base.py): "auto" is "fixed" (no
+    # host read of the plan) for device arrays with nonfinite="propagate",
+    # else "exact"
+    layout: str = "auto"
+    # the device address of the call's generator keys when it is captured as
+    # a CUDA graph (graphs.py: written before each replay), else 0; a local
+    # detail, not part of the agreement
+    keys_at: int = 0
+    # a hierarchical call's rail: ``plan_hook(codec, reduced statistics,
+    # backend)`` gives the codec to plan with (call/rail_budget.py: one
+    # allocation over the node's rails); called once, after the statistics,
+    # on a call that has them.  A local detail, not part of the agreement.
+    plan_hook: object = None
+
+
+def resolve_layout(spec: CallSpec, backend_name) -> str:
+    """The layout a call's plan uses, from agreed facts only."""
+    if spec.layout != "auto":
+        return spec.layout
+    return "fixed" if backend_name == "gpu" and spec.nonfinite == "propagate" else "exact"
+
+
+def check_local(x, out, spec: CallSpec, n: int):
+    """(flat input, flat out or None, backend) or raises; never communicates."""
+    if not isinstance(spec.codec, Codec):
+        raise TypeError(f"codec must be a dynamiq_mpi codec instance, got {spec.codec!r}")
+    if spec.op not in OPS:
+        raise ValueError(f"op must be one of {OPS}, got {spec.op!r}")
+    if not isinstance(spec.seed, (int, np.integer)) or spec.seed < 0:
+        raise ValueError(f"seed must be a non-negative integer, got {spec.seed!r}")
+    if not isinstance(spec.tile_bytes, (int, np.integer)) or spec.tile_bytes < 1:
+        raise ValueError(f"tile_bytes must be a positive integer, got {spec.tile_bytes!r}")
+    if spec.transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {spec.transport!r}")
+    if spec.path not in PATHS:
+        raise ValueError(f"path must be one of {PATHS}, got {spec.path!r}")
+    check_nonfinite(spec.nonfinite)
+    if spec.layout not in LAYOUT_CHOICES:
+        raise ValueError(f"layout must be one of {LAYOUT_CHOICES}, got {spec.layout!r}")
+    schedules.check_topology(spec.topology, n)
+    backend = backend_for(x)
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"unsupported dtype {x.dtype}: pass float32, bfloat16, float16 or float64")
+    if not x.flags.c_contiguous:
+        raise ValueError("input must be C-contiguous")
+    flat_out = None
+    if out is not None:
+        check_out_buffer(out, x, backend, out.shape == x.shape,
+                         f"have the input's shape {x.shape} and dtype {x.dtype}, "
+                         f"got {out.shape} {out.dtype}")
+        flat_out = out.reshape(-1)
+    return x.reshape(-1), flat_out, backend
+
+
+def check_out_buffer(out, x, backend, size_ok: bool, expected: str) -> None:
+    """The checks every ``out=`` passes: x's array type and dtype, its size
+    (``size_ok``; ``expected`` says what was wanted and got), C-contiguous,
+    on x's device."""
+    if type(out) is not type(x):
+        raise TypeError(f"out must be a {type(x).__name__} like the input, "
+                        f"got {type(out).__name__}")
+    if not size_ok or out.dtype != x.dtype:
+        raise ValueError(f"out must {expected}")
+    if not out.flags.c_contiguous:
+        raise ValueError("out must be C-contiguous")
+    if backend.name == "gpu" and out.device.id != x.device.id:
+        raise ValueError(f"out is on device {out.device.id}, the input on {x.device.id}")
+
+
+def check_nonfinite(nonfinite) -> None:
+    if nonfinite not in NONFINITE:
+        raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
+
+
+# what a flat all-reduce's record leaves out (other collectives say it)
+_FLAT_DEFAULTS = {"collective": "allreduce", "hierarchy": "flat"}
+
+
+def check_agreement(metas: list) -> None:
+    first = metas[0]
+    if not first.get("error") and all(m is first for m in metas):
+        return      # the agreement matched digests and handed back one record
+    if any("error" not in m for m in metas):    # hierarchy.NodeCalls._auto_layout's record
+        raise InputMismatchError("ranks disagree on hierarchy: some ask 'auto', others not")
+    bad = [(r, m["error"]) for r, m in enumerate(metas) if m["error"]]
+    if bad:
+        detail = "; ".join(f"rank {r}: {e}" for r, e in bad)
+        raise InvalidInputError(f"invalid all-reduce input ({detail})")
+    for key in ("length", "dtype", "backend", "codec", "topology", "op", "seed", "counter",
+                "transport", "tile_bytes", "path", "nonfinite", "layout", "collective",
+                "hierarchy", "node_size", "rail_budget"):
+        check_agreed([m.get(key, _FLAT_DEFAULTS.get(key)) for m in metas], key)
+
+
+def check_agreed(values: list, what: str) -> None:
+    """Raise InputMismatchError, naming every rank's value, where the ranks'
+    ``values`` of ``what`` (one per rank, gathered alike) differ."""
+    if any(v != values[0] for v in values):
+        per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+        raise InputMismatchError(f"ranks disagree on {what} ({per_rank})")
+
+
+def reduce_tile(plan, tile, received, event):
+    """Generator: the compressed partial sum of this rank's subtree for ``tile``."""
+    if not received:
+        return plan.compress(tile, event)
+    acc = None
+    for handle in received[:-1]:
+        buf = yield Claim(handle)
+        acc = plan.accumulate(tile, buf, acc)
+    buf = yield Claim(received[-1])
+    return plan.dar(tile, buf, acc, event)
+
+
+def _finish_and_send(plan, schedule, rank, step, pending, held):
+    """Generator: the sink's last fused step of every tile of its chunk, each
+    tile posted to the first all-gather step (which sends that chunk) right
+    after it, so no kernel of the chunk waits for the wire; then the sink's own
+    decode; the received tiles are claimed and decoded after the last one.
+    Returns bytes sent."""
+    own = schedule.owned_chunk(rank)
+    assert step.phase == schedules.GATHER and step.send_chunk == own, step
+    event = schedule.event(rank, own)
+    sent, arrived = 0, []
+    for send_tile, recv_tile in zip(plan.chunk_tiles[own], plan.chunk_tiles[step.recv_chunk]):
+        final = yield from reduce_tile(plan, send_tile, pending.pop(send_tile, []), event)
+        held[send_tile] = final
+        held[recv_tile] = yield Exchange(final, step.dest, plan.wire_slot(recv_tile), step.source)
+        sent += plan.tile_nbytes(send_tile)
+        plan.decode(send_tile, final)        # the sink adopts its own decoded bytes
+        arrived.append(recv_tile)
+    for recv_tile in arrived:
+        plan.decode(recv_tile, (yield Claim(held[recv_tile])))
+    return sent
+
+
+def run_schedule(plan, schedule, rank):
+    """Generator: reduce-scatter then all-gather of one plan, tile by tile.
+    Returns the bytes this rank sent."""
+    steps = schedule.steps[rank]
+    reduce_recv = sum(align_up(plan.tile_nbytes(t)) for s in steps if s.phase == schedules.REDUCE
+                      for t in plan.chunk_tiles[s.recv_chunk])
+    arena = plan.scratch(reduce_recv)
+    arena_used = 0
+    pending = defaultdict(list)     # tile -> receive handles of partial sums
+    held = {}                       # tile -> final compressed bytes (array or handle)
+    sent = 0
+    finalised = False
+    for step in steps:
+        if step.phase == schedules.GATHER and not finalised:
+            # every schedule's first all-gather step sends the chunk this rank
+            # has just finished reducing
+            yield Mark("all-gather")
+            finalised = True
+            sent += yield from _finish_and_send(plan, schedule, rank, step, pending, held)
+            continue
+        event = schedule.event(rank, step.send_chunk)
+        for send_tile, recv_tile in zip(plan.chunk_tiles[step.send_chunk],
+                                        plan.chunk_tiles[step.recv_chunk]):
+            nbytes = plan.tile_nbytes(recv_tile)
+            if step.phase == schedules.REDUCE:
+                payload = yield from reduce_tile(plan, send_tile, pending.pop(send_tile, []),
+                                                  event)
+                recv = plan.sub(arena, arena_used, arena_used + nbytes)
+                arena_used += align_up(nbytes)      # aligned slots, like the wire buffer
+            else:
+                payload = held[send_tile]
+                recv = plan.wire_slot(recv_tile)
+            handle = yield Exchange(payload, step.dest, recv, step.source)
+            sent += plan.tile_nbytes(send_tile)
+            if step.phase == schedules.REDUCE:
+                pending[recv_tile].append(handle)
+            else:
+                held[recv_tile] = handle
+                buf = yield Claim(handle)
+                plan.decode(recv_tile, buf)
+    return sent
+
+
+def reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
+    """Generator: the reduction of every rank's statistics vector, bit-identical
+    on every rank: the exact float32 sum (float32 vectors) or the element-wise
+    maximum (uint8 vectors).  Returns (reduced, bytes sent, bytes sent by all
+    ranks)."""
+    xp = backend.xp
+    by_max = stats.dtype == np.uint8
+    if n == 2:
+        # One exchange of the whole vector instead of the ring's two steps:
+        # the same bytes in one latency, and a + b == b + a in IEEE (max too),
+        # so both ranks hold the same bits (the ring computes the same values).
+        peer = 1 - rank
+        other = workspace.take(xp, "stats.peer", stats.shape[0], stats.dtype)
+        handle = yield Exchange(stats.view(np.uint8), peer, other.view(np.uint8), peer)
+        received = (yield Claim(handle)).view(stats.dtype)
+        reduced = workspace.take(xp, "stats.sum", stats.shape[0], stats.dtype)
+        if by_max:
+            xp.maximum(stats, received, out=reduced)
+        else:
+            exact_sum_into(backend, stats, received, reduced)
+        return reduced, stats.nbytes, 2 * stats.nbytes
+    plan = (ByteMaxPlan if by_max else ElementwisePlan)(stats, n, backend, workspace, tile_bytes,
+                                                       prefix="stats")
+    sent = yield from run_schedule(plan, schedule, rank)
+    return plan.reduced_values(), sent, 2 * (n - 1) * sum(plan.chunk_nbytes)
+
+
+def agreement_record(error, flat, backend, spec: CallSpec, **extra) -> dict:
+    """What a rank contributes to the agreement of a call (``extra``: fields
+    of other collectives)."""
+    return {
+        **extra, "error": error,
+        "length": None if flat is None else int(flat.shape[0]),
+        "dtype": None if flat is None else dtype_name(flat.dtype),
+        "backend": None if backend is None else backend.name,
+        "codec": signature_of(spec.codec),
+        "topology": spec.topology, "op": spec.op, "seed": int(spec.seed) if
+        isinstance(spec.seed, (int, np.integer)) else repr(spec.seed),
+        "counter": spec.counter, "transport": spec.transport,
+        "tile_bytes": spec.tile_bytes, "path": spec.path, "nonfinite": spec.nonfinite,
+        "layout": spec.layout, "can": transport_capabilities(backend),
+    }
+
+
+def propagate_nonfinite(exc, spec: CallSpec, result, report, stats_total, sent):
+    """A plan refused non-finite input (decided from the reduced statistics,
+    so alike on every rank): re-raise it, or fill the result with NaN and
+    say so in the report (NCCL's semantics)."""
+    if spec.nonfinite == "raise":
+        raise exc
+    result.fill(np.nan)
+    report.nonfinite = True
+    report.wire_bytes_total = report.stats_bytes_total = stats_total
+    report.bytes_sent = sent
+    report.codec_info = {"nonfinite": f"{type(exc).__name__}: {exc}; output set to NaN"}
+
+
+def finish_into(plan, divisor, result, workspace, xp):
+    """The plan's result, divided, into ``result`` (through a float32 stage
+    for the dtypes the codecs do not write)."""
+    if result.dtype in NATIVE_DTYPES:
+        plan.finish(divisor, result)
+        return
+    staged = workspace.take(xp, "finish.f32", result.shape[0], np.float32)
+    plan.finish(divisor, staged)
+    result[...] = staged.astype(result.dtype)
+
+
+def report_plan(report, plan, fixed, had_stats, detailed, xp, result) -> dict:
+    """``report.nonfinite`` and the plan's report (its codec_info).  A plan in
+    the fixed layout refused on the device (finish wrote NaN): learning it
+    costs a host read, made only for a detailed report."""
+    refusal = ""
+    if fixed:
+        if detailed:
+            refusal = plan.refusal()
+            report.nonfinite = bool(refusal)
+    elif had_stats:
+        report.nonfinite = False       # the statistics would have flagged it
+    elif detailed:
+        report.nonfinite = holds_nonfinite(xp, result)
+    info = plan.report(detailed)
+    if refusal:
+        info["nonfinite"] = f"{refusal}; output set to NaN"
+    return info
+
+
+def raise_refusal(refusal: str) -> None:
+    """Raise a plan's refusal ("Type: message", or '' for none) as its type."""
+    if not refusal:
+        return
+    kind, _, message = refusal.partition(": ")
+    raise {"NonFiniteInputError": NonFiniteInputError,
+           "SumOverflowError": SumOverflowError}.get(kind, RuntimeError)(message)
+
+
+def holds_nonfinite(xp, a) -> bool:
+    """Any NaN/Inf in ``a`` (BF16 by its exponent bits: no float ufunc needed)."""
+    if a.dtype == BFLOAT16:
+        return bool(((a.view(np.uint16) & np.uint16(0x7F80)) == np.uint16(0x7F80)).any())
+    return not bool(xp.isfinite(a).all())
+
+
+def local_statistics(flat, spec, backend, workspace):
+    """(values, codec of this length, keys, (stats, local state)): the part of
+    a compressed call that needs no other rank."""
+    values = flat if flat.dtype in NATIVE_DTYPES else flat.astype(np.float32)
+    codec = spec.codec.for_length(int(flat.shape[0]))
+    keys = call_keys(int(spec.seed), spec.counter)
+    if spec.keys_at:
+        keys = dataclasses.replace(keys, device=int(spec.keys_at))
+    return values, codec, keys, codec.local_stats(values, backend, workspace, keys=keys)
+
+
+def default_layout(value=None) -> str:
+    """``value``, else ``$DYNAMIQ_LAYOUT``, else "auto" (the compressed
+    stream's layout, CallSpec: "fixed" for device arrays, so no call
+    reads its plan back; "exact" / "fixed" force one, for A/B runs)."""
+    return env_choice(value, "DYNAMIQ_LAYOUT", LAYOUT_CHOICES, "layout")
+
+

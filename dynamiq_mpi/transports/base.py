@@ -1,0 +1,54 @@
+"""The base of the transports that answer a rank's requests (``ops.py``) one
+at a time, and the host-timed profile of the synchronous ones."""
+from __future__ import annotations
+
+import time
+
+from ..control.agreement import agree
+from .ops import Agree, Claim, Exchange, Mark, NativeAllreduce
+
+
+class Timeline:
+    """Host timestamps of the phase marks of one call (profiling only); the
+    host transport is synchronous, so these are the phases' real durations."""
+
+    def __init__(self, device=False):
+        self.marks = []
+        self.device = device
+
+    def mark(self, name):
+        self.marks.append((name, time.perf_counter()))
+
+    def summary(self):
+        return {}
+
+
+class Transport:
+    """What every transport does with the engine's requests: data requests go
+    to its own ``_exchange``, ``_claim`` and ``_mark`` (and ``_native_allreduce``
+    where it has an all-reduce of its own); agreement always goes over the
+    control plane (the transport's ``agreement``).  A transport has a
+    ``name`` (its key in ``transports.REGISTRY``) and a ``free()``."""
+
+    profile = None
+    agreement = None
+
+    def answer(self, request):
+        if isinstance(request, Exchange):
+            return self._exchange(request)
+        if isinstance(request, Claim):
+            return self._claim(request.handle)
+        if isinstance(request, Agree):
+            return agree(self.agreement, request.value)
+        if isinstance(request, Mark):
+            return self._mark(request.name)
+        if isinstance(request, NativeAllreduce):
+            return self._native_allreduce(request.send, request.recv)
+        raise RuntimeError(f"unknown request {request!r}")
+
+    def stop_profile(self):
+        prof, self.profile = self.profile, None
+        return prof
+
+    def _native_allreduce(self, send, recv):
+        raise RuntimeError(f"transport {self.name!r} has no native all-reduce")

@@ -1,0 +1,51 @@
+"""Command line of the studies: ``python -m research {vnmse,train-sim,model-check,
+model-map,schedule}``, run from the repository root (no MPI: every rank is
+simulated)."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def cmd_schedule(args):
+    from dynamiq_mpi.schedules import build, describe
+    print(describe(build(args.topology, args.n)))
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["train-sim"]:  # the training simulator keeps its own options
+        from .train_sim import main as train_sim_main
+        train_sim_main(argv[1:])
+        return None
+    parser = argparse.ArgumentParser(prog="python -m research", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    from . import errorstudy
+    p = sub.add_parser("vnmse", help="error study of every codec, simulated ranks",
+                       description=errorstudy.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    errorstudy.add_arguments(p)
+    p.set_defaults(func=errorstudy.run)
+    from . import model_check
+    p = sub.add_parser("model-check", help="the cost model against every two-GPU measurement "
+                                           "in docs/results", description=model_check.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_check.add_arguments(p)
+    p.set_defaults(func=model_check.run, check=True, map=None)
+    p = sub.add_parser("model-map", help="where compression pays, by the cost model (a PNG, "
+                                         "its data beside it as JSON; needs matplotlib)")
+    p.add_argument("map", metavar="FILE")
+    model_check.add_arguments(p)
+    p.set_defaults(func=model_check.run, check=False)
+    sub.add_parser("train-sim", help="training with N simulated ranks on one device "
+                                     "(python -m research train-sim --help)")
+    p = sub.add_parser("schedule", help="print a ring or butterfly schedule")
+    p.add_argument("topology", choices=["ring", "butterfly"])
+    p.add_argument("n", type=int)
+    p.set_defaults(func=cmd_schedule)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    main()
