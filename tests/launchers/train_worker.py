@@ -24,6 +24,7 @@ import datetime
 import json
 import os
 import sys
+import time
 
 import numpy as np
 import torch
@@ -49,7 +50,7 @@ def init(args, spawn_rank=None):
     elif started_by_mpi():
         dqt.init_process_group_from_mpi("gloo")
     else:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
     torch.manual_seed(0)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -232,6 +233,28 @@ def run_gpu_allreduce(args, rank):
                          "mpi_imported": "mpi4py.MPI" in sys.modules}
 
 
+def run_stall(args, rank):
+    """Calls of dq.allreduce in a row; at the third the last rank stalls
+    (sleeps past the group's timeout, then leaves without calling) or, with
+    ``--die``, exits at once.  Each survivor records the exception it got and
+    how long its call took."""
+    last = dist.get_world_size() - 1
+    x = np.arange(1 << 12, dtype=np.float32) * (rank + 1)
+    for call in range(5):
+        if call == 2 and rank == last:
+            if args.die:
+                os._exit(3)
+            time.sleep(args.timeout + 3)
+            return {"stalled": True}
+        t0 = time.perf_counter()
+        try:
+            dq.allreduce(x, codec=dq.DynamiQ(bits=5, small_input=0), seed=call)
+        except Exception as exc:            # the survivors' clear error
+            return {"call": call, "error": type(exc).__name__, "message": str(exc),
+                    "seconds": time.perf_counter() - t0}
+    return {"error": None}
+
+
 def main_rank(args, spawn_rank=None):
     if args.mode == "nogroup":
         try:
@@ -250,6 +273,10 @@ def main_rank(args, spawn_rank=None):
         groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         color = rank // 2
         group = groups[color]
+    if args.mode == "stall":
+        info = run_stall(args, rank)
+        np.savez(os.path.join(args.out, f"rank{rank}.npz"), info=np.array(json.dumps(info)))
+        os._exit(0)                         # the group is broken: no orderly teardown
     if args.mode == "fsdp_bf16":
         arrays, info = run_fsdp_bf16(args, rank)
         np.savez(os.path.join(args.out, f"rank{rank}.npz"), info=np.array(json.dumps(info)),
@@ -275,7 +302,10 @@ def _spawned(rank, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["ddp", "fsdp", "fsdp_bf16", "hsdp", "subgroups", "allreduce",
+    p.add_argument("--timeout", type=float, default=120, help="the group's timeout (s)")
+    p.add_argument("--die", action="store_true", help="stall mode: the last rank exits instead")
+    p.add_argument("--mode", choices=["ddp", "fsdp", "fsdp_bf16", "stall", "hsdp", "subgroups",
+                                      "allreduce",
                                       "gpu_allreduce", "nogroup"], default="ddp")
     p.add_argument("--codec", choices=["dynamiq", "exact"], default="dynamiq")
     p.add_argument("--out", required=True)
