@@ -170,17 +170,18 @@ def test_device_routes_reach_their_transports(monkeypatch):
 
     from dynamiq_mpi.transports import nccl
     coll = dq.Collective(MPI.COMM_SELF)
+    rt = coll._runtime
     monkeypatch.setattr(nccl, "ranks_sharing_a_gpu", lambda plane, dev: "ranks [0, 1] share GPU 0")
     x = SimpleNamespace(device=SimpleNamespace(id=0))
-    assert coll._route("nccl", x) is coll._host
-    assert "staged through host memory" in coll._route_why
-    coll._gpu_sharing.clear()
-    coll._last_metas = [{"transport": "nccl"}]
+    assert rt.route("nccl", x) is rt.host
+    assert "staged through host memory" in rt.route_why
+    rt.gpu_sharing.clear()
+    rt.last_metas = [{"transport": "nccl"}]
     with pytest.raises(dq.InvalidInputError, match="NCCL needs one GPU per rank"):
-        coll._route("nccl", x)
-    assert coll._route("mpi", x) is coll._host
-    coll._plane.mpi_comm, comm = None, coll._plane.mpi_comm
+        rt.route("nccl", x)
+    assert rt.route("mpi", x) is rt.host
+    rt.plane.mpi_comm, comm = None, rt.plane.mpi_comm
     with pytest.raises(dq.InvalidInputError, match="needs the MPI control plane"):
-        coll._route("mpi-cuda", x)
-    coll._plane.mpi_comm = comm
+        rt.route("mpi-cuda", x)
+    rt.plane.mpi_comm = comm
     coll.free()
