@@ -26,6 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codecs.base import signature_of
+from ..errors import InvalidInputError
+from ..transports import choose_transport, explain_transport
 from . import native, prediction
 from .graphs import SteadyCompressed, call_graph_key
 from .paths import PathChooser, size_class
@@ -59,7 +61,8 @@ class CallPlanner:
     may use, or None (hierarchy.NodeCalls)."""
 
     def __init__(self, plane, size: int, graphs: bool = False, links=None, auto_layout=None):
-        self.size, self.use_graphs, self.links = size, graphs, links
+        self.plane, self.size, self.use_graphs, self.links = plane, size, graphs, links
+        self.gpu_sharing = {}       # device -> which ranks share a GPU ('' : none), asked once
         self.auto_layout = auto_layout
         self.paths = PathChooser(plane)
         self.hierarchies = PathChooser(plane, options=("nodes", "flat"))
@@ -158,6 +161,27 @@ class CallPlanner:
         if timed and call["path"] == "auto":
             call["path"] = "compressed"
         return choice, key, why, timed
+
+    def transport(self, requested, metas, x, explain=False) -> tuple:
+        """(transport, why) that carries a call's data, from every rank's
+        agreement record (``transports.choose_transport``; raises on every
+        rank when the one asked for cannot run); device arrays are staged
+        through host memory where ranks share a GPU, which NCCL refuses
+        (asked for by name: every rank raises).  ``why`` only when asked."""
+        name = choose_transport(requested, metas)
+        if name == "nccl":
+            device = x.device.id
+            shared = self.gpu_sharing.get(device)
+            if shared is None:      # collective: every rank's first NCCL call of a device
+                from ..transports.nccl import ranks_sharing_a_gpu
+                shared = self.gpu_sharing[device] = ranks_sharing_a_gpu(self.plane, device)
+            if shared:              # the same answer on every rank: all raise or all stage
+                if requested == "nccl":
+                    raise InvalidInputError(f"transport='nccl' is not usable: NCCL needs one GPU "
+                                            f"per rank ({shared}); use transport='mpi' or 'auto'")
+                return "mpi", (f"auto: NCCL needs one GPU per rank ({shared}): device buffers "
+                               "staged through host memory")
+        return name, explain_transport(requested, metas)[1] if explain else ""
 
     # -- learning from a call that ran
     def record_path(self, plan, seconds, report):

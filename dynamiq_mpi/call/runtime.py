@@ -11,7 +11,7 @@ import time
 
 from ..errors import InvalidInputError
 from ..settings import env_text
-from ..transports import explain_transport, transport_class
+from ..transports import transport_class
 from ..transports.ops import Agree, Route
 from .workspace import Workspace
 
@@ -29,22 +29,22 @@ class Runtime:
         self.workspace = Workspace()
         self.nccl = {}              # device -> NCCL transport
         self.mpi_cuda = None
-        self.gpu_sharing = {}       # device -> which ranks share a GPU ('' : none), asked once
-        self.route_why = ""         # why this call's transport differs from the agreed one
         self.last_metas = None      # the agreement records of the last driven call
         self._last_stream = None    # (stream pointer, event at the end of the last call)
         self._done_event = None
         self._capture_streams = {}  # device -> a private stream for graph captures
 
-    def drive(self, program, x, profile, want_report=True):
-        """Run one rank program over the transports: (result, report)."""
+    def drive(self, program, x, profile, want_report, choose):
+        """Run one rank program over the transports: (result, report).
+        ``choose(requested, records, x, explain)``: the (transport, why) that
+        carries the call's data, decided from every rank's agreement record
+        (the planner's; ``why`` only when ``explain``)."""
         on_device = type(x).__module__.startswith("cupy")
         if on_device:
             self.fence_stream()
         t0 = time.perf_counter()
-        data, prof, metas, failed = self.host, None, None, True
+        data, prof, metas, failed, why = self.host, None, None, True, None
         self.last_metas = None
-        self.route_why = ""
         try:
             request = program.send(None)
             while True:
@@ -53,7 +53,8 @@ class Runtime:
                     if metas is None:       # the call's records (later ones: flags)
                         metas = self.last_metas = answer
                 elif isinstance(request, Route):
-                    data = self.route(request.transport, x)
+                    name, why = choose(request.transport, metas, x, want_report)
+                    data = self.route(name, x)
                     answer = data.name
                     if profile:
                         data.start_profile(device=on_device)
@@ -75,17 +76,15 @@ class Runtime:
         report.control_plane = self.plane.name
         if prof is not None:
             report.phases = _phases(prof, t0)
-        if want_report and metas is not None and len(metas) == self.size:
-            # the why of the choice the engine made from the same records
-            report.transport_reason = (self.route_why or
-                                       explain_transport(metas[0]["transport"], metas)[1])
+        if want_report and why is not None:
+            report.transport_reason = why
             if getattr(data, "lanes_why", None):
                 report.transport_reason += f"; {data.lanes_why}"
         return out, report
 
     def route(self, transport, x):
-        """The transport object of ``transport`` for ``x`` (made on first use,
-        by every rank in the same call)."""
+        """The transport called ``transport`` for ``x`` (made on first use, by
+        every rank in the same call; the planner chose it)."""
         if transport == "mpi-cuda":
             if self.plane.mpi_comm is None:  # the same on every rank: all raise
                 raise InvalidInputError(
@@ -98,18 +97,6 @@ class Runtime:
             return self.host
         device = x.device.id
         if device not in self.nccl:
-            from ..transports.nccl import ranks_sharing_a_gpu
-            shared = self.gpu_sharing.get(device)
-            if shared is None:
-                shared = self.gpu_sharing[device] = ranks_sharing_a_gpu(self.plane, device)
-            if shared:          # the same answer on every rank: all raise or all stage
-                requested = self.last_metas[0]["transport"] if self.last_metas else "auto"
-                if requested == "nccl":
-                    raise InvalidInputError(f"transport='nccl' is not usable: NCCL needs one GPU "
-                                            f"per rank ({shared}); use transport='mpi' or 'auto'")
-                self.route_why = (f"auto: NCCL needs one GPU per rank ({shared}): device "
-                                  "buffers staged through host memory")
-                return self.host
             pair = env_text("DYNAMIQ_NCCL_PAIR_ALLGATHER")
             self.nccl[device] = transport_class("nccl")(self.plane, device, self.lanes,
                                                         self.lane_bytes, pair_allgather=pair == "1")
