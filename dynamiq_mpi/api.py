@@ -192,8 +192,8 @@ class Collective:
             call = dict(codec=codec, topology=topology, op=op, seed=seed, counter=counter,
                         transport=transport, nonfinite=nonfinite,
                         tile_bytes=self.tile_bytes if tile_bytes is None else tile_bytes)
-            out, report = self._runner.reduce_scatter(hierarchy == "nodes" and self.size > 1,
-                                                      x, out, return_report, profile, call)
+            out, report = self._runner.reduce_scatter(x, out, call, hierarchy, return_report,
+                                                      profile)
         return (out, report) if return_report else out
 
     def path_decisions(self) -> dict:

@@ -382,7 +382,7 @@ class Levels:
         try:
             res, rep = (self.rail.allreduce(rail_in, None, call, "flat", True, False, hook)
                         if method == "allreduce" else
-                        self.rail.reduce_scatter(False, rail_in, None, True, False, call))
+                        self.rail.reduce_scatter(rail_in, None, call, "flat", True, False))
         finally:
             if hook is not None:
                 hook.finish()

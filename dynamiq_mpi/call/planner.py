@@ -84,6 +84,12 @@ class CallPlanner:
         return self._plan_flat(x, out, call, want_report or plan.hierarchy_timed, profile,
                                plan)
 
+    def plan_reduce_scatter(self, hierarchy) -> Plan:
+        """The plan of a reduce-scatter: always compressed, on the engine or
+        the levels ("nodes"; "auto" is flat: it measures all-reduces only)."""
+        nodes = hierarchy == "nodes" and self.size > 1
+        return Plan(hierarchy="nodes" if nodes else "flat", route="levels" if nodes else "engine")
+
     def _plan_flat(self, x, out, call, want_report, profile, plan):
         requested = call["path"]
         quiet = not (want_report or profile)

@@ -63,10 +63,10 @@ class CallRunner:
             return out, None
         return self._run_engine(plan, x, out, want_report, profile, call, plan_hook)
 
-    def reduce_scatter(self, nodes, x, out, want_report, profile, call):
-        """One reduce-scatter (always compressed): the hierarchical call
-        (``nodes``), or the engine's reduce-scatter program."""
-        if nodes:
+    def reduce_scatter(self, x, out, call, hierarchy, want_report, profile):
+        """One reduce-scatter (always compressed) by its plan: the
+        hierarchical call, or the engine's reduce-scatter program."""
+        if self.planner.plan_reduce_scatter(hierarchy).route == "levels":
             return self.nodes.run("reduce_scatter", x, out, path="compressed",
                                   return_report=want_report, **call)
         from .engine_rs import rank_program_rs
