@@ -11,13 +11,16 @@ resolves to a :class:`Plan`:
   the transport's all-reduce, native.py), "graph" (a steady compressed call
   replayed as a CUDA graph, graphs.py) or "engine" (the engine's program);
 * ``path`` for the engine: "compressed" or "native" (``paths``, measured
-  per class of calls), with its reason and whether this call is timed.
+  per class of calls), with its reason and whether this call is timed;
+* the transport, once the ranks agreed: :meth:`CallPlanner.transport`
+  answers the program's ``Route`` from every rank's record.
 
 Steady signatures keep their plan: a native call that ran on the engine is
 remembered as a steady plan, a sync-free compressed call over NCCL as a
 graph plan; the next call of that signature resolves to it without the
 path choice or the engine.  The planner decides and remembers; the runner
-(runner.py) carries the plan out; the API (api.py) is the public face.
+(runner.py) carries the plan out on its runtime (runtime.py); the API
+(api.py) is the public face.
 """
 from __future__ import annotations
 
