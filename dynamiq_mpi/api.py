@@ -1,11 +1,10 @@
 """Public entry points: :func:`allreduce`, :class:`Collective` and
 :func:`simulate_allreduce`.  The public face only: how a call runs is
 decided by the call planner (call/planner.py) and carried out by the runner
-(call/runner.py)."""
+(call/runner.py) on the communicator's runtime (call/runtime.py)."""
 from __future__ import annotations
 
 import threading
-import time
 
 from .call.engine import rank_program
 from .call.engine_rs import rank_program_rs
@@ -15,13 +14,13 @@ from .call.paths import default_path
 from .call.phases import CallSpec, check_nonfinite, default_layout
 from .call.prediction import default_links
 from .call.rail_budget import default_rail_budget
-from .call.planner import CallPlanner
-from .call.runner import CallRunner, _sync
-from .call.workspace import FRESH, Workspace
+from .call.runner import CallRunner
+from .call.runtime import Runtime
+from .call.workspace import FRESH
 from .codecs import DEFAULT_CODEC
 from .codecs.base import DEFAULT_TILE_BYTES
 from .settings import env_choice, env_text
-from .transports import TRANSPORTS, transport_class
+from .transports import TRANSPORTS
 from .transports.simulate import SimulatedTransport
 
 
@@ -33,7 +32,7 @@ def _check_transport(transport):
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
 
 
-class Collective(CallRunner):
+class Collective:
     """A communicator's compressed all-reduce.
 
     ``comm``: an mpi4py communicator, a ``torch.distributed`` process group
@@ -44,12 +43,13 @@ class Collective(CallRunner):
     has neither is an error on every rank, never a world of one).
     ``control_plane`` says which ("mpi" or "torch").
 
-    Owns a private duplicate of ``comm``, the per-communicator call counter
-    that keys the generator (successive calls with the same seed draw fresh
-    randomness), reusable workspace, and - created on the first call that uses
-    it - one NCCL communicator per lane for device arrays.  Calls are
-    serialised by a lock, so DDP hooks on other threads may share it.  Every
-    rank must make the same sequence of calls.
+    Owns the per-communicator call counter that keys the generator
+    (successive calls with the same seed draw fresh randomness) and a call
+    runner (call/runner.py) on a runtime (call/runtime.py): a private
+    duplicate of ``comm``, reusable workspace, and - created on the first
+    call that uses it - one NCCL communicator per lane for device arrays.
+    Calls are serialised by a lock, so DDP hooks on other threads may share
+    it.  Every rank must make the same sequence of calls.
 
     ``transport``: "auto" (for device arrays: NCCL when usable on every rank,
     else a CUDA-aware MPI when every rank has one, else host-staged MPI),
@@ -110,7 +110,7 @@ class Collective(CallRunner):
                  nonfinite: str = "propagate", graphs: bool | None = None,
                  hierarchy: str | None = None, node_size: int | None = None,
                  rail_budget: str | None = None, links=None):
-        from .control import as_plane, default_comm
+        from .control import default_comm
         if comm is None:
             comm = default_comm()
         _check_transport(transport)
@@ -120,10 +120,6 @@ class Collective(CallRunner):
         self.node_size = default_node_size(node_size)
         self.rail_budget = default_rail_budget(rail_budget)
         self.links = default_links(links)
-        self._plan_hook = None       # a rail's, set by its hierarchical call (rail_budget.py)
-        self._levels = None          # hierarchy.Levels, made by the first "nodes" call
-        self._layout = None          # the nodes found for hierarchy="auto"
-        self._auto = None            # whether "auto" may use nodes (decided once)
         self.nonfinite = nonfinite
         self.layout = default_layout()
         self.graphs = default_graphs(graphs)
@@ -136,21 +132,13 @@ class Collective(CallRunner):
             raise ValueError("DYNAMIQ_NCCL_LANE_BYTES must be a positive number of bytes, "
                              f"got {lane_bytes!r}")
         self.lane_bytes = int(lane_bytes) if lane_bytes is not None else None
-        self._host = transport_class("mpi")(as_plane(comm))    # a private duplicate
-        self._plane = self._host.plane
-        self.control_plane = self._plane.name
-        self.rank, self.size = self._host.rank, self._host.size
-        self._nccl = {}
-        self._gpu_sharing = {}      # device -> which ranks share a GPU ('' : none), asked once
-        self._route_why = ""        # why this call's transport differs from the agreed one
-        self._mpi_cuda = None
+        self._runtime = Runtime(comm, self.lanes, self.lane_bytes)
+        self.control_plane = self._runtime.plane.name
+        self.rank, self.size = self._runtime.rank, self._runtime.size
+        self._runner = CallRunner(self._runtime, self.layout, self.graphs, self.node_size,
+                                  self.rail_budget, self.links)
         self._counter = 0
         self._lock = threading.Lock()
-        self._workspace = Workspace()
-        self._last_stream = None     # (stream pointer, event at the end of the last call)
-        self._done_event = None
-        self._planner = CallPlanner(self._plane, self.size)   # call/planner.py
-        self._last_metas = None
 
     @property
     def counter(self) -> int:
@@ -184,19 +172,8 @@ class Collective(CallRunner):
             call = dict(codec=codec, topology=topology, op=op, seed=seed, counter=counter,
                         transport=transport, tile_bytes=tile_bytes, path=requested,
                         nonfinite=nonfinite)
-            plan = self._planner.plan_allreduce(self, x, out, call, hierarchy, return_report,
-                                                profile)
-            timed = plan.hierarchy_timed
-            if timed:
-                _sync(x)
-                t0 = time.perf_counter()
-            out, report = self._run_allreduce(plan, x, out, return_report or timed, profile,
-                                              call)
-            if timed:
-                _sync(x)
-                self._planner.record_hierarchy(plan, time.perf_counter() - t0, report)
-            if report is not None and plan.hierarchy_why:
-                report.hierarchy_reason = plan.hierarchy_why
+            out, report = self._runner.allreduce(x, out, call, hierarchy, return_report,
+                                                 profile)
         return (out, report) if return_report else out
 
     def reduce_scatter(self, x, *, codec=None, topology="ring", op="sum", seed=0, out=None,
@@ -215,31 +192,39 @@ class Collective(CallRunner):
             call = dict(codec=codec, topology=topology, op=op, seed=seed, counter=counter,
                         transport=transport, nonfinite=nonfinite,
                         tile_bytes=self.tile_bytes if tile_bytes is None else tile_bytes)
-            out, report = self._run_reduce_scatter(hierarchy == "nodes" and self.size > 1, x,
-                                                   out, return_report, profile, call)
+            out, report = self._runner.reduce_scatter(x, out, call, hierarchy, return_report,
+                                                      profile)
         return (out, report) if return_report else out
 
     def path_decisions(self) -> dict:
         """{(backend, dtype, log2 size, codec, topology, transport, op): (path,
         why)} for the classes of calls ``path="auto"`` has decided."""
-        return self._planner.paths.decisions()
+        return self._runner.planner.paths.decisions()
 
     def hierarchy_decisions(self) -> dict:
         """{(backend, dtype, log2 size, codec, topology, transport, op, path):
         (hierarchy, why)} for the classes ``hierarchy="auto"`` has decided."""
-        return self._planner.hierarchies.decisions()
+        return self._runner.planner.hierarchies.decisions()
 
     def forget_paths(self):
         """Measure every class of calls again (all ranks must call it alike)."""
         with self._lock:
-            self._planner.forget_paths()
-            self._free_graphs()
+            self._runner.forget_paths()
+
+    def graph_stats(self) -> dict:
+        """{"captured": graphs made, "replays": their launches, "failed": [why, ...]}."""
+        with self._lock:
+            return self._runner.graph_stats()
+
+    def nodes(self):
+        """The node layout the hierarchical call uses (collective on first use)."""
+        with self._lock:
+            return self._runner.nodes.levels().layout
 
     def free(self):
         """Release the NCCL communicators and the control plane's duplicate."""
         with self._lock:
-            self._free_calls()
-            self._host.free()
+            self._runner.free()
 
 
 def default_hierarchy(value=None) -> str:

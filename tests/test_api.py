@@ -162,25 +162,28 @@ def test_ranks_sharing_a_gpu_are_named_and_distinct_gpus_pass():
 
 
 def test_device_routes_reach_their_transports(monkeypatch):
-    """The runner's device routes (call/runner.py), on the CPU: NCCL asked
-    for ranks that share a GPU stages through host memory under "auto" and
-    is an error when asked by name; CUDA-aware MPI needs the MPI plane.
-    (Their import paths run here; the routes themselves run on the GPU.)"""
+    """The planner's transport (call/planner.py) and the runtime's device
+    routes (call/runtime.py), on the CPU: NCCL chosen for ranks that share a
+    GPU stages through host memory under "auto" and is an error when asked
+    by name; CUDA-aware MPI needs the MPI plane.  (Their import paths run
+    here; the routes themselves run on the GPU.)"""
     from types import SimpleNamespace
 
     from dynamiq_mpi.transports import nccl
     coll = dq.Collective(MPI.COMM_SELF)
+    rt, planner = coll._runtime, coll._runner.planner
     monkeypatch.setattr(nccl, "ranks_sharing_a_gpu", lambda plane, dev: "ranks [0, 1] share GPU 0")
     x = SimpleNamespace(device=SimpleNamespace(id=0))
-    assert coll._route("nccl", x) is coll._host
-    assert "staged through host memory" in coll._route_why
-    coll._gpu_sharing.clear()
-    coll._last_metas = [{"transport": "nccl"}]
+    metas = [{"backend": "gpu", "can": {"nccl": True, "mpi_cuda": False}}]
+    name, why = planner.transport("auto", metas, x, explain=True)
+    assert name == "mpi" and "staged through host memory" in why
+    assert rt.route(name, x) is rt.host
+    planner.gpu_sharing.clear()
     with pytest.raises(dq.InvalidInputError, match="NCCL needs one GPU per rank"):
-        coll._route("nccl", x)
-    assert coll._route("mpi", x) is coll._host
-    coll._plane.mpi_comm, comm = None, coll._plane.mpi_comm
+        planner.transport("nccl", metas, x)
+    assert rt.route("mpi", x) is rt.host
+    rt.plane.mpi_comm, comm = None, rt.plane.mpi_comm
     with pytest.raises(dq.InvalidInputError, match="needs the MPI control plane"):
-        coll._route("mpi-cuda", x)
-    coll._plane.mpi_comm = comm
+        rt.route("mpi-cuda", x)
+    rt.plane.mpi_comm = comm
     coll.free()

@@ -179,3 +179,15 @@ def test_importing_the_package_imports_neither_torch_nor_the_cost_model():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=str(ROOT)).stdout.strip()
     assert out == "[]", out
+
+
+def test_the_collective_is_one_thin_class():
+    """Collective is defined in api.py alone, with no base class and a body
+    of at most 250 lines: it owns its parts (call/runner.py) and delegates."""
+    defs = [(p, n) for p in PACKAGE.rglob("*.py")
+            for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ClassDef)
+            and n.name == "Collective"]
+    assert [p.relative_to(ROOT).as_posix() for p, _ in defs] == ["dynamiq_mpi/api.py"]
+    cls = defs[0][1]
+    assert not cls.bases and not cls.keywords
+    assert cls.end_lineno - cls.lineno <= 250

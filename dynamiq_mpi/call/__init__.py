@@ -9,6 +9,8 @@
 * ``native`` - steady native calls (one digest exchange, no engine);
 * ``graphs`` - steady compressed calls replayed as CUDA graphs;
 * ``hierarchy`` - the hierarchical call (nodes and rails);
+* ``planner`` - one call -> a plan; ``runner`` - a plan carried out on a
+  ``runtime`` (control plane, transports, workspace);
 * ``workspace`` - reusable buffers.
 
 Data flows one way: api -> call -> (schedules, codecs, transports) -> kernels.

@@ -7,7 +7,8 @@ Order of one call:
 1. agreement: every rank contributes (length, dtype, codec, topology, op,
    seed, call counter, transport, its local input error); any error or
    disagreement makes every rank raise the same exception before any data
-   byte moves; the transport that runs is chosen from the agreed records;
+   byte moves; the planner chooses the transport that runs from the agreed
+   records (the answer to ``Route``);
 2. statistics phase (codecs that ask for it): an exact float32 all-reduce of a
    small vector, so all ranks hold bit-identical values;
 3. the codec plans the call from the reduced statistics (widths, order,
@@ -43,7 +44,7 @@ from ..backend import dtype_name
 from ..codecs.base import plan_layout
 from ..errors import NonFiniteInputError, SumOverflowError
 from ..report import Report
-from ..transports import choose_transport, native_wires
+from ..transports import native_wires
 from ..transports.ops import Agree, Mark, NativeAllreduce, Route
 from .phases import (NATIVE_DTYPES, CallSpec, agreement_record, check_agreement, check_local,
                      finish_into, holds_nonfinite, local_statistics, propagate_nonfinite,
@@ -73,7 +74,7 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
             error = f"{type(exc).__name__}: {exc}"
     metas = yield Agree(agreement_record(error, flat, backend, spec))
     check_agreement(metas)
-    transport = yield Route(choose_transport(spec.transport, metas))
+    transport = yield Route(spec.transport)     # the driver decides from the records
 
     length = int(flat.shape[0])
     report = Report(codec=spec.codec.name, topology=spec.topology, world_size=n, length=length,

@@ -52,7 +52,6 @@ from ..backend import dtype_name
 from ..errors import InvalidInputError, NonFiniteInputError, SumOverflowError
 from ..report import Report
 from ..rng import CallKeys, call_keys, splitmix64
-from ..transports import choose_transport
 from ..transports.ops import Agree, Exchange, Mark, Route
 from .workspace import FRESH
 
@@ -223,7 +222,7 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
         check_agreement(metas)
     except InvalidInputError as exc:
         raise InvalidInputError(str(exc).replace("all-reduce", "reduce-scatter", 1)) from None
-    transport = yield Route(choose_transport(spec.transport, metas))
+    transport = yield Route(spec.transport)     # the driver decides from the records
 
     length = int(flat.shape[0])
     m = length // n

@@ -170,74 +170,60 @@ def drive_agreed(program, metas, data, capturing=True):
             return report
 
 
-class GraphCalls:
-    """The graph route of :class:`~dynamiq_mpi.Collective` (a mixin of the
-    runner: its planner's graph plans by graph key, agreed over its control
-    plane, run on its workspace and transports)."""
-
-    def _graph_key(self, x, out, codec, topology, op, seed, transport, tile_bytes, nonfinite,
-                   requested):
-        """The graph key of a call on device arrays, or None (anything else,
-        or arguments the engine will refuse: it reports them to every rank)."""
-        if not type(x).__module__.startswith("cupy") or type(out) is not type(x):
-            return None
-        try:
-            import cupy
-            return graph_key(x, out, signature_of(codec), topology, op, seed, transport,
-                             tile_bytes, nonfinite, requested,
-                             cupy.cuda.get_current_stream().ptr)
-        except Exception:
-            return None
-
-    def _capture_stream(self, stream):
-        """The stream a capture records on: the caller's, except CuPy's
-        default (legacy) stream, which CUDA refuses to capture
-        (cudaErrorStreamCaptureUnsupported, seen on 4 H100s over NCCL,
-        2026-11-26): then a private stream of this collective.  The graph is
-        launched on the caller's stream either way."""
-        if stream.ptr:
-            return stream
-        private = getattr(self, "_capture_streams", None)
-        if private is None:
-            private = self._capture_streams = {}
+def call_graph_key(x, out, call):
+    """The graph key of a call (``call``: its normalised arguments) on device
+    arrays, or None (anything else, or arguments the engine will refuse: it
+    reports them to every rank)."""
+    if not type(x).__module__.startswith("cupy") or type(out) is not type(x):
+        return None
+    try:
         import cupy
-        device = cupy.cuda.Device().id
-        if device not in private:
-            private[device] = cupy.cuda.Stream(non_blocking=True)
-        return private[device]
+        return graph_key(x, out, signature_of(call["codec"]), call["topology"], call["op"],
+                         call["seed"], call["transport"], call["tile_bytes"], call["nonfinite"],
+                         call["path"], cupy.cuda.get_current_stream().ptr)
+    except Exception:
+        return None
 
-    def _run_graph(self, entry, x, out, codec, topology, op, seed, counter, transport,
-                   tile_bytes, nonfinite) -> bool:
+
+class GraphCalls:
+    """The graph route of a call runner: a steady compressed call replayed
+    (or captured) on its runtime (runtime.py)."""
+
+    def __init__(self, runtime, layout):
+        self.runtime, self.layout = runtime, layout
+
+    def run(self, entry, x, out, call):
         """Replay (or capture, on its second occurrence) a steady compressed
         call (a failed capture runs it on the engine: the same messages in
-        the same order, so peers replaying their graphs still match).
-        Returns True: the call is done."""
-        if not entry.agree(self._plane, counter):
+        the same order, so peers replaying their graphs still match)."""
+        rt = self.runtime
+        counter = call["counter"]
+        if not entry.agree(rt.plane, counter):
             from .phases import check_agreement      # every rank raises, as on the engine's path
-            check_agreement(self._plane.allgather(dict(entry.record, counter=counter)))
+            check_agreement(rt.plane.allgather(dict(entry.record, counter=counter)))
             raise InvalidInputError("ranks disagree on the call")
         import cupy
         stream = cupy.cuda.get_current_stream()
-        keys = call_keys(int(seed), counter)
+        keys = call_keys(int(call["seed"]), counter)
 
         from .engine import rank_program      # (the engine imports what this imports)
         from .phases import CallSpec
 
         def program(keys_at, workspace):      # (a replay needs none: only a capture or fallback)
-            spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
-                            path="compressed", nonfinite=nonfinite, layout=self.layout,
-                            keys_at=keys_at)
-            return (rank_program(self.rank, self.size, x, spec, out, workspace,
+            spec = CallSpec(call["codec"], call["topology"], call["op"], call["seed"], counter,
+                            call["transport"], call["tile_bytes"], path="compressed",
+                            nonfinite=call["nonfinite"], layout=self.layout, keys_at=keys_at)
+            return (rank_program(rt.rank, rt.size, x, spec, out, workspace,
                                  detailed_report=False),
-                    entry.metas(counter, self.size), self._route(entry.transport, x))
-        self._fence_stream()
+                    entry.metas(counter, rt.size), rt.route(entry.transport, x))
+        rt.fence_stream()
         try:
             try:
                 if entry.graph is None:
                     graph = CallGraph()
                     try:
                         run = program(graph.keys_at, graph.workspace)
-                        on = self._capture_stream(stream)
+                        on = rt.capture_stream(stream)
                         with on:                # the body enqueues on the current stream
                             graph.capture(lambda: drive_agreed(*run), on)
                     except BaseException:
@@ -255,20 +241,14 @@ class GraphCalls:
                 if entry.graph is not None:
                     entry.graph.free()
                     entry.graph = None
-                drive_agreed(*program(0, self._workspace), capturing=False)
+                drive_agreed(*program(0, rt.workspace), capturing=False)
         finally:
-            self._record_stream()
-        return True
+            rt.record_stream()
 
-    def graph_stats(self) -> dict:
-        """{"captured": graphs made, "replays": their launches, "failed": [why, ...]}."""
-        with self._lock:
-            graphs = [e for e in self._planner.graphs.values() if e.graph is not None]
-            return {"captured": len(graphs), "replays": sum(e.graph.replays for e in graphs),
-                    "failed": [e.failed for e in self._planner.graphs.values() if e.failed]}
 
-    def _free_graphs(self):
-        for e in self._planner.graphs.values():
-            if e.graph is not None:
-                e.graph.free()
-        self._planner.graphs.clear()
+def graph_stats(entries) -> dict:
+    """{"captured": graphs made, "replays": their launches, "failed": [why, ...]}
+    of the steady compressed calls ``entries``."""
+    graphs = [e for e in entries if e.graph is not None]
+    return {"captured": len(graphs), "replays": sum(e.graph.replays for e in graphs),
+            "failed": [e.failed for e in entries if e.failed]}

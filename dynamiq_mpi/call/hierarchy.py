@@ -128,7 +128,6 @@ def rail_scatter(out, shard, node_size: int, rail: int, block: int = BLOCK):
     return out
 
 
-
 # ----------------------------------------------------------------- nodes
 @dataclass(frozen=True)
 class NodeLayout:
@@ -295,23 +294,23 @@ def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, 
                               node_size=coll.node_size, collective=collective,
                               rail_budget=coll.rail_budget)
     record["can"] = {}      # the rails choose their transport in their own agreement
-    check_agreement(agree(coll._plane, record))
+    check_agreement(agree(coll.plane, record))
     return flat, flat_out, backend
 
 
 class Levels:
     """The node and rail planes of one Collective and node layout, the
-    rail's own Collective (made once, collectively) and the in-node level
+    rail's own call runner (made once, collectively) and the in-node level
     (transports/node_level.py: over the control plane for host arrays; NCCL
     for device arrays where every rank has a GPU of its own)."""
 
-    def __init__(self, plane, layout: NodeLayout, make_collective):
+    def __init__(self, plane, layout: NodeLayout, make_rail):
         from ..transports.node_level import StagedNodeLevel
         self.layout = layout
         self._plane = plane
         self.node = plane.split(layout.node, layout.local)        # my node's ranks
         self._rail_plane = plane.split(layout.local, layout.node)  # local rank l of every node
-        self.rail = make_collective(self._rail_plane)
+        self.rail = make_rail(self._rail_plane)      # a flat runner.CallRunner
         self._staged = StagedNodeLevel(self.node, layout.local, layout.node_size)
         self._device_levels = {}     # device id -> (in-node level, why), decided once
         self._orders = {}            # array module -> the reduce-scatter's chunk order
@@ -355,7 +354,7 @@ class Levels:
         from ..control.agreement import agree
         flat, flat_out, backend = agreed
         if nonfinite == "raise":
-            flags = agree(coll._plane, holds_nonfinite(backend.xp, flat))
+            flags = agree(coll.plane, holds_nonfinite(backend.xp, flat))
             bad = [r for r, f in enumerate(flags) if f]
             if bad:
                 raise NonFiniteInputError(f"NaN or Inf in the input of ranks {bad}")
@@ -367,23 +366,24 @@ class Levels:
                 int(flat.shape[0]), np.dtype(flat.dtype), lay.nodes * lay.node_size,
                 lay.node_size, rail_topology(topology, lay.nodes))
 
-    def _rail_call(self, method, shard, stage, counter, hook=None, **call):
-        """The rail level's ``method`` (its collective's) on the node sums'
-        shard; ``stage``: the shard was staged to the host from device arrays,
-        so the rail runs on the device and its result comes back; ``hook``:
-        the rails' joint budget (rail_budget.py), joined after the call if
-        the call did not reach it.  (result, report, seconds)."""
+    def _rail_call(self, method, shard, stage, call, hook=None):
+        """The rail level's flat ``method`` on the node sums' shard, with the
+        call's arguments (its counter: the same generator keys on every
+        rail); ``stage``: the shard was staged to the host from device
+        arrays, so the rail runs on the device and its result comes back;
+        ``hook``: the rails' joint budget (rail_budget.py), joined after the
+        call if the call did not reach it.  (result, report, seconds)."""
         t1 = time.perf_counter()
         rail_in = shard
         if stage:
             import cupy
             rail_in = cupy.asarray(shard)
-        self.rail.counter = counter         # the call's generator keys on every rail
-        self.rail._plan_hook = hook
+        call = dict(call, op="sum")
         try:
-            res, rep = getattr(self.rail, method)(rail_in, op="sum", return_report=True, **call)
+            res, rep = (self.rail.allreduce(rail_in, None, call, "flat", True, False, hook)
+                        if method == "allreduce" else
+                        self.rail.reduce_scatter(rail_in, None, call, "flat", True, False))
         finally:
-            self.rail._plan_hook = None
             if hook is not None:
                 hook.finish()
         if stage:
@@ -414,9 +414,10 @@ class Levels:
         if applies(coll.rail_budget, lay.nodes, k, codec):
             hook = JointRailBudget(self.node, mine)
         reduced, rail_rep, t_rail = self._rail_call(
-            "allreduce", shard, on_device and not level.device_arrays, counter, hook=hook,
-            codec=codec, topology=rail_topo, seed=seed, transport=transport,
-            tile_bytes=tile_bytes, path=path, nonfinite=nonfinite)
+            "allreduce", shard, on_device and not level.device_arrays, dict(
+                codec=codec, topology=rail_topo, seed=seed, counter=counter,
+                transport=transport, tile_bytes=tile_bytes, path=path, nonfinite=nonfinite),
+            hook=hook)
 
         # 3. in-node all-gather of the rails' results
         t1 = time.perf_counter()
@@ -491,9 +492,9 @@ class Levels:
         shard = level.reduce_scatter(src.reshape(n, m)[order].reshape(k, lay.nodes * m))
         t_rs = _seconds_since(t1, xp, return_report)
         mine, rail_rep, t_rail = self._rail_call(
-            "reduce_scatter", shard, on_device and not level.device_arrays, counter,
-            codec=codec, topology=rail_topo, seed=seed, transport=transport,
-            tile_bytes=tile_bytes, nonfinite=nonfinite)
+            "reduce_scatter", shard, on_device and not level.device_arrays, dict(
+                codec=codec, topology=rail_topo, seed=seed, counter=counter,
+                transport=transport, tile_bytes=tile_bytes, nonfinite=nonfinite))
         if op == "mean":
             mine = _mean(mine, n)
         result = _deliver(mine, flat_out, out, backend, on_device)
@@ -522,11 +523,20 @@ class Levels:
 
 
 class NodeCalls:
-    """The hierarchy route of :class:`~dynamiq_mpi.Collective` (a mixin of the
-    runner: its node layout and ``Levels``; the planner makes the "auto"
-    choice between flat and nodes)."""
+    """The hierarchy route of a call runner: its node layout and
+    :class:`Levels`, made on first use over its runtime's control plane;
+    ``make_rail(plane)``: the flat runner of a rail (the planner makes the
+    "auto" choice between flat and nodes)."""
 
-    def _auto_layout(self):
+    def __init__(self, runtime, layout, node_size, rail_budget, links, make_rail):
+        self.plane, self.size, self.control_plane = runtime.plane, runtime.size, runtime.plane.name
+        self.layout = layout            # the codecs' layout (phases.default_layout)
+        self.node_size, self.rail_budget, self.links = node_size, rail_budget, links
+        self._make_rail = make_rail
+        self._levels = self._found = None   # Levels; the nodes found for hierarchy="auto"
+        self._auto = None               # whether "auto" may use nodes (decided once)
+
+    def auto_layout(self):
         """(nodes, node size) that hierarchy="auto" may use, or None where
         levels cannot help (a single node, nodes of one rank, unequal nodes).
         Found once, collectively where levels may help: every rank agrees
@@ -542,7 +552,7 @@ class NodeCalls:
         from ..control.agreement import agree
         from .phases import check_agreed
         mine = {"hierarchy": "auto", "node_size": k, "links": self.links}
-        asks = agree(self._plane, mine)
+        asks = agree(self.plane, mine)
         if any(not isinstance(a, dict) or a.get("hierarchy") != "auto" for a in asks):
             raise InputMismatchError("ranks disagree on hierarchy: some ask 'auto', others not")
         for field in ("node_size", "links"):
@@ -550,18 +560,18 @@ class NodeCalls:
         layout = None
         if k is None:
             try:
-                layout = find_nodes(self._plane, None)
+                layout = find_nodes(self.plane, None)
             except InvalidInputError:       # unequal nodes: flat (the same on every rank)
                 layout = None
             if layout is not None and 1 < layout.node_size < n:
-                self._layout = layout
+                self._found = layout
                 k = layout.node_size
             else:
                 k = None
         self._auto = (n // k, k) if k else False
         return self._auto or None
 
-    def _run_nodes(self, collective, x, out, **call):
+    def run(self, collective, x, out, **call):
         """A hierarchical call: agreed first over the whole plane (a rank
         making a flat call meets the same exchange and every rank raises),
         then the node and rail planes, made once."""
@@ -569,25 +579,22 @@ class NodeCalls:
         check_nonfinite(call["nonfinite"])
         return_report = call.pop("return_report")
         agreed = agree_call(self, x, out, collective, **call)
-        levels = self._nodes()
+        levels = self.levels()
         if collective == "reduce_scatter":
             call.pop("path")
             return levels.reduce_scatter(self, x, out, agreed, return_report=return_report,
                                          **call)
         return levels.allreduce(self, x, out, agreed, return_report=return_report, **call)
 
-    def _nodes(self):
+    def levels(self) -> Levels:
         """The node and rail planes (made by the first hierarchical call,
         collectively; the nodes found once)."""
         if self._levels is None:
-            layout = self._layout or find_nodes(self._plane, self.node_size)
-            self._levels = Levels(self._plane, layout, lambda plane: type(self)(
-                plane, transport=self.transport, tile_bytes=self.tile_bytes, lanes=self.lanes,
-                path=self.path, nonfinite=self.nonfinite, graphs=self.graphs,
-                hierarchy="flat"))          # a rail is flat, whatever $DYNAMIQ_HIERARCHY says
+            layout = self._found or find_nodes(self.plane, self.node_size)
+            self._levels = Levels(self.plane, layout, self._make_rail)
         return self._levels
 
-    def nodes(self):
-        """The node layout the hierarchical call uses (collective on first use)."""
-        with self._lock:
-            return self._nodes().layout
+    def free(self):
+        if self._levels is not None:
+            self._levels.free()
+            self._levels = None

@@ -123,7 +123,7 @@ def check_agreement(metas: list) -> None:
     first = metas[0]
     if not first.get("error") and all(m is first for m in metas):
         return      # the agreement matched digests and handed back one record
-    if any("error" not in m for m in metas):    # hierarchy.NodeCalls._auto_layout's record
+    if any("error" not in m for m in metas):    # hierarchy.NodeCalls.auto_layout's record
         raise InputMismatchError("ranks disagree on hierarchy: some ask 'auto', others not")
     bad = [(r, m["error"]) for r, m in enumerate(metas) if m["error"]]
     if bad:

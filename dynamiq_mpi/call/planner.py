@@ -11,13 +11,16 @@ resolves to a :class:`Plan`:
   the transport's all-reduce, native.py), "graph" (a steady compressed call
   replayed as a CUDA graph, graphs.py) or "engine" (the engine's program);
 * ``path`` for the engine: "compressed" or "native" (``paths``, measured
-  per class of calls), with its reason and whether this call is timed.
+  per class of calls), with its reason and whether this call is timed;
+* the transport, once the ranks agreed: :meth:`CallPlanner.transport`
+  answers the program's ``Route`` from every rank's record.
 
 Steady signatures keep their plan: a native call that ran on the engine is
 remembered as a steady plan, a sync-free compressed call over NCCL as a
 graph plan; the next call of that signature resolves to it without the
 path choice or the engine.  The planner decides and remembers; the runner
-(runner.py) carries the plan out; the API (api.py) is the public face.
+(runner.py) carries the plan out on its runtime (runtime.py); the API
+(api.py) is the public face.
 """
 from __future__ import annotations
 
@@ -26,8 +29,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codecs.base import signature_of
+from ..errors import InvalidInputError
+from ..transports import choose_transport, explain_transport
 from . import native, prediction
-from .graphs import SteadyCompressed
+from .graphs import SteadyCompressed, call_graph_key
 from .paths import PathChooser, size_class
 
 # Steady plans kept per kind before the oldest are dropped (a job has a few
@@ -53,32 +58,42 @@ class Plan:
 
 class CallPlanner:
     """Resolves calls to plans; keeps the path and hierarchy choices and the
-    plans of steady signatures (per Collective)."""
+    plans of steady signatures (per call runner).  ``graphs``: whether steady
+    compressed calls become graphs; ``links`` seed the hierarchy's
+    prediction; ``auto_layout()``: the (nodes, node size) hierarchy="auto"
+    may use, or None (hierarchy.NodeCalls)."""
 
-    def __init__(self, plane, size: int):
-        self.size = size
+    def __init__(self, plane, size: int, graphs: bool = False, links=None, auto_layout=None):
+        self.plane, self.size, self.use_graphs, self.links = plane, size, graphs, links
+        self.gpu_sharing = {}       # device -> which ranks share a GPU ('' : none), asked once
+        self.auto_layout = auto_layout
         self.paths = PathChooser(plane)
         self.hierarchies = PathChooser(plane, options=("nodes", "flat"))
         self.steady = {}            # native.SteadyNative by native.steady_key
         self.graphs = {}            # graphs.SteadyCompressed by graphs.graph_key
 
     # -- resolving
-    def plan_allreduce(self, coll, x, out, call, hierarchy, want_report, profile) -> Plan:
-        """The plan of an all-reduce (``call``: the normalised arguments;
-        ``coll``: the Collective, for its node layout and graph keys).
+    def plan_allreduce(self, x, out, call, hierarchy, want_report, profile) -> Plan:
+        """The plan of an all-reduce (``call``: the normalised arguments).
         May set ``call["path"]`` to "compressed" while a hierarchy is timed."""
         plan = Plan()
         if hierarchy == "auto":
             (hierarchy, plan.hierarchy_key, plan.hierarchy_why,
-             plan.hierarchy_timed) = self._choose_hierarchy(coll, x, call)
+             plan.hierarchy_timed) = self._choose_hierarchy(x, call)
         plan.hierarchy = hierarchy
         if hierarchy == "nodes" and self.size > 1:
             plan.route = "levels"
             return plan
-        return self._plan_flat(coll, x, out, call, want_report or plan.hierarchy_timed,
-                               profile, plan)
+        return self._plan_flat(x, out, call, want_report or plan.hierarchy_timed, profile,
+                               plan)
 
-    def _plan_flat(self, coll, x, out, call, want_report, profile, plan):
+    def plan_reduce_scatter(self, hierarchy) -> Plan:
+        """The plan of a reduce-scatter: always compressed, on the engine or
+        the levels ("nodes"; "auto" is flat: it measures all-reduces only)."""
+        nodes = hierarchy == "nodes" and self.size > 1
+        return Plan(hierarchy="nodes" if nodes else "flat", route="levels" if nodes else "engine")
+
+    def _plan_flat(self, x, out, call, want_report, profile, plan):
         requested = call["path"]
         quiet = not (want_report or profile)
         steady_key = None
@@ -94,10 +109,8 @@ class CallPlanner:
             if steady is not None:
                 plan.route, plan.steady, plan.path = "steady", steady, "native"
                 return plan
-        if coll.graphs and out is not None and requested != "native" and quiet:
-            plan.graph_key = coll._graph_key(
-                x, out, call["codec"], call["topology"], call["op"], call["seed"],
-                call["transport"], call["tile_bytes"], call["nonfinite"], requested)
+        if self.use_graphs and out is not None and requested != "native" and quiet:
+            plan.graph_key = call_graph_key(x, out, call)
             entry = self.graphs.get(plan.graph_key) if plan.graph_key is not None else None
             if entry is not None and not entry.failed:
                 plan.route, plan.steady = "graph", entry
@@ -129,13 +142,13 @@ class CallPlanner:
                                              can_native, getattr(codec, "name", ""))
         return key, path, why, timed
 
-    def _choose_hierarchy(self, coll, x, call):
+    def _choose_hierarchy(self, x, call):
         """(hierarchy, class key, why, timed) of a call with hierarchy="auto":
         flat or nodes per class of calls, measured as the path choice
         measures, agreed by all ranks; both run compressed while measured.
         The cost model's prediction (prediction.py) orders the measurement,
         or decides the class without it where decisive on given links."""
-        layout = coll._auto_layout()
+        layout = self.auto_layout() if self.auto_layout is not None else None
         if layout is None:
             return "flat", None, "auto: one node, nodes of one rank, or unequal nodes", False
         on_device = type(x).__module__.startswith("cupy")
@@ -149,7 +162,7 @@ class CallPlanner:
             try:
                 return prediction.predict_hierarchies(
                     layout[0], layout[1], 1 << key[2], np.dtype(x.dtype).itemsize,
-                    call["codec"], call["topology"], coll.links, on_device)
+                    call["codec"], call["topology"], self.links, on_device)
             except Exception:   # not an array, a codec or topology the model does not know:
                 return None     # measured (an invalid call fails agreement on every rank)
 
@@ -157,6 +170,27 @@ class CallPlanner:
         if timed and call["path"] == "auto":
             call["path"] = "compressed"
         return choice, key, why, timed
+
+    def transport(self, requested, metas, x, explain=False) -> tuple:
+        """(transport, why) that carries a call's data, from every rank's
+        agreement record (``transports.choose_transport``; raises on every
+        rank when the one asked for cannot run); device arrays are staged
+        through host memory where ranks share a GPU, which NCCL refuses
+        (asked for by name: every rank raises).  ``why`` only when asked."""
+        name = choose_transport(requested, metas)
+        if name == "nccl":
+            device = x.device.id
+            shared = self.gpu_sharing.get(device)
+            if shared is None:      # collective: every rank's first NCCL call of a device
+                from ..transports.nccl import ranks_sharing_a_gpu
+                shared = self.gpu_sharing[device] = ranks_sharing_a_gpu(self.plane, device)
+            if shared:              # the same answer on every rank: all raise or all stage
+                if requested == "nccl":
+                    raise InvalidInputError(f"transport='nccl' is not usable: NCCL needs one GPU "
+                                            f"per rank ({shared}); use transport='mpi' or 'auto'")
+                return "mpi", (f"auto: NCCL needs one GPU per rank ({shared}): device buffers "
+                               "staged through host memory")
+        return name, explain_transport(requested, metas)[1] if explain else ""
 
     # -- learning from a call that ran
     def record_path(self, plan, seconds, report):
@@ -167,7 +201,7 @@ class CallPlanner:
         if plan.hierarchy_timed and not report.nonfinite:
             self.hierarchies.record(plan.hierarchy_key, plan.hierarchy, seconds, plan.hierarchy)
 
-    def remember(self, coll, plan, report, meta, codec, backend):
+    def remember(self, plan, report, meta, codec, backend):
         """Keep the plan of an engine call whose signature may repeat: a
         native call as a steady plan, a sync-free compressed call over NCCL
         as a graph plan (captured on its next occurrence).  ``meta``: this
@@ -183,10 +217,17 @@ class CallPlanner:
                 and report.sync_free and report.transport == "nccl"
                 and plan.graph_key not in self.graphs):
             if len(self.graphs) >= MAX_STEADY:
-                coll._free_graphs()
+                self.free_graphs()
             self.graphs[plan.graph_key] = SteadyCompressed(meta, "nccl")
 
     def forget_paths(self):
         self.paths.forget()
         self.steady.clear()         # their path came from the choices just forgotten
+        self.free_graphs()
+
+    def free_graphs(self):
+        for e in self.graphs.values():
+            if e.graph is not None:
+                e.graph.free()
+        self.graphs.clear()
 

@@ -12,7 +12,7 @@ more, it keeps the winner without measuring the loser, and the report's
 NIC per rank) only order the measurement.
 
 The inputs are the node layout and the links, agreed by every rank on the
-first "auto" call (hierarchy.NodeCalls._auto_layout), and the class of the
+first "auto" call (hierarchy.NodeCalls.auto_layout), and the class of the
 call: the same on every rank, so every rank predicts the same.  Device
 arrays are predicted with the model's default kernel rates (``KERNELS``)
 and host time "fixed"; host arrays with the links alone (the model's

@@ -9,9 +9,9 @@ The engine is one generator per rank; it yields these and a transport answers:
 * :class:`Claim` - the engine is about to read a received buffer; the answer is
   the buffer, valid in the order of the caller's computation (for the NCCL
   transport: the compute stream now waits for the receive);
-* :class:`Route` - after agreement, the transport the data of this call goes
-  over (chosen from the agreed records, the same on every rank); the answer is
-  the name of the transport that carries it;
+* :class:`Route` - after agreement, the transport asked for; whoever drives
+  the program chooses the one that carries the data from the agreed records
+  (the same on every rank: call/planner.py) and answers its name;
 * :class:`Mark` - a phase boundary, for the per-phase breakdown (a no-op unless
   the transport profiles);
 * :class:`NativeAllreduce` - the transport's own uncompressed all-reduce (NCCL's,

@@ -77,8 +77,8 @@ def test_same_bits_on_both_planes(planes, backend, codec, topology):
     # one host: the torch plane's digests go through shared memory (x86), its
     # other small exchanges over its socket ring, not gloo
     from dynamiq_mpi.control import shm_slots
-    assert planes["torch"]._plane._ring is not None
-    assert (planes["torch"]._plane._slots is not None) == shm_slots.supported()
+    assert planes["torch"]._runtime.plane._ring is not None
+    assert (planes["torch"]._runtime.plane._slots is not None) == shm_slots.supported()
     assert len(set(comm.allgather(digest(got["torch"])))) == 1
     # the flat call's error against sum_r |x_r| (short heavy-tailed inputs
     # cancel), bounds as in test_hierarchy_mpi.py (there measured)

@@ -408,9 +408,9 @@ def _nccl_inside(coll):
     communicator (it sums right to left, as NCCL sums in an order of its own)."""
     from fake_nccl import modules as fake_modules
     from dynamiq_mpi.transports.node_level import NCCLNodeLevel, node_level_for
-    levels = coll._nodes()
+    levels = coll._runner.nodes.levels()
     fake = fake_modules(base=levels.node.mpi_comm)
-    level, why = node_level_for(coll._plane, levels.node, 0, levels._staged, modules=fake)
+    level, why = node_level_for(coll._runtime.plane, levels.node, 0, levels._staged, modules=fake)
     assert isinstance(level, NCCLNodeLevel), why
     levels._node_level = lambda on_device, flat: (level, why)
     return level, fake[1]
@@ -456,10 +456,10 @@ def test_node_level_choice_is_alike_everywhere(monkeypatch):
     from fake_nccl import modules as fake_modules
     from dynamiq_mpi.transports.node_level import node_level_for
     coll = dq.Collective(comm, node_size=NODE_SIZES[-1], hierarchy="nodes")
-    levels = coll._nodes()
+    levels = coll._runner.nodes.levels()
     if comm.rank == N - 1:
         monkeypatch.setenv("DYNAMIQ_NODE_NCCL", "0")
-    level, why = node_level_for(coll._plane, levels.node, 0, levels._staged,
+    level, why = node_level_for(coll._runtime.plane, levels.node, 0, levels._staged,
                                 modules=fake_modules(base=levels.node.mpi_comm))
     assert level is levels._staged and "DYNAMIQ_NODE_NCCL=0" in why
     assert len(set(comm.allgather(why))) == 1

@@ -212,7 +212,7 @@ def test_steady_native_calls_are_correct_and_every_mismatch_raises_everywhere():
         want = exact_sum(x) / N
         assert np.max(np.abs(out - want)) <= 4 * N * 2.0 ** -23 * np.max(np.abs(want)) + 1e-30
         assert same_on_every_rank(out)
-    assert len(coll._planner.steady) == 1
+    assert len(coll._runner.planner.steady) == 1
     x = my_input(seed, 3001)
     longer = my_input(seed, 3002)
     with pytest.raises(dq.InputMismatchError, match="length") as info:
@@ -257,9 +257,9 @@ def test_auto_steady_calls_follow_the_decision_and_forget_paths():
         if path == "native":
             assert np.max(np.abs(out - want)) <= 4 * N * 2.0 ** -23 * np.max(np.abs(want)) + 1e-30
         assert same_on_every_rank(out)
-    assert len(coll._planner.steady) == (1 if path == "native" else 0)
+    assert len(coll._runner.planner.steady) == (1 if path == "native" else 0)
     coll.forget_paths()
-    assert not coll._planner.steady and not coll.path_decisions()
+    assert not coll._runner.planner.steady and not coll.path_decisions()
     _, rep = coll.allreduce(my_input(seed, 5000), codec=codec, out=out, op="sum",
                             return_report=True)
     assert "measuring" in rep.path_reason, rep.path_reason
@@ -292,13 +292,13 @@ def test_a_steady_signature_resolves_once_to_its_plan():
     anew."""
     coll = dq.Collective(comm, path="native", node_size=1)
     routes = []
-    resolve = coll._planner.plan_allreduce
+    resolve = coll._runner.planner.plan_allreduce
 
     def spy(*args, **kwargs):
         plan = resolve(*args, **kwargs)
         routes.append(plan.route)
         return plan
-    coll._planner.plan_allreduce = spy
+    coll._runner.planner.plan_allreduce = spy
     x = np.arange(1000, dtype=np.float32) * (comm.rank + 1)
     outs = [coll.allreduce(x) for _ in range(3)]
     coll.allreduce(x, return_report=True)

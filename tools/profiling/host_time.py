@@ -117,7 +117,7 @@ agreement alone and a bare 8-byte MPI Allgather, for scale.
     coll = dq.Collective(comm, transport="nccl")
     bucket = defaultdict(float)
     # what the engine asks the transports for, by request type
-    coll._host.answer = timed(coll._host.answer, bucket, lambda r: "agree (MPI)")
+    coll._runtime.host.answer = timed(coll._runtime.host.answer, bucket, lambda r: "agree (MPI)")
     gpu_backend = type(backend_mod.backend_for(cp.zeros(1)))
     gpu_backend.to_host = timed(gpu_backend.to_host, bucket, "plan: device-to-host wait")
     for cls in (dq.DynamiQ, dq.BF16):
@@ -149,7 +149,7 @@ agreement alone and a bare 8-byte MPI Allgather, for scale.
             codec = codec_from_string(spelling)
             for _ in range(3):
                 coll.allreduce(x, codec=codec, out=out)
-            for t in coll._nccl.values():
+            for t in coll._runtime.nccl.values():
                 if id(t) not in patched:
                     patched.add(id(t))
                     t.answer = timed(t.answer, bucket, lambda r: type(r).__name__.lower())
@@ -294,7 +294,7 @@ torchrun (no MPI in the job) it measures the torch plane alone:
         tag = f" [{plane}]"
         digest, digests = np.ones(1, np.uint64), np.empty(comm.size, np.uint64)
         cases.append(("agreement: 8-byte digest all-gather" + tag,
-                      lambda p=coll._plane: p.allgather_array(digest, digests)))
+                      lambda p=coll._runtime.plane: p.allgather_array(digest, digests)))
         cases += [
             ("dq path=native (steady)" + tag, lambda c=coll: c.allreduce(x, out=out,
                                                                          path="native")),

@@ -1,0 +1,169 @@
+"""What one communicator's calls run on: its control plane (a private
+duplicate of the caller's communicator), the transports made on first use
+(host-staged MPI always; NCCL per device; CUDA-aware MPI), the workspace
+reused across calls, and the fence of the caller's stream around device
+calls.  :meth:`Runtime.drive` answers one rank program's requests over
+them.  A :class:`~dynamiq_mpi.Collective` owns one; so does each rail of a
+hierarchical call (hierarchy.py)."""
+from __future__ import annotations
+
+import time
+
+from ..errors import InvalidInputError
+from ..settings import env_text
+from ..transports import transport_class
+from ..transports.ops import Agree, Route
+from .workspace import Workspace
+
+
+class Runtime:
+    """The control plane, transports and workspace of one communicator
+    (``lanes`` and ``lane_bytes``: the NCCL transport's, see the Collective)."""
+
+    def __init__(self, comm, lanes, lane_bytes):
+        from ..control import as_plane
+        self.host = transport_class("mpi")(as_plane(comm))    # a private duplicate
+        self.plane = self.host.plane
+        self.rank, self.size = self.host.rank, self.host.size
+        self.lanes, self.lane_bytes = lanes, lane_bytes
+        self.workspace = Workspace()
+        self.nccl = {}              # device -> NCCL transport
+        self.mpi_cuda = None
+        self.last_metas = None      # the agreement records of the last driven call
+        self._last_stream = None    # (stream pointer, event at the end of the last call)
+        self._done_event = None
+        self._capture_streams = {}  # device -> a private stream for graph captures
+
+    def drive(self, program, x, profile, want_report, choose):
+        """Run one rank program over the transports: (result, report).
+        ``choose(requested, records, x, explain)``: the (transport, why) that
+        carries the call's data, decided from every rank's agreement record
+        (the planner's; ``why`` only when ``explain``)."""
+        on_device = type(x).__module__.startswith("cupy")
+        if on_device:
+            self.fence_stream()
+        t0 = time.perf_counter()
+        data, prof, metas, failed, why = self.host, None, None, True, None
+        self.last_metas = None
+        try:
+            request = program.send(None)
+            while True:
+                if isinstance(request, Agree):
+                    answer = self.host.answer(request)
+                    if metas is None:       # the call's records (later ones: flags)
+                        metas = self.last_metas = answer
+                elif isinstance(request, Route):
+                    name, why = choose(request.transport, metas, x, want_report)
+                    data = self.route(name, x)
+                    answer = data.name
+                    if profile:
+                        data.start_profile(device=on_device)
+                else:
+                    answer = data.answer(request)
+                request = program.send(answer)
+        except StopIteration as done:
+            out, report = done.value
+            failed = False
+            if on_device and hasattr(data, "join"):
+                data.join()     # no lane still sends from a buffer the next call rewrites
+        finally:
+            if data is self.mpi_cuda:
+                data.end_call(failed)
+            if profile and data.profile is not None:
+                prof = data.stop_profile()
+            if on_device:
+                self.record_stream()
+        report.control_plane = self.plane.name
+        if prof is not None:
+            report.phases = _phases(prof, t0)
+        if want_report and why is not None:
+            report.transport_reason = why
+            if getattr(data, "lanes_why", None):
+                report.transport_reason += f"; {data.lanes_why}"
+        return out, report
+
+    def route(self, transport, x):
+        """The transport called ``transport`` for ``x`` (made on first use, by
+        every rank in the same call; the planner chose it)."""
+        if transport == "mpi-cuda":
+            if self.plane.mpi_comm is None:  # the same on every rank: all raise
+                raise InvalidInputError(
+                    "transport='mpi-cuda' needs the MPI control plane; this collective runs "
+                    "over a torch.distributed group (use transport='auto', 'nccl' or 'mpi')")
+            if self.mpi_cuda is None:
+                self.mpi_cuda = transport_class("mpi-cuda")(self.plane.mpi_comm)
+            return self.mpi_cuda
+        if transport != "nccl":
+            return self.host
+        device = x.device.id
+        if device not in self.nccl:
+            pair = env_text("DYNAMIQ_NCCL_PAIR_ALLGATHER")
+            self.nccl[device] = transport_class("nccl")(self.plane, device, self.lanes,
+                                                        self.lane_bytes, pair_allgather=pair == "1")
+        return self.nccl[device]
+
+    def fence_stream(self):
+        """Workspace buffers are reused in stream order: if the caller's stream
+        changed since the last call, wait for the last call's work first."""
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        if self._last_stream is not None and self._last_stream[0] != stream.ptr:
+            stream.wait_event(self._last_stream[1])
+
+    def record_stream(self):
+        # one event, re-recorded: the next call's wait is enqueued before
+        # this event is recorded again (a new Event per call costs host time)
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        if self._done_event is None:
+            self._done_event = cupy.cuda.Event(block=False, disable_timing=True)
+        self._done_event.record(stream)
+        self._last_stream = (stream.ptr, self._done_event)
+
+    def capture_stream(self, stream):
+        """The stream a graph capture records on: the caller's, except CuPy's
+        default (legacy) stream, which CUDA refuses to capture
+        (cudaErrorStreamCaptureUnsupported, seen on 4 H100s over NCCL): then
+        a private stream.  The graph is launched on the caller's stream
+        either way."""
+        if stream.ptr:
+            return stream
+        import cupy
+        device = cupy.cuda.Device().id
+        if device not in self._capture_streams:
+            self._capture_streams[device] = cupy.cuda.Stream(non_blocking=True)
+        return self._capture_streams[device]
+
+    def free_transports(self):
+        """The device transports and the workspace (collective)."""
+        for t in self.nccl.values():
+            t.free()
+        self.nccl.clear()
+        if self.mpi_cuda is not None:
+            self.mpi_cuda.free()
+            self.mpi_cuda = None
+        self.workspace.clear()
+
+    def free(self):
+        """Everything, the control plane's duplicate last (collective)."""
+        self.free_transports()
+        self.host.free()
+
+
+def sync(x):
+    """Wait for the caller's stream (device arrays); nothing for host arrays."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+        cupy.cuda.get_current_stream().synchronize()
+
+
+def _phases(prof, t0) -> dict:
+    """Per-phase seconds from the marks of a profiled call (phases are
+    serialised by the profiling), plus kernel and wire time where measured."""
+    marks = [("agreement", t0)] + list(prof.marks)
+    phases = {}
+    for (name, a), (_, b) in zip(marks, marks[1:]):
+        phases[name] = phases.get(name, 0.0) + (b - a)
+    phases.pop("done", None)
+    phases.update(prof.summary())
+    return phases
