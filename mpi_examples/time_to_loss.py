@@ -184,9 +184,8 @@ def curve(run):
     return [(e["step"], times[e["step"] - 1], e["val_loss"]) for e in run["evals"]]
 
 
-def mean_curve(runs):
-    """Seed-mean of the validation curves (steps common to every run)."""
-    curves = [curve(r) for r in runs]
+def mean_curve(curves):
+    """Seed-mean of the runs' validation curves (steps common to every run)."""
     common = sorted(set.intersection(*(set(p[0] for p in c) for c in curves)))
     out = []
     for step in common:
@@ -220,14 +219,14 @@ def report(runs, baseline="bf16"):
     for rs in by_codec.values():
         rs.sort(key=lambda r: r["summary"]["seed"])
     base = by_codec.get(baseline)
-    target = (statistics.mean(r["summary"]["final_val_loss"] for r in base) if base else None)
-    base_sd = (statistics.stdev(r["summary"]["final_val_loss"] for r in base)
-               if base and len(base) > 1 else 0.0)
+    target, base_sd = (_mean_sd([r["summary"]["final_val_loss"] for r in base]) if base
+                       else (None, 0.0))
     c0 = runs[0]["config"]
     tokens_per_step = c0["world_size"] * c0["batch"] * c0["seq_len"]
     rows = {}
     for codec, rs in by_codec.items():
-        mc = mean_curve(rs)
+        curves = [curve(r) for r in rs]
+        mc = mean_curve(curves)
         final_mean, final_sd = _mean_sd([r["summary"]["final_val_loss"] for r in rs])
         step_ms = statistics.mean(_steady_step_ms(r) for r in rs)
         fifth = [p for p in mc if p[0] <= mc[-1][0] * 0.8]
@@ -239,7 +238,7 @@ def report(runs, baseline="bf16"):
             "compute_ms": _mean_sd([r["summary"]["compute_ms"] for r in rs])[0],
             "comm_ms": _mean_sd([_steady_step_ms(r) - r["summary"]["compute_ms"]
                                  for r in rs])[0],
-            "training_s": statistics.mean(training_times(r)[-1] for r in rs),
+            "training_s": statistics.mean(c[-1][1] for c in curves),
             "mean_curve": [{"step": s, "training_s": t, "val_loss": v} for s, t, v in mc],
             "fell_over_last_fifth": (fifth[-1][2] - mc[-1][2]) / mc[-1][2] if fifth else None,
             "vnmse": _vnmse_along(rs),
@@ -251,7 +250,7 @@ def report(runs, baseline="bf16"):
                 row[key] = None if hit is None else {"step": hit[0], "training_s": hit[1]}
                 row[key + "_per_seed"] = [
                     None if h is None else {"step": h[0], "training_s": h[1]}
-                    for h in (first_reach(curve(r), goal) for r in rs)]
+                    for h in (first_reach(c, goal) for c in curves)]
         rows[codec] = row
     result = {"baseline": baseline, "target_val_loss": target, "baseline_sd": base_sd,
               "world_size": c0["world_size"], "device": c0.get("device"),

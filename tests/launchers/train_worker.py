@@ -120,11 +120,19 @@ def _train_sharded(model, rank, exact, state):
                     "hook_size": state.plane.size}
 
 
-def _shard(model, mesh=None):
+def _shard(model, mesh=None, **fsdp_kw):
+    """FSDP2 over each linear layer, then the model."""
     from torch.distributed.fsdp import fully_shard
     for layer in (model[0], model[2], model[4]):
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **fsdp_kw)
+    fully_shard(model, mesh=mesh, **fsdp_kw)
+
+
+def _use_reduce_scatter(model, rs):
+    """``rs`` as the reduce-scatter of every module FSDP2 sharded."""
+    for m in model.modules():
+        if hasattr(m, "set_custom_reduce_scatter"):
+            m.set_custom_reduce_scatter(rs)
 
 
 def train_fsdp(args, rank, group):
@@ -135,9 +143,7 @@ def train_fsdp(args, rank, group):
     # per-rank chunks err far more (the ranks' values cancel)
     rs = dqt.ReduceScatter(codec=dq.DynamiQ(bits=5), path="compressed", seed=7)
     _shard(model)
-    for m in model.modules():
-        if hasattr(m, "set_custom_reduce_scatter"):
-            m.set_custom_reduce_scatter(rs)
+    _use_reduce_scatter(model, rs)
     return _train_sharded(model, rank, exact, rs)
 
 
@@ -146,7 +152,7 @@ def run_fsdp_bf16(args, rank):
     reduce_dtype=float32 or bfloat16): FSDP2's own reduce-scatter, ours
     with the Exact codec and ours with the defaults, from the same model and
     batches; the final full parameters of each."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy
     out = {"init": torch.cat([v.reshape(-1) for v in make_model().state_dict().values()]).numpy()}
     for name, reduce_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
@@ -154,13 +160,9 @@ def run_fsdp_bf16(args, rank):
                                                                     path="compressed")),
                         ("defaults", dqt.ReduceScatter())):
             model = make_model()
-            for layer in (model[0], model[2], model[4]):
-                fully_shard(layer, mp_policy=mp)
-            fully_shard(model, mp_policy=mp)
+            _shard(model, mp_policy=mp)
             if rs is not None:
-                for m in model.modules():
-                    if hasattr(m, "set_custom_reduce_scatter"):
-                        m.set_custom_reduce_scatter(rs)
+                _use_reduce_scatter(model, rs)
             opt = torch.optim.SGD(model.parameters(), lr=0.05)
             for step in range(STEPS):
                 x, y = batch(step, rank)
@@ -189,9 +191,7 @@ def train_hsdp(args, rank, group):
     # the shard group's reduce-scatter through dqt.ReduceScatter too: it must
     # take the group FSDP2 calls it with (HSDP's shard group, not the world)
     rs = dqt.ReduceScatter(codec=codec, path="compressed", seed=11)
-    for m in model.modules():
-        if hasattr(m, "set_custom_reduce_scatter"):
-            m.set_custom_reduce_scatter(rs)
+    _use_reduce_scatter(model, rs)
     params, info = _train_sharded(model, rank, exact, hsdp)
     return params, dict(info, hooks=hooks, rs_size=rs.plane.size,
                         rs_plane=rs.collective.control_plane)
