@@ -128,6 +128,18 @@ def test_fsdp2_bf16_example_with_defaults():
     assert "FSDP2 with BF16 parameters over the torch control plane, 2 ranks" in out
 
 
+def test_hsdp_example_with_defaults():
+    """HSDP, 2 replicas x 2 shards, BF16 parameters: every FSDP module's
+    replica all-reduce goes through dqt.HSDP each step, and each shard ends
+    the same on both replicas."""
+    pytest.importorskip("transformers")
+    out = _run(torchrun(4, EXAMPLES / "hsdp.py", "--steps", "4"), "hsdp.py", defaults=True)
+    steps = [ln for ln in out.splitlines() if ln.startswith("step ")]
+    assert len(steps) == 4 and all("3 replica all-reduce(s)" in ln for ln in steps), out
+    assert ("HSDP, 2 replicas x 2 shards over the torch control plane, 3 FSDP modules "
+            "hooked; shards identical across replicas: True") in out
+
+
 def test_train_lm_under_torchrun_with_ddp_defaults(tmp_path):
     """The training example as torchrun launches it, DDP's own bucket size,
     our hook's defaults: each step records the hook's buckets and paths."""

@@ -142,26 +142,42 @@ def test_torchrun_fsdp2_bf16_parameters_against_fsdp2s_own(tmp_path):
                 assert np.array_equal(r[f"{w}_{reduce}"], ranks[0][f"{w}_{reduce}"]), (w, reduce)
 
 
-def test_a_stalled_peer_gives_every_survivor_a_clear_error_in_the_groups_timeout(tmp_path):
-    """torchrun, 3 ranks on the CPU, the group's timeout 4 s: the last rank
-    stops calling in the middle of a run of calls; the others get a
-    TimeoutError that names it, after the timeout and not much later."""
-    _run(torchrun(3, WORKER, "--mode", "stall", "--timeout", "4", "--out", tmp_path), "torchrun")
-    ranks = results(tmp_path, 3)
-    assert ranks[2]["info"] == {"stalled": True}
-    for r in ranks[:2]:
+def _gpus() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+ON_DEVICES = [pytest.param("cpu", id="cpu-gloo"),
+              pytest.param("cuda", id="gpu-nccl", marks=pytest.mark.skipif(
+                  _gpus() < 2, reason="needs 2 GPUs (one a rank)"))]
+
+
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_a_stalled_peer_gives_every_survivor_a_clear_error_in_the_groups_timeout(tmp_path, device):
+    """torchrun, the group's timeout 4 s: the last rank stops calling in the
+    middle of a run of calls; the others get a TimeoutError that names it,
+    after the timeout and not much later.  CPU: 3 ranks, NumPy arrays over
+    gloo; GPU: 2 ranks, CuPy arrays whose payload goes over NCCL."""
+    n = 3 if device == "cpu" else 2
+    _run(torchrun(n, WORKER, "--mode", "stall", "--device", device, "--timeout", "4",
+                  "--out", tmp_path), "torchrun")
+    ranks = results(tmp_path, n)
+    assert ranks[-1]["info"] == {"stalled": True}
+    for r in ranks[:-1]:
         info = r["info"]
         assert info["call"] == 2 and info["error"] == "TimeoutError", info
-        assert "ranks [2]" in info["message"] and "4 s" in info["message"], info
+        assert f"ranks [{n - 1}]" in info["message"] and "4 s" in info["message"], info
         assert 3.9 < info["seconds"] < 10, info
 
 
-def test_a_dead_peer_ends_the_job_instead_of_hanging(tmp_path):
-    """torchrun, 3 ranks on the CPU: the last rank exits in the middle of a
-    run of calls; the job ends with an error well within the group's timeout
-    (60 s), not at it and never hangs."""
+@pytest.mark.parametrize("device", ON_DEVICES)
+def test_a_dead_peer_ends_the_job_instead_of_hanging(tmp_path, device):
+    """torchrun: the last rank exits in the middle of a run of calls; the job
+    ends with an error well within the group's timeout (60 s), not at it and
+    never hangs (CPU: 3 ranks over gloo; GPU: 2 ranks, NCCL payload)."""
     t0 = time.perf_counter()
-    proc = subprocess.run(torchrun(3, WORKER, "--mode", "stall", "--die", "--timeout", "60",
+    proc = subprocess.run(torchrun(3 if device == "cpu" else 2, WORKER, "--mode", "stall",
+                                   "--device", device, "--die", "--timeout", "60",
                                    "--out", tmp_path), env=_env(), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT,
                           stdin=subprocess.DEVNULL)

@@ -13,6 +13,8 @@
 #   sanitize      compute-sanitizer memcheck and racecheck
 #   suites        tests/gpu and the MPI suites through `make test-installed`, then the
 #                 GPU demo (NP_LIST="2 4"; tools/device/suites.sh)
+# recipes        every mpi_examples recipe on the machine's GPUs with the library's
+#                defaults, then the fault tests over NCCL (tools/device/recipes.sh)
 # two GPUs, one host (tools/device/links.sh; each stage says what it runs):
 #   tests profile ncu timeline nvlink shm sockets probe tune hostid lanes mx agprobe
 #   pairab sockset shm1 chunks p2p ab paths ddp fsdp defaults
@@ -44,6 +46,7 @@ family_of() {
     build) echo build ;;
     gpu-tests|gpu-mpi|kernels|ncu-kernels|sanitize) echo kernels ;;
     suites) echo suites ;;
+    recipes) echo recipes ;;
     tests|profile|ncu|timeline|nvlink|shm|sockets|probe|tune|hostid|lanes|mx|agprobe|pairab|sockset|shm1|chunks|p2p|ab|paths|ddp|fsdp|defaults) echo links ;;
     tests4|hier|sockets4|flat4|torch4|ddp4) echo nodes ;;
     lm-tests|lm-ddp-sockets|lm-ddp-nvlink|lm-ddp-nvlink25|lm-fsdp-sockets|lm-fsdp-nvlink|lm-fuse|lm-profile) echo lm_bench ;;
@@ -66,6 +69,7 @@ run_family() {   # family, its stages
       echo "build took $(( $(date +%s) - t0 )) s" ;;
     kernels|links|nodes) bash "$HERE/device/$fam.sh" "$@" ;;
     suites) bash "$HERE/device/suites.sh" ${NP_LIST:-2 4} ;;
+    recipes) bash "$HERE/device/recipes.sh" ;;
     lm_bench) bash "$HERE/device/lm_bench.sh" "$@" ;;
     train) SKIP_BUILD=1 bash "$HERE/device/train.sh" ;;
     train_sim) bash "$HERE/device/train_sim.sh" ;;

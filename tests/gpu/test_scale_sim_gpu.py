@@ -78,7 +78,12 @@ def test_thc_statistics_pass_on_cupy_equals_each_rank_on_the_host(chunk, monkeyp
                          scale_sim.DEFAULT_TILE_BYTES, cp, scale_sim._Progress(0, "", False), keys)
     reduced, _ = adapter.reduce_stats(sim)
     rotated = cp.asnumpy(adapter._rotated)
-    assert np.array_equal(rotated.view(np.uint32),
-                          np.stack([state[0] for _, state in alone]).view(np.uint32)), seed
+    expected = np.stack([state[0] for _, state in alone])
+    # bit for bit, except the NaN payloads of the non-finite row (a GPU's NaN is
+    # canonical, x86's keeps the sign): that row's range bytes are 255 anyway
+    nan = np.isnan(expected)
+    assert np.array_equal(np.isnan(rotated), nan), seed
+    assert not nan[np.arange(n) != 4].any(), seed
+    assert np.array_equal(rotated[~nan].view(np.uint32), expected[~nan].view(np.uint32)), seed
     assert np.array_equal(cp.asnumpy(reduced), np.max(np.stack([st for st, _ in alone]), axis=0))
     assert int(reduced.max()) == 255 and alone[7][0].max() == 254

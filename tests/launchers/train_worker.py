@@ -50,7 +50,8 @@ def init(args, spawn_rank=None):
     elif started_by_mpi():
         dqt.init_process_group_from_mpi("gloo")
     else:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        dist.init_process_group("nccl" if args.device == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=args.timeout))
     torch.manual_seed(0)
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -240,6 +241,10 @@ def run_stall(args, rank):
     how long its call took."""
     last = dist.get_world_size() - 1
     x = np.arange(1 << 12, dtype=np.float32) * (rank + 1)
+    if args.device == "cuda":               # device arrays: the payload goes over NCCL
+        import cupy
+        cupy.cuda.Device(int(os.environ.get("LOCAL_RANK", rank))).use()
+        x = cupy.asarray(x)
     for call in range(5):
         if call == 2 and rank == last:
             if args.die:
@@ -303,6 +308,8 @@ def _spawned(rank, args):
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("--timeout", type=float, default=120, help="the group's timeout (s)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="stall mode: NumPy arrays over gloo, or CuPy arrays over NCCL")
     p.add_argument("--die", action="store_true", help="stall mode: the last rank exits instead")
     p.add_argument("--mode", choices=["ddp", "fsdp", "fsdp_bf16", "stall", "hsdp", "subgroups",
                                       "allreduce",

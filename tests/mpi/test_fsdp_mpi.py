@@ -49,10 +49,18 @@ def make_model(seed=0):
                          nn.Linear(67, 5))
 
 
+def cpu_mesh():
+    """FSDP2's default mesh is on the GPU where one exists: these tests run
+    on the CPU (gloo) on every machine."""
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (N,))
+
+
 def shard(model, rs=None):
+    mesh = cpu_mesh()
     for layer in (model[0], model[2], model[4]):
-        fully_shard(layer)
-    fully_shard(model)
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     if rs is not None:
         for m in model.modules():
             if hasattr(m, "set_custom_reduce_scatter"):
@@ -193,8 +201,8 @@ def test_bf16_parameters_as_llm_jobs_run_fsdp2(reduce_dtype):
 
     def shard_mp(model, rs=None):
         for layer in (model[0], model[2], model[4]):
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(layer, mp_policy=mp, mesh=cpu_mesh())
+        fully_shard(model, mp_policy=mp, mesh=cpu_mesh())
         if rs is not None:
             for m in model.modules():
                 if hasattr(m, "set_custom_reduce_scatter"):
