@@ -99,9 +99,7 @@ class Collective:
     (call/graphs.py): a call with ``out=`` whose every argument, buffer and stream
     repeats one made before is captured on its second occurrence and
     replayed from then on, for one digest exchange and a graph launch of host
-    time.  Default ``$DYNAMIQ_GRAPHS`` ("1" on), else off: the GPU suites
-    pass with graphs on at 2 H100s (62 us of host time a 2^23 call against
-    934 eager), untested at 4 (docs/benchmarks.md, section 5).
+    time.  On by default; ``graphs=False`` or ``DYNAMIQ_GRAPHS=0`` turns it off.
     :meth:`graph_stats` says what was captured.
     """
 

@@ -32,14 +32,6 @@ def env_choice(value, variable: str, choices: tuple, what: str, default: str = "
     return value
 
 
-def env_flag(value, variable: str) -> bool:
-    """``value``, else whether ``$variable`` says yes ("1", "true", "on"): off
-    by default."""
-    if value is None:
-        return os.environ.get(variable, "").strip().lower() in _TRUE
-    return bool(value)
-
-
 def env_switch(variable: str) -> bool:
     """Whether ``$variable`` leaves a feature on: on unless it says no ("0",
     "false", "off", "no")."""

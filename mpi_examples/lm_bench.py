@@ -55,7 +55,8 @@ def parse_args(argv):
     p.add_argument("--tiny", action="store_true", help="--preset tiny (CPU tests)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
     p.add_argument("--configs", default=",".join(CONFIGS),
-                   help="fp32, bf16, ours, ours:FUSE_MB (our hook fusing FUSE_MB), or any "
+                   help="fp32, bf16, ours, ours:FUSE_MB (our hook fusing FUSE_MB), "
+                        "ours:graphs (steady calls replayed as CUDA graphs), or any "
                         "train_lm codec (dynamiq:4, ...)")
     p.add_argument("--bucket-caps", default="default,100,400",
                    help="DDP bucket_cap_mb values ('default': DDP's own)")
@@ -88,9 +89,9 @@ def parse_args(argv):
     args.bucket_caps = [None] if args.fsdp else [None if c == "default" else float(c)
                                                  for c in caps]
     for c in args.configs:
-        if c.startswith("ours:"):
+        if c.startswith("ours:") and c != "ours:graphs":
             float(c[5:])
-        elif c != "ours":
+        elif c not in ("ours", "ours:graphs"):
             train_lm.resolve_codec(c)     # a bad name fails before any set-up
     if args.rounds < 1 or args.steps < 1:
         raise SystemExit("lm_bench: --rounds and --steps must be >= 1")
@@ -237,7 +238,8 @@ def _ddp(model, cfg, args, device, dqt):
     a.bucket_cap_mb = cfg.cap
     codec = cfg.codec
     if codec == "ours" or codec.startswith("ours:"):
-        kw = {"fuse_mb": float(codec[5:])} if codec.startswith("ours:") else {}
+        kw = ({"graphs": True} if codec == "ours:graphs" else
+              {"fuse_mb": float(codec[5:])} if codec.startswith("ours:") else {})
         if args.auto_rounds is not None:
             kw["auto_rounds"] = args.auto_rounds
         state = cfg.state or dqt.HookState(seed=args.seed, reports=False, **kw)

@@ -281,7 +281,7 @@ def main(argv=None):
     model = build_model(args, device)          # same initial model on every rank and codec
     n_params = sum(p.numel() for p in model.parameters())
     if args.fsdp:
-        ddp, state = _fsdp_model(model, codec, args, dqt, torch)
+        ddp, state = _fsdp_model(model, codec, args, device, dqt, torch)
     else:
         ddp, state = ddp_model(model, codec, args, device, dqt)
     opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -414,15 +414,19 @@ def ddp_model(model, codec, args, device, dqt, state=None, **ddp_kw):
     return ddp, state
 
 
-def _fsdp_model(model, codec, args, dqt, torch):
-    """FSDP2 over every decoder layer, then the model; (model, state): the
-    state is our ReduceScatter (a HookState) for dynamiq_mpi codecs, else a
-    HookState that only carries the statistics (none: the group reduces)."""
+def _fsdp_model(model, codec, args, device, dqt, torch):
+    """FSDP2 over every decoder layer, then the model, on a mesh of
+    ``device``'s type (FSDP2's default is the GPU wherever one exists, even
+    for ``--device cpu``); (model, state): the state is our ReduceScatter (a
+    HookState) for dynamiq_mpi codecs, else a HookState that only carries the
+    statistics (none: the group reduces)."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh(device.type, (torch.distributed.get_world_size(),))
     mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16 if codec == "bf16" else None)
     for layer in model.model.layers:
-        fully_shard(layer, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(layer, mp_policy=mp, mesh=mesh)
+    fully_shard(model, mp_policy=mp, mesh=mesh)
     if isinstance(codec, str):                 # fp32 / bf16: the process group's reduce-scatter
         return model, dqt.HookState(seed=args.seed, reports=False, timing=False)
     state = dqt.ReduceScatter(codec=codec, seed=args.seed, transport=args.transport,

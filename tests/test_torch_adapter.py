@@ -285,3 +285,30 @@ def test_fused_groups_are_the_hooks_calls():
                for i, n in enumerate(sizes)]
     assert all(f.done() for f in futures)
     assert state.counter == len(fused_groups(sizes, 8000)) == 6
+
+
+def test_premul_sum_factor_read_where_torch_shows_it_only_to_pickling():
+    """FSDP's PREMUL_SUM(f): the factor comes from ``op.factor`` or, where a
+    torch build lacks that attribute, from the op's pickled state; an op that
+    gives neither is refused rather than summed unscaled."""
+    import torch.distributed as dist
+    from dynamiq_mpi.torch.fsdp import _op_of
+
+    class PicklingOnly:
+        op = dist.ReduceOp.PREMUL_SUM
+
+        def __getstate__(self):
+            return (dist.ReduceOp.PREMUL_SUM, 0.125)
+
+    class Bare:
+        op = dist.ReduceOp.PREMUL_SUM
+
+        def __getstate__(self):
+            return None
+
+    factor = float(np.random.default_rng().uniform(0.01, 1.0))
+    assert _op_of(dist._make_nccl_premul_sum(factor)) == ("sum", factor)
+    assert _op_of(PicklingOnly()) == ("sum", 0.125)
+    assert _op_of(dist.ReduceOp.AVG) == ("mean", None)
+    with pytest.raises(NotImplementedError, match="PREMUL_SUM op without its factor"):
+        _op_of(Bare())

@@ -25,16 +25,15 @@ whose capture (or launch) fails after the call's digests were exchanged runs
 that call on the engine instead, without a second agreement: the engine sends
 the same messages in the same order as the graph would, so peers replaying
 their graphs still meet them; that call never tries a graph again on that
-rank.  (Whether NCCL keeps its state through a discarded capture of
-point-to-point, and two instances of a graph holding NCCL nodes, is not yet
-measured on two GPUs: graphs are off by default.)
+rank.  Graphs are on by default; ``graphs=False`` or ``DYNAMIQ_GRAPHS=0``
+turns them off.
 """
 from __future__ import annotations
 
 from ..codecs.base import signature_of
 from ..errors import InvalidInputError
 from ..rng import call_keys
-from ..settings import env_flag
+from ..settings import env_switch
 from ..control.agreement import Digests, digest_with_counter, record_digest
 from ..transports.ops import Agree, Route
 from .workspace import Workspace
@@ -142,9 +141,9 @@ class SteadyCompressed:
 
 
 def default_graphs(value=None) -> bool:
-    """``value``, else ``$DYNAMIQ_GRAPHS`` ("1", "true", "on": replay steady
-    compressed calls as CUDA graphs), else off."""
-    return env_flag(value, "DYNAMIQ_GRAPHS")
+    """``value``, else on unless ``$DYNAMIQ_GRAPHS`` says no ("0", "false",
+    "off", "no"): steady compressed calls over NCCL replayed as CUDA graphs."""
+    return bool(value) if value is not None else env_switch("DYNAMIQ_GRAPHS")
 
 
 def drive_agreed(program, metas, data, capturing=True):

@@ -65,6 +65,12 @@ def _op_of(op) -> tuple:
             return name, None
     if kind == R.PREMUL_SUM:
         factor = getattr(op, "factor", None)
+        if factor is None:                  # torch 2.11 shows it only to pickling
+            state = getattr(op, "__getstate__", lambda: None)()
+            if isinstance(state, tuple) and len(state) == 2:
+                factor = state[1]
+        if isinstance(factor, torch.Tensor):
+            factor = factor.item()
         if factor is None:
             raise NotImplementedError("dynamiq_mpi.torch.ReduceScatter: a PREMUL_SUM op "
                                       "without its factor")

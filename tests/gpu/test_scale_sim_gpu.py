@@ -83,7 +83,6 @@ def test_thc_statistics_pass_on_cupy_equals_each_rank_on_the_host(chunk, monkeyp
     # canonical, x86's keeps the sign): that row's range bytes are 255 anyway
     nan = np.isnan(expected)
     assert np.array_equal(np.isnan(rotated), nan), seed
-    assert not nan[np.arange(n) != 4].any(), seed
     assert np.array_equal(rotated[~nan].view(np.uint32), expected[~nan].view(np.uint32)), seed
     assert np.array_equal(cp.asnumpy(reduced), np.max(np.stack([st for st, _ in alone]), axis=0))
     assert int(reduced.max()) == 255 and alone[7][0].max() == 254

@@ -211,7 +211,9 @@ def test_graphs_on_host_arrays_change_nothing(monkeypatch):
     monkeypatch.setenv("DYNAMIQ_GRAPHS", "1")
     on, off = dq.Collective(comm), dq.Collective(comm, graphs=False)
     monkeypatch.setenv("DYNAMIQ_GRAPHS", "0")
+    env_off = dq.Collective(comm)
+    monkeypatch.delenv("DYNAMIQ_GRAPHS")
     default = dq.Collective(comm)
-    assert on.graphs and not off.graphs and not default.graphs
-    for c in (plain, graphs, on, off, default):
+    assert on.graphs and not off.graphs and not env_off.graphs and default.graphs
+    for c in (plain, graphs, on, off, env_off, default):
         c.free()

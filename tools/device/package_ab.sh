@@ -7,6 +7,8 @@
 # Each round runs `python -m dynamiq_mpi bench` (DynamiQ 5 bits and NCCL's BF16
 # all-reduce on the same data) on NVLink, shared memory and tuned sockets, old
 # then new; then NVLink with smaller tiles (new).  Output under $OUT/ab.txt.
+# AB_KIND=host: instead, the host-bound sizes (2^20, 2^22, 2^24 BF16 elements) of a
+# steady compressed call over NVLink, where a call's time is its host time.
 set -o pipefail
 OLD=${1:?old package directory}; ROUNDS=${2:-2}
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
@@ -27,6 +29,15 @@ bench() {   # label, pythonpath, env, sizes, extra args
 for P in "$(cd "$OLD" && pwd)" "$PWD"; do   # which package each side imports
   echo "PYTHONPATH=$P imports $(PYTHONPATH=$P python3 -c 'import dynamiq_mpi; print(dynamiq_mpi.__file__)')" | tee -a "$OUT/ab.txt"
 done
+if [ "${AB_KIND:-}" = host ]; then
+  for r in $(seq "$ROUNDS"); do
+    for v in old new; do
+      P=$PWD; [ "$v" = old ] && P=$(cd "$OLD" && pwd)
+      bench "nvlink compressed $v (round $r)" "$P" "" 2M,8M,32M "--paths compressed -n 100 -w 10"
+    done
+  done
+  exit 0
+fi
 for r in $(seq "$ROUNDS"); do
   for v in old new; do
     P=$PWD; [ "$v" = old ] && P=$(cd "$OLD" && pwd)
