@@ -1,7 +1,7 @@
 """Settings a caller may leave to the environment, and the one module of the
 package that reads the environment: an argument, else the variable, else the
 default, checked alike (ground floor: imports nothing of the package).
-docs/design.md lists every ``DYNAMIQ_*`` variable."""
+docs/reference.md lists every ``DYNAMIQ_*`` variable."""
 from __future__ import annotations
 
 import os
