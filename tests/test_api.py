@@ -187,3 +187,33 @@ def test_device_routes_reach_their_transports(monkeypatch):
         rt.route("mpi-cuda", x)
     rt.plane.mpi_comm = comm
     coll.free()
+
+
+def test_the_planner_resolves_the_path_the_engine_runs(monkeypatch):
+    """A native path asked for is resolved once the transport is known
+    (call/planner.py): the transport's own all-reduce with its wire dtype,
+    or the compressed program and the reason where that transport has none
+    for the call's arrays (host-staged device arrays, CUDA-aware MPI)."""
+    from types import SimpleNamespace
+
+    from dynamiq_mpi.call.planner import resolve_path
+    from dynamiq_mpi.transports import nccl
+    from dynamiq_mpi.transports.ops import Route, Routed
+
+    def asks(path, backend, dtype="float32", codec=dq.DynamiQ()):
+        return Route("auto", path, codec, backend, dtype)
+    assert resolve_path("mpi", asks("native", "cpu")) == Routed("mpi", "native", "float32")
+    assert resolve_path("mpi", asks("native", "cpu", "float64")).wire == "float64"
+    assert resolve_path("nccl", asks("native", "gpu")) == Routed("nccl", "native", "bfloat16")
+    assert resolve_path("nccl", asks("native", "gpu", codec=dq.Exact())).wire == "float32"
+    assert resolve_path("mpi-cuda", asks("native", "gpu")) == Routed(
+        "mpi-cuda", "compressed", "", "no native all-reduce on mpi-cuda for gpu arrays")
+    assert resolve_path("mpi", asks("compressed", "cpu")) == Routed("mpi")
+    coll = dq.Collective(MPI.COMM_SELF)
+    monkeypatch.setattr(nccl, "ranks_sharing_a_gpu", lambda plane, dev: "ranks [0, 1] share GPU 0")
+    x = SimpleNamespace(device=SimpleNamespace(id=0))
+    metas = [{"backend": "gpu", "can": {"nccl": True, "mpi_cuda": False}}]
+    routed, why = coll._runner.planner.route(asks("native", "gpu"), metas, x, explain=True)
+    assert routed == Routed("mpi", reason="no native all-reduce on mpi for gpu arrays")
+    assert "staged through host memory" in why
+    coll.free()

@@ -7,8 +7,8 @@ Order of one call:
 1. agreement: every rank contributes (length, dtype, codec, topology, op,
    seed, call counter, transport, its local input error); any error or
    disagreement makes every rank raise the same exception before any data
-   byte moves; the planner chooses the transport that runs from the agreed
-   records (the answer to ``Route``);
+   byte moves; the planner chooses from the agreed records the transport
+   that runs and the path the program runs on it (the answer to ``Route``);
 2. statistics phase (codecs that ask for it): an exact float32 all-reduce of a
    small vector, so all ranks hold bit-identical values;
 3. the codec plans the call from the reduced statistics (widths, order,
@@ -22,9 +22,13 @@ Order of one call:
    step);
 6. finish: the result in the caller's layout and dtype, into ``out``.
 
-A call on the *native* path (``CallSpec.path``, chosen by the caller, see
-paths.py) agrees like any other, then hands the whole sum to the transport's
-own all-reduce (native.py) instead of steps 2-5.
+The engine makes no choice of path: it asks for ``CallSpec.path`` (chosen
+by the caller, see paths.py) and runs the one the planner's answer to
+``Route`` names (planner.resolve_path).  A call on the *native* path agrees
+like any other, then hands the whole sum to the transport's own all-reduce
+(native.py) in the answer's wire dtype instead of steps 2-5; a native path
+asked for on a transport with none for the call's arrays is answered with
+the compressed program and the reason, which the report carries.
 
 Non-finite input (``CallSpec.nonfinite``): the statistics phase flags it on
 every rank alike; "propagate" (NCCL's semantics) fills every rank's output
@@ -44,12 +48,11 @@ from ..backend import dtype_name
 from ..codecs.base import plan_layout
 from ..errors import NonFiniteInputError, SumOverflowError
 from ..report import Report
-from ..transports import native_wires
 from ..transports.ops import Agree, Mark, NativeAllreduce, Route
 from .phases import (NATIVE_DTYPES, CallSpec, agreement_record, check_agreement, check_local,
                      finish_into, holds_nonfinite, local_statistics, propagate_nonfinite,
                      raise_refusal, reduce_stats, report_plan, resolve_layout, run_schedule)
-from .wire import from_wire, to_wire, wire_dtype
+from .wire import from_wire, to_wire
 from .workspace import FRESH
 
 
@@ -74,13 +77,14 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
             error = f"{type(exc).__name__}: {exc}"
     metas = yield Agree(agreement_record(error, flat, backend, spec))
     check_agreement(metas)
-    transport = yield Route(spec.transport)     # the driver decides from the records
+    # the planner answers from the records: the transport, and the path on it
+    routed = yield Route(spec.transport, spec.path, spec.codec, backend.name,
+                         dtype_name(flat.dtype))
 
     length = int(flat.shape[0])
     report = Report(codec=spec.codec.name, topology=spec.topology, world_size=n, length=length,
                     dtype=dtype_name(flat.dtype), op=spec.op, seed=int(spec.seed),
-                    call_counter=spec.counter, transport=transport)
-    xp = backend.xp
+                    call_counter=spec.counter, transport=routed.transport)
     result = flat_out if flat_out is not None else backend.empty(length, flat.dtype)
     shaped = out if out is not None else result.reshape(x.shape)
     if n == 1 or length == 0:
@@ -88,39 +92,58 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
         report.seconds = time.perf_counter() - t0
         return shaped, report
 
-    divisor = n if spec.op == "mean" else 1
-    if spec.path == "native":
-        wires = native_wires(transport, backend.name)
-        if wires:
-            wire = wire_dtype(spec.codec, dtype_name(flat.dtype), wires)
-            report.path = "native"
-            if spec.nonfinite == "raise":
-                # the transport's all-reduce has no statistics phase to flag
-                # NaN/Inf: one more agreement on a local flag, before any data
-                # byte moves (all ranks alike: one digest exchange when clean)
-                flags = yield Agree({"nonfinite": holds_nonfinite(xp, flat)})
-                bad = [r for r, f in enumerate(flags) if f["nonfinite"]]
-                if bad:
-                    raise NonFiniteInputError(f"NaN or Inf in the input of ranks {bad}")
-            send, recv = to_wire(backend, flat, wire, result, workspace)
-            buf = yield NativeAllreduce(send, recv)
-            if spec.nonfinite == "raise" and holds_nonfinite(xp, buf):
-                # finite inputs (checked above), a sum past the wire's range:
-                # the same sum on every rank, so every rank raises
-                raise SumOverflowError(f"the sum leaves the {wire} range on the native path")
-            from_wire(backend, buf, divisor, result)
-            if detailed_report:
-                report.nonfinite = holds_nonfinite(xp, result)
-            # a ring's bytes: what NCCL's and MPI's bandwidth-optimal algorithms send
-            report.wire_bytes_total = 2 * (n - 1) * length * buf.dtype.itemsize
-            report.bytes_sent = report.wire_bytes_total // n
-            report.codec_info = {"native": f"{transport}'s all-reduce, {wire} on the wire",
-                                 "wire": wire}
-            report.seconds = time.perf_counter() - t0
-            return shaped, report
-        report.path_reason = f"no native all-reduce on {transport} for {backend.name} arrays"
-        early = local_statistics(flat, spec, backend, workspace)
+    report.path, report.path_reason = routed.path, routed.reason
+    if routed.path == "native":
+        yield from native_program(n, flat, result, spec, routed, backend, workspace, report,
+                                  detailed_report)
+    else:
+        if early is None:   # a call that asked for the native path started none
+            early = local_statistics(flat, spec, backend, workspace)
+        yield from compressed_program(rank, n, flat, result, spec, early, backend, workspace,
+                                      report, detailed_report)
+    report.seconds = time.perf_counter() - t0
+    return shaped, report
 
+
+def native_program(n, flat, result, spec, routed, backend, workspace, report, detailed_report):
+    """Generator: the native path (``routed.path``): the transport's own
+    all-reduce of ``flat`` in ``routed.wire``, into ``result``; fills the
+    report."""
+    xp = backend.xp
+    divisor = n if spec.op == "mean" else 1
+    wire = routed.wire
+    if spec.nonfinite == "raise":
+        # the transport's all-reduce has no statistics phase to flag
+        # NaN/Inf: one more agreement on a local flag, before any data
+        # byte moves (all ranks alike: one digest exchange when clean)
+        flags = yield Agree({"nonfinite": holds_nonfinite(xp, flat)})
+        bad = [r for r, f in enumerate(flags) if f["nonfinite"]]
+        if bad:
+            raise NonFiniteInputError(f"NaN or Inf in the input of ranks {bad}")
+    send, recv = to_wire(backend, flat, wire, result, workspace)
+    buf = yield NativeAllreduce(send, recv)
+    if spec.nonfinite == "raise" and holds_nonfinite(xp, buf):
+        # finite inputs (checked above), a sum past the wire's range:
+        # the same sum on every rank, so every rank raises
+        raise SumOverflowError(f"the sum leaves the {wire} range on the native path")
+    from_wire(backend, buf, divisor, result)
+    if detailed_report:
+        report.nonfinite = holds_nonfinite(xp, result)
+    # a ring's bytes: what NCCL's and MPI's bandwidth-optimal algorithms send
+    length = int(flat.shape[0])
+    report.wire_bytes_total = 2 * (n - 1) * length * buf.dtype.itemsize
+    report.bytes_sent = report.wire_bytes_total // n
+    report.codec_info = {"native": f"{routed.transport}'s all-reduce, {wire} on the wire",
+                         "wire": wire}
+
+
+def compressed_program(rank, n, flat, result, spec, early, backend, workspace, report,
+                       detailed_report):
+    """Generator: the compressed path, steps 2-6 of the module's doc, from
+    the local statistics ``early``, into ``result``; fills the report."""
+    xp = backend.xp
+    length = int(flat.shape[0])
+    divisor = n if spec.op == "mean" else 1
     values, codec, keys, (stats, local_state) = early
     schedule = schedules.build(spec.topology, n)
     yield Mark("statistics")
@@ -140,8 +163,7 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
             raise_refusal(plan.refusal())       # the one host read such a call makes
     except (NonFiniteInputError, SumOverflowError) as exc:
         propagate_nonfinite(exc, spec, result, report, stats_total, sent)
-        report.seconds = time.perf_counter() - t0
-        return shaped, report
+        return
     # native output dtype: the plan may decode straight into the result
     if result.dtype in NATIVE_DTYPES:
         plan.bind_output(result, divisor)
@@ -167,5 +189,3 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
         info["fallback"] = (f"{codec.name}: {length} elements < small_input="
                             f"{getattr(spec.codec, 'small_input', '?')}")
     report.codec_info = info
-    report.seconds = time.perf_counter() - t0
-    return shaped, report

@@ -222,7 +222,8 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
         check_agreement(metas)
     except InvalidInputError as exc:
         raise InvalidInputError(str(exc).replace("all-reduce", "reduce-scatter", 1)) from None
-    transport = yield Route(spec.transport)     # the driver decides from the records
+    # the driver decides from the records (a reduce-scatter asks the compressed path)
+    transport = (yield Route(spec.transport)).transport
 
     length = int(flat.shape[0])
     m = length // n

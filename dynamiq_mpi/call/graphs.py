@@ -35,7 +35,7 @@ from ..errors import InvalidInputError
 from ..rng import call_keys
 from ..settings import env_switch
 from ..control.agreement import Digests, digest_with_counter, record_digest
-from ..transports.ops import Agree, Route
+from ..transports.ops import Agree, Route, Routed
 from .workspace import Workspace
 
 _RELAXED = 2        # cudaStreamCaptureModeRelaxed: the pool may grow during a capture
@@ -156,7 +156,7 @@ def drive_agreed(program, metas, data, capturing=True):
         if isinstance(request, Agree):
             answer = metas
         elif isinstance(request, Route):
-            answer = data.name
+            answer = Routed(data.name)      # a graph's call is planned compressed
         else:
             answer = data.answer(request)
         try:

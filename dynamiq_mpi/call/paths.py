@@ -115,7 +115,7 @@ class PathChooser:
         c = self._classes.get(key)
         if c is None or c.choice is not None:
             return
-        if ran != path:          # native asked but not available after agreement
+        if ran != path:          # native asked, resolved to compressed on the routed transport
             c.choice, c.why = ran, ran_why or f"{path} unavailable"
             return
         c.times[path].append(float(seconds))

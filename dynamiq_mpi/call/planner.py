@@ -12,8 +12,13 @@ resolves to a :class:`Plan`:
   replayed as a CUDA graph, graphs.py) or "engine" (the engine's program);
 * ``path`` for the engine: "compressed" or "native" (``paths``, measured
   per class of calls), with its reason and whether this call is timed;
-* the transport, once the ranks agreed: :meth:`CallPlanner.transport`
-  answers the program's ``Route`` from every rank's record.
+* the transport, once the ranks agreed, and the path the engine runs on it:
+  :meth:`CallPlanner.route` answers the program's ``Route`` from every
+  rank's record (:meth:`CallPlanner.transport`), and resolves a native path
+  asked for to the transport's own all-reduce with its wire dtype, or to the
+  compressed program, with the reason, where that transport has none for
+  the call's arrays (:func:`resolve_path`).  The engine runs the path it is
+  given.
 
 Steady signatures keep their plan: a native call that ran on the engine is
 remembered as a steady plan, a sync-free compressed call over NCCL as a
@@ -30,14 +35,29 @@ import numpy as np
 
 from ..codecs.base import signature_of
 from ..errors import InvalidInputError
-from ..transports import choose_transport, explain_transport
+from ..transports import choose_transport, explain_transport, native_wires
+from ..transports.ops import Routed, compressed_route
 from . import native, prediction
 from .graphs import SteadyCompressed, call_graph_key
 from .paths import PathChooser, size_class
+from .wire import wire_dtype
 
 # Steady plans kept per kind before the oldest are dropped (a job has a few
 # bucket sizes; a leak of signatures must not grow without bound).
 MAX_STEADY = 64
+
+
+def resolve_path(transport: str, request) -> Routed:
+    """The answer to a program's ``Route`` (``request``) once ``transport``
+    carries its data: the native path asked for where ``transport`` has an
+    all-reduce of its own for the call's arrays, summing in the wire dtype
+    of the codec and input dtype (``native_wires``, ``wire.wire_dtype``);
+    else the compressed program, saying why where native was asked for.
+    From agreed facts only, so every rank resolves alike."""
+    wires = native_wires(transport, request.backend) if request.path == "native" else ()
+    if not wires:
+        return compressed_route(request, transport)
+    return Routed(transport, "native", wire_dtype(request.codec, request.dtype, wires))
 
 
 @dataclass
@@ -191,6 +211,13 @@ class CallPlanner:
                 return "mpi", (f"auto: NCCL needs one GPU per rank ({shared}): device buffers "
                                "staged through host memory")
         return name, explain_transport(requested, metas)[1] if explain else ""
+
+    def route(self, request, metas, x, explain=False) -> tuple:
+        """(Routed, why): the answer to a program's ``Route`` (``request``)
+        from every rank's agreement record: the transport (:meth:`transport`)
+        and the path the program runs on it (:func:`resolve_path`)."""
+        name, why = self.transport(request.transport, metas, x, explain)
+        return resolve_path(name, request), why
 
     # -- learning from a call that ran
     def record_path(self, plan, seconds, report):

@@ -76,7 +76,7 @@ class CallRunner:
                         nonfinite=call["nonfinite"], layout=self.layout)
         program = rank_program_rs(rt.rank, rt.size, x, spec, out, rt.workspace,
                                   detailed_report=want_report)
-        return rt.drive(program, x, profile, want_report, self.planner.transport)
+        return rt.drive(program, x, profile, want_report, self.planner.route)
 
     def _run_engine(self, plan, x, out, want_report, profile, call, plan_hook):
         rt = self.runtime
@@ -89,7 +89,7 @@ class CallRunner:
             sync(x)
             t0 = time.perf_counter()
         out, report = rt.drive(program, x, profile, want_report or plan.timed,
-                               self.planner.transport)
+                               self.planner.route)
         if plan.timed:
             sync(x)
             self.planner.record_path(plan, time.perf_counter() - t0, report)

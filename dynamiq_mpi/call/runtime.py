@@ -36,9 +36,11 @@ class Runtime:
 
     def drive(self, program, x, profile, want_report, choose):
         """Run one rank program over the transports: (result, report).
-        ``choose(requested, records, x, explain)``: the (transport, why) that
-        carries the call's data, decided from every rank's agreement record
-        (the planner's; ``why`` only when ``explain``)."""
+        ``choose(route, records, x, explain)``: the answer to the program's
+        ``Route`` request, (``Routed``: the transport that carries the call's
+        data and the path the program runs on it, why), decided from every
+        rank's agreement record (the planner's; ``why`` only when
+        ``explain``)."""
         on_device = type(x).__module__.startswith("cupy")
         if on_device:
             self.fence_stream()
@@ -53,9 +55,8 @@ class Runtime:
                     if metas is None:       # the call's records (later ones: flags)
                         metas = self.last_metas = answer
                 elif isinstance(request, Route):
-                    name, why = choose(request.transport, metas, x, want_report)
-                    data = self.route(name, x)
-                    answer = data.name
+                    answer, why = choose(request, metas, x, want_report)
+                    data = self.route(answer.transport, x)
                     if profile:
                         data.start_profile(device=on_device)
                 else:

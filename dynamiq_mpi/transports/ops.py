@@ -9,14 +9,15 @@ The engine is one generator per rank; it yields these and a transport answers:
 * :class:`Claim` - the engine is about to read a received buffer; the answer is
   the buffer, valid in the order of the caller's computation (for the NCCL
   transport: the compute stream now waits for the receive);
-* :class:`Route` - after agreement, the transport asked for; whoever drives
-  the program chooses the one that carries the data from the agreed records
-  (the same on every rank: call/planner.py) and answers its name;
+* :class:`Route` - after agreement, the transport and path asked for;
+  whoever drives the program chooses the transport that carries the data
+  from the agreed records and the path the program runs on it (the same on
+  every rank: call/planner.py) and answers a :class:`Routed`;
 * :class:`Mark` - a phase boundary, for the per-phase breakdown (a no-op unless
   the transport profiles);
 * :class:`NativeAllreduce` - the transport's own uncompressed all-reduce (NCCL's,
   MPI's) of one buffer, in place: the "native" path of a call, which the
-  engine takes where compression does not pay.
+  engine runs where the answer to ``Route`` names it.
 
 A payload that is a :class:`Received` handle is forwarded unchanged: it needs
 no wait for the computation, only for its own receive.
@@ -50,7 +51,37 @@ class Claim:
 
 @dataclass
 class Route:
+    """The transport asked for, and the path: "compressed" (the codec's
+    program) or "native" (the transport's own all-reduce, where it has one),
+    with the facts the native path's wire dtype follows: the codec, the
+    arrays' backend ("cpu", "gpu") and dtype."""
     transport: str
+    path: str = "compressed"
+    codec: Any = None
+    backend: str = ""
+    dtype: str = ""
+
+
+@dataclass(frozen=True)
+class Routed:
+    """The answer to :class:`Route`: the transport that carries the call's
+    data and the path the program runs on it, "compressed" or "native" (with
+    the ``wire`` dtype the transport's all-reduce sums in); ``reason``: why
+    a native path asked for runs compressed ("" otherwise)."""
+    transport: str
+    path: str = "compressed"
+    wire: str = ""
+    reason: str = ""
+
+
+def compressed_route(request: Route, transport: str) -> Routed:
+    """The answer that runs ``request``'s call compressed on ``transport``,
+    saying why where the native path was asked for: ``transport`` has no
+    all-reduce of its own for the call's arrays."""
+    reason = ""
+    if request.path == "native":
+        reason = f"no native all-reduce on {transport} for {request.backend} arrays"
+    return Routed(transport, reason=reason)
 
 
 @dataclass

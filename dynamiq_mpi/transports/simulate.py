@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from .ops import Agree, Claim, Exchange, Mark, Received, Route, payload_array
+from .ops import Agree, Claim, Exchange, Mark, Received, Route, compressed_route, payload_array
 
 
 class _Rank:
@@ -82,8 +82,8 @@ class SimulatedTransport:
                     state.answer = handle
                 elif isinstance(req, (Claim, Agree)):
                     state.waiting = req
-                elif isinstance(req, Route):
-                    state.answer = self.name
+                elif isinstance(req, Route):     # no all-reduce of its own: compressed
+                    state.answer = compressed_route(req, self.name)
                 elif isinstance(req, Mark):
                     pass
                 else:
