@@ -48,7 +48,7 @@ def test_chi2_sf_sanity():
 # offset, b_G = mix32(G ^ key_perm ^ 0xbb67ae85) one 32-bit base per group, the same for
 # every event (each lane's offset is uniform up to n / 2^32: lane_uniform(., j) is a
 # bijection).  What is claimed, and tested below on the compiled kernel:
-#   * pi_c is a permutation of 0..n-1 and equals the model's on every probed coordinate;
+#   * pi_c is a permutation of 0..n-1 and equals the model's on every coordinate of MODEL_SG super-groups;
 #   * the 256 coordinates of a super-group share sigma_S, the 16 lanes of a group one
 #     offset base (their offsets differ);
 #   * the marginal law of each pi_c(e) is uniform, so one correlated quantization is
@@ -65,7 +65,7 @@ def test_chi2_sf_sanity():
 # Since the offset is uniform and shared by all events, P(pi(i) = a, pi(j) = b) =
 # P(sigma(j) - sigma(i) = b - a mod n) / n: the pair law is that of the Feistel
 # differences over the super-group seeds.  Measured on the model (which equals the kernel
-# on every probed coordinate, test_permutation_matches_model_...) over 2^21 seeds, the
+# on the coordinates it checks, test_permutation_matches_model_...) over 2^21 seeds, the
 # ratio of a pair's probability to uniform lies in
 #     n = 2: [1, 1]  3: [0.999, 1.001]  4: [0.997, 1.002]  5: [0.980, 1.019]
 #     6: [0.972, 1.024]  7: [0.972, 1.031]  8: [0.961, 1.077]  9: [0.995, 1.007]
@@ -75,6 +75,7 @@ def test_chi2_sf_sanity():
 # (The 6-round network per group used before 2026-11-25 gave pairs in [0.71, 1.59] and
 # permutations in [0.12, 7.9] at n = 8.)
 PROBE_SG = 8192           # 8192 super-groups (each one Feistel permutation) = 2^21 coordinates per n
+MODEL_SG = 2048           # of them, those whose every coordinate is checked against the model
 _PI_CACHE = {}
 
 
@@ -129,10 +130,12 @@ def compiled_pi(n):
 def test_permutation_matches_model_and_is_a_permutation(n):
     pis, coord, keys = compiled_pi(n)
     group, lane = M.coord_group_lane(coord)          # coord < 2^32: group = sg * 16 + g exactly
-    # the model's stratum (Feistel of the group + the lane's offset) on every coordinate
+    # the model's stratum (Feistel of the group + the lane's offset) on the coordinates of
+    # MODEL_SG of the super-groups (the model costs more than the kernel's readback)
+    check = slice(0, MODEL_SG * M.SUPER)
     for e in range(n):
-        mp = M.stratum(keys[1], group, lane, e, n).astype(np.int64)
-        bad = np.flatnonzero(mp != pis[:, e])[:5]
+        mp = M.stratum(keys[1], group[check], lane[check], e, n).astype(np.int64)
+        bad = np.flatnonzero(mp != pis[check, e])[:5]
         assert bad.size == 0, f"n={n} event={e}: model pi != kernel pi at coords {coord[bad]} {TAG}"
     # a permutation of 0..n-1 per coordinate
     assert np.all(np.sort(pis, axis=1) == np.arange(n)[None, :]), f"n={n} {TAG}"
