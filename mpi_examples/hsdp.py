@@ -30,7 +30,11 @@ def main(argv=None):
     args = p.parse_args(argv)
     cuda = torch.cuda.is_available()
     if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        if local >= torch.cuda.device_count():
+            raise SystemExit(f"hsdp.py: local rank {local} has no GPU of its own "
+                             f"({torch.cuda.device_count()} visible): one rank a GPU")
+        torch.cuda.set_device(local)
     dist.init_process_group("nccl" if cuda else "gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     if world % args.shard or world == args.shard:

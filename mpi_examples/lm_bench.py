@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_lm  # noqa: E402  (the training example beside this file)
 
 CONFIGS = ("fp32", "bf16", "ours")
+OURS_GRAPHS = {"ours:eager": False, "ours:graphs": True}     # our hook, graphs forced
 
 
 def parse_args(argv):
@@ -55,8 +56,9 @@ def parse_args(argv):
     p.add_argument("--tiny", action="store_true", help="--preset tiny (CPU tests)")
     p.add_argument("--fsdp", action="store_true", help="FSDP2 instead of DDP")
     p.add_argument("--configs", default=",".join(CONFIGS),
-                   help="fp32, bf16, ours, ours:FUSE_MB (our hook fusing FUSE_MB), "
-                        "ours:graphs (steady calls replayed as CUDA graphs), or any "
+                   help="fp32, bf16, ours (our hook: HookState(reports=False), CUDA "
+                        "graphs on as by default), ours:FUSE_MB (fusing FUSE_MB), "
+                        "ours:eager (graphs=False), ours:graphs (graphs=True), or any "
                         "train_lm codec (dynamiq:4, ...)")
     p.add_argument("--bucket-caps", default="default,100,400",
                    help="DDP bucket_cap_mb values ('default': DDP's own)")
@@ -89,9 +91,9 @@ def parse_args(argv):
     args.bucket_caps = [None] if args.fsdp else [None if c == "default" else float(c)
                                                  for c in caps]
     for c in args.configs:
-        if c.startswith("ours:") and c != "ours:graphs":
+        if c.startswith("ours:") and c not in OURS_GRAPHS:
             float(c[5:])
-        elif c not in ("ours", "ours:graphs"):
+        elif c != "ours" and c not in OURS_GRAPHS:
             train_lm.resolve_codec(c)     # a bad name fails before any set-up
     if args.rounds < 1 or args.steps < 1:
         raise SystemExit("lm_bench: --rounds and --steps must be >= 1")
@@ -238,7 +240,7 @@ def _ddp(model, cfg, args, device, dqt):
     a.bucket_cap_mb = cfg.cap
     codec = cfg.codec
     if codec == "ours" or codec.startswith("ours:"):
-        kw = ({"graphs": True} if codec == "ours:graphs" else
+        kw = ({"graphs": OURS_GRAPHS[codec]} if codec in OURS_GRAPHS else
               {"fuse_mb": float(codec[5:])} if codec.startswith("ours:") else {})
         if args.auto_rounds is not None:
             kw["auto_rounds"] = args.auto_rounds

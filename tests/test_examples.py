@@ -133,6 +133,9 @@ def test_hsdp_example_with_defaults():
     replica all-reduce goes through dqt.HSDP each step, and each shard ends
     the same on both replicas."""
     pytest.importorskip("transformers")
+    import torch
+    if 0 < torch.cuda.device_count() < 4:
+        pytest.skip("4 ranks need 4 GPUs on a GPU host (one a rank)")
     out = _run(torchrun(4, EXAMPLES / "hsdp.py", "--steps", "4"), "hsdp.py", defaults=True)
     steps = [ln for ln in out.splitlines() if ln.startswith("step ")]
     assert len(steps) == 4 and all("3 replica all-reduce(s)" in ln for ln in steps), out

@@ -26,7 +26,7 @@ The engine makes no choice of path: it asks for ``CallSpec.path`` (chosen
 by the caller, see paths.py) and runs the one the planner's answer to
 ``Route`` names (planner.resolve_path).  A call on the *native* path agrees
 like any other, then hands the whole sum to the transport's own all-reduce
-(native.py) in the answer's wire dtype instead of steps 2-5; a native path
+(``NativeAllreduce``) in the answer's wire dtype instead of steps 2-5; a native path
 asked for on a transport with none for the call's arrays is answered with
 the compressed program and the reason, which the report carries.
 

@@ -21,7 +21,8 @@ from dynamiq_mpi.call.engine import CallSpec, rank_program
 from dynamiq_mpi.transports.cuda_aware import ENV, cuda_aware_mpi
 from dynamiq_mpi.transports.mpi_cuda import MPICudaTransport
 from dynamiq_mpi.transports.mpi_host import MPITransport
-from dynamiq_mpi.transports.ops import Route, Routed, drive
+from dynamiq_mpi.call.planner import resolve_path
+from dynamiq_mpi.transports.ops import Route, drive
 from dynamiq_mpi.call.workspace import Workspace
 from helpers import BF16, digest, rank_inputs, same_everywhere, shared_seed
 
@@ -34,7 +35,7 @@ CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(bits=5, small_input=0),
 
 def run_on(transport, x, spec, workspace=None):
     program = rank_program(comm.rank, N, x, spec, None, workspace or Workspace())
-    return drive(program, lambda req: Routed(transport.name) if isinstance(req, Route)
+    return drive(program, lambda req: resolve_path(transport.name, req) if isinstance(req, Route)
                  else transport.answer(req))
 
 

@@ -12,7 +12,8 @@ from mpi4py import MPI
 import dynamiq_mpi as dq
 from dynamiq_mpi.call.engine import CallSpec, rank_program
 from dynamiq_mpi.transports.nccl import NCCLTransport
-from dynamiq_mpi.transports.ops import Route, Routed, drive
+from dynamiq_mpi.call.planner import resolve_path
+from dynamiq_mpi.transports.ops import Route, drive
 from dynamiq_mpi.call.workspace import Workspace
 from fake_nccl import modules as fake_modules
 from helpers import BF16, digest, exact_sum, rank_inputs, same_everywhere, shared_seed, vnmse
@@ -28,7 +29,7 @@ CODECS = [dq.Exact(), dq.BF16(), dq.DynamiQ(bits=5, small_input=0),
 def run_on(transport, x, spec, out=None):
     """One call of the engine driven by ``transport`` (Route answered by it)."""
     program = rank_program(comm.rank, N, x, spec, out, Workspace())
-    return drive(program, lambda req: Routed(transport.name) if isinstance(req, Route)
+    return drive(program, lambda req: resolve_path(transport.name, req) if isinstance(req, Route)
                  else transport.answer(req))
 
 
