@@ -129,17 +129,16 @@ def test_fsdp2_bf16_example_with_defaults():
 
 
 def test_hsdp_example_with_defaults():
-    """HSDP, 2 replicas x 2 shards, BF16 parameters: every FSDP module's
-    replica all-reduce goes through dqt.HSDP each step, and each shard ends
-    the same on both replicas."""
+    """HSDP with BF16 parameters, 2 replicas (of one shard each: two processes
+    on the CI machine; 2 x 2 shards run in test_launchers and on GPUs): every
+    FSDP module's replica all-reduce goes through dqt.HSDP each step, and each
+    shard ends the same on both replicas."""
     pytest.importorskip("transformers")
-    import torch
-    if 0 < torch.cuda.device_count() < 4:
-        pytest.skip("4 ranks need 4 GPUs on a GPU host (one a rank)")
-    out = _run(torchrun(4, EXAMPLES / "hsdp.py", "--steps", "4"), "hsdp.py", defaults=True)
+    out = _run(torchrun(2, EXAMPLES / "hsdp.py", "--steps", "4", "--shard", "1"), "hsdp.py",
+               defaults=True)
     steps = [ln for ln in out.splitlines() if ln.startswith("step ")]
     assert len(steps) == 4 and all("3 replica all-reduce(s)" in ln for ln in steps), out
-    assert ("HSDP, 2 replicas x 2 shards over the torch control plane, 3 FSDP modules "
+    assert ("HSDP, 2 replicas x 1 shards over the torch control plane, 3 FSDP modules "
             "hooked; shards identical across replicas: True") in out
 
 
