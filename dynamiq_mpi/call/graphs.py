@@ -30,6 +30,8 @@ turns them off.
 """
 from __future__ import annotations
 
+import weakref
+
 from ..codecs.base import signature_of
 from ..errors import InvalidInputError
 from ..rng import call_keys
@@ -52,8 +54,18 @@ class CallGraph:
         self.workspace = Workspace()
         with cupy.cuda.using_allocator(self.pool.malloc):
             self.keys = cupy.zeros(2, dtype=cupy.uint32)
-        self._graph = 0
-        self._execs = []
+        self._handles = _GraphHandles(cupy.cuda.runtime.getDevice())
+        # A graph left to the garbage collector (its Collective never freed)
+        # or alive at exit is destroyed before any communicator can be:
+        # ncclCommDestroy waits until every graph holding the communicator is
+        # gone, so a leaked handle hangs whoever drops the communicator.
+        # (weakref callbacks run before the collector clears a cycle, and
+        # at exit before the modules are torn down.)
+        weakref.finalize(self, self._handles.destroy, cupy.cuda.runtime)
+        # What the captured messages go through (its NCCL communicators): held
+        # as long as the graph, so that no communicator it captured can be
+        # dropped before it (the finalizer runs before this reference goes).
+        self.holds = None
         self._turn = 0
         self.replays = 0
 
@@ -78,31 +90,47 @@ class CallGraph:
             except Exception:       # an invalidated capture: ended with an error
                 pass
             raise
-        graph = rt.streamEndCapture(stream.ptr)     # raises if a host wait invalidated it
-        try:
-            self._execs = [rt.graphInstantiate(graph) for _ in range(2)]
-        except BaseException:
-            rt.graphDestroy(graph)
-            raise
-        self._graph = graph
+        self._handles.graph = rt.streamEndCapture(stream.ptr)   # raises if a host wait invalidated it
+        for _ in range(2):
+            self._handles.execs.append(rt.graphInstantiate(self._handles.graph))
         return result
 
     def launch(self, keys, stream):
         """Replay with the generator keys of this call (rng.CallKeys)."""
         self._gpu.set_keys(self.keys, keys.value, keys.perm, stream)
-        self._cupy.cuda.runtime.graphLaunch(self._execs[self._turn], stream.ptr)
+        self._cupy.cuda.runtime.graphLaunch(self._handles.execs[self._turn], stream.ptr)
         self._turn ^= 1
         self.replays += 1
 
     def free(self):
-        rt = self._cupy.cuda.runtime
-        for e in self._execs:
-            rt.graphExecDestroy(e)
-        self._execs = []
-        if self._graph:
-            rt.graphDestroy(self._graph)
-            self._graph = 0
+        self._handles.destroy(self._cupy.cuda.runtime)
         self.workspace.clear()
+
+
+class _GraphHandles:
+    """The CUDA handles of one captured call (apart from the CallGraph, so
+    that its finalizer holds no reference to it)."""
+
+    __slots__ = ("device", "graph", "execs")
+
+    def __init__(self, device: int):
+        self.device, self.graph, self.execs = device, 0, []
+
+    def destroy(self, runtime):
+        """Destroy the executables, then the graph (an executable still
+        running is freed when it completes); idempotent."""
+        execs, graph, self.execs, self.graph = self.execs, self.graph, [], 0
+        if not execs and not graph:
+            return
+        previous = runtime.getDevice()
+        runtime.setDevice(self.device)
+        try:
+            for e in execs:
+                runtime.graphExecDestroy(e)
+            if graph:
+                runtime.graphDestroy(graph)
+        finally:
+            runtime.setDevice(previous)
 
 
 def graph_key(x, out, codec_signature, topology, op, seed, transport, tile_bytes, nonfinite,
@@ -222,6 +250,7 @@ class GraphCalls:
                     graph = CallGraph()
                     try:
                         run = program(graph.keys_at, graph.workspace)
+                        graph.holds = run[2]
                         on = rt.capture_stream(stream)
                         with on:                # the body enqueues on the current stream
                             graph.capture(lambda: drive_agreed(*run), on)

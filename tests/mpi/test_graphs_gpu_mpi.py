@@ -74,3 +74,40 @@ def test_a_rank_that_differs_makes_every_rank_raise(cp):
     with pytest.raises(dq.InputMismatchError):
         coll.allreduce(x, codec=dq.DynamiQ(small_input=0, bits=bits), out=out)
     coll.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_collective_dropped_with_its_graph_is_collected_without_a_hang(cp):
+    """A Collective left to the garbage collector (never freed) while its
+    captured call holds its NCCL communicator: the graph goes first, so
+    dropping the communicator returns (ncclCommDestroy waits for every graph
+    that holds it), on each rank at its own moment; later calls still work."""
+    import faulthandler
+    import gc
+    import sys
+    import weakref
+    x = cp.asarray(rank_inputs(shared_seed(comm), N, 256 * 3000)[comm.rank])
+    out = cp.empty_like(x)
+    coll = dq.Collective(comm, graphs=True, path="compressed", transport="nccl")
+    for _ in range(3):                         # eager, captured, replayed
+        coll.allreduce(x, codec=dq.DynamiQ(small_input=0), out=out)
+    assert coll.graph_stats()["captured"] == 1
+    cp.cuda.get_current_stream().synchronize()
+    faulthandler.dump_traceback_later(60, exit=True, file=sys.__stderr__)   # a hang fails the job
+    try:
+        dropped = weakref.ref(coll)
+        del coll
+        if comm.rank == 0:                     # the ranks collect at different moments
+            gc.collect()
+        comm.Barrier()
+        if comm.rank != 0:
+            gc.collect()
+        comm.Barrier()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert dropped() is None, gc.get_referrers(dropped())
+    again = dq.Collective(comm, graphs=True, path="compressed", transport="nccl")
+    want = np.sum(np.asarray(comm.allgather(cp.asnumpy(x)), dtype=np.float64), axis=0)
+    got = cp.asnumpy(again.allreduce(x, codec=dq.Exact())).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    again.free()
