@@ -43,6 +43,18 @@ def _world():
         return None
 
 
+def pytest_collection_modifyitems(config, items):
+    """``max_size(n)``: skipped in a world of more than n ranks (the suite
+    also runs at 6 and 8 ranks for the hierarchy and the schedules; a test
+    whose logic is the same at every size above n spends CI time there)."""
+    world = _world()
+    size = world.Get_size() if world is not None else 1
+    for item in items:
+        mark = item.get_closest_marker("max_size")
+        if mark is not None and size > mark.args[0]:
+            item.add_marker(pytest.mark.skip(reason=f"run at up to {mark.args[0]} ranks"))
+
+
 def _abort_job(world, headline, details):
     rank = world.Get_rank()
     text = (

@@ -9,6 +9,9 @@ from mpi4py import MPI
 
 from dynamiq_mpi.__main__ import main
 
+# The same at every world size above 4: not run again at 6 and 8 ranks (CI time).
+pytestmark = pytest.mark.max_size(4)
+
 comm = MPI.COMM_WORLD
 N = comm.size
 

@@ -4,6 +4,9 @@ from mpi4py import MPI
 
 from dynamiq_mpi.bench import doctor
 
+# The same at every world size above 4: not run again at 6 and 8 ranks (CI time).
+pytestmark = pytest.mark.max_size(4)
+
 comm = MPI.COMM_WORLD
 if comm.size > 3:
     # the doctor imports torch, which the suite imports only at sizes 2 and 3

@@ -30,6 +30,9 @@ except ImportError:   # pragma: no cover
 import dynamiq_mpi as dq  # noqa: E402
 import dynamiq_mpi.torch as dqt  # noqa: E402
 
+# The same at every world size above 4: not run again at 6 and 8 ranks (CI time).
+pytestmark = pytest.mark.max_size(4)
+
 if not hasattr(torch.distributed.fsdp.FSDPModule, "set_custom_reduce_scatter"):
     pytest.skip("torch without set_custom_reduce_scatter", allow_module_level=True)
 

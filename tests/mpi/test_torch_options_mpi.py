@@ -17,6 +17,9 @@ torch = pytest.importorskip("torch", exc_type=ImportError)
 import dynamiq_mpi as dq  # noqa: E402
 import dynamiq_mpi.torch as dqt  # noqa: E402
 
+# The same at every world size above 4: not run again at 6 and 8 ranks (CI time).
+pytestmark = pytest.mark.max_size(4)
+
 
 @pytest.fixture(autouse=True)
 def no_hierarchy_from_the_environment(monkeypatch):
