@@ -1,7 +1,9 @@
 """Public entry points: :func:`allreduce`, :class:`Collective` and
 :func:`simulate_allreduce`.  The public face only: how a call runs is
 decided by the call planner (call/planner.py) and carried out by the runner
-(call/runner.py) on the communicator's runtime (call/runtime.py)."""
+(call/runner.py) on the communicator's runtime (call/runtime.py).  An
+adapter also takes :func:`plane_of` (a communicator's control plane),
+:func:`default_comm` and :func:`is_torch_group` from here."""
 from __future__ import annotations
 
 import threading
@@ -19,6 +21,7 @@ from .call.runtime import Runtime
 from .call.workspace import FRESH
 from .codecs import DEFAULT_CODEC
 from .codecs.base import DEFAULT_TILE_BYTES
+from .control import as_plane as plane_of, default_comm, is_torch_group  # noqa: F401
 from .settings import env_choice, env_text
 from .transports import TRANSPORTS
 from .transports.simulate import SimulatedTransport
@@ -108,7 +111,6 @@ class Collective:
                  nonfinite: str = "propagate", graphs: bool | None = None,
                  hierarchy: str | None = None, node_size: int | None = None,
                  rail_budget: str | None = None, links=None):
-        from .control import default_comm
         if comm is None:
             comm = default_comm()
         _check_transport(transport)
@@ -195,9 +197,24 @@ class Collective:
         return (out, report) if return_report else out
 
     def path_decisions(self) -> dict:
-        """{(backend, dtype, log2 size, codec, topology, transport, op): (path,
-        why)} for the classes of calls ``path="auto"`` has decided."""
-        return self._runner.planner.paths.decisions()
+        """{key: (path, why)} of every path decided: ``path="auto"``'s classes
+        (backend, dtype, log2 size, codec, topology, transport, op),
+        :meth:`class_choice`'s, and :meth:`step_choice`'s under "step"."""
+        return self._runner.planner.path_decisions()
+
+    def class_choice(self):
+        """Compressed or native per class of the caller's own timed calls
+        (FSDP's reduce-scatter), decided as ``path="auto"`` decides
+        (paths.PathChooser: ``choose``, ``record``, ``size_class``)."""
+        return self._runner.planner.class_choice()
+
+    def step_choice(self, options, elapsed, **schedule):
+        """One of ``options`` (most exact first) by whole training steps the
+        caller runs and marks (the DDP hook's; paths.StepChooser: ``option``,
+        ``step_ended``, ``choice``, ``periods``; ``schedule``: its
+        ``rounds``, ``warmup``, ``first``).  Each choice is made on first
+        use, over a private duplicate of the ranks (collective)."""
+        return self._runner.planner.step_choice(options, elapsed, **schedule)
 
     def hierarchy_decisions(self) -> dict:
         """{(backend, dtype, log2 size, codec, topology, transport, op, path):
@@ -205,7 +222,8 @@ class Collective:
         return self._runner.planner.hierarchies.decisions()
 
     def forget_paths(self):
-        """Measure every class of calls again (all ranks must call it alike)."""
+        """Measure every class of calls again, :meth:`class_choice`'s too
+        (all ranks must call it alike); the step choice stands."""
         with self._lock:
             self._runner.forget_paths()
 
@@ -283,7 +301,6 @@ def collective_for(comm=None) -> Collective:
     communicator or a torch.distributed group; None: the launcher's default,
     see :class:`Collective`)."""
     if comm is None:
-        from .control import default_comm
         comm = default_comm()
     with _collectives_lock:
         entry = _collectives.get(id(comm))

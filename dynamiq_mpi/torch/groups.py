@@ -7,7 +7,7 @@ import socket
 
 import torch
 
-from ..control import is_torch_group
+from .. import is_torch_group
 from ..errors import InvalidInputError
 from ..settings import environment
 
