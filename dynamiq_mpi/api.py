@@ -27,9 +27,6 @@ from .transports import TRANSPORTS
 from .transports.simulate import SimulatedTransport
 
 
-_DEFAULT_CODEC = DEFAULT_CODEC
-
-
 def _check_transport(transport):
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
@@ -160,7 +157,7 @@ class Collective:
         ``report.phases`` (slower: for breakdowns, not for production).
         ``path``, ``nonfinite`` and ``hierarchy`` override the collective's
         (see the class)."""
-        codec = _DEFAULT_CODEC if codec is None else codec
+        codec = DEFAULT_CODEC if codec is None else codec
         transport = self.transport if transport is None else transport
         nonfinite = self.nonfinite if nonfinite is None else nonfinite
         requested = self.path if path is None else default_path(path)
@@ -182,7 +179,7 @@ class Collective:
         """Reduce-scatter ``x`` (see :func:`reduce_scatter`); always compressed
         (``path`` does not apply).  Shares the call counter with
         :meth:`allreduce`.  ``hierarchy="nodes"``: hierarchy.py."""
-        codec = _DEFAULT_CODEC if codec is None else codec
+        codec = DEFAULT_CODEC if codec is None else codec
         transport = self.transport if transport is None else transport
         nonfinite = self.nonfinite if nonfinite is None else nonfinite
         hierarchy = self.hierarchy if hierarchy is None else default_hierarchy(hierarchy)
@@ -203,17 +200,14 @@ class Collective:
         return self._runner.planner.path_decisions()
 
     def class_choice(self):
-        """Compressed or native per class of the caller's own timed calls
-        (FSDP's reduce-scatter), decided as ``path="auto"`` decides
-        (paths.PathChooser: ``choose``, ``record``, ``size_class``)."""
+        """Compressed or native per class of the caller's own timed calls,
+        as ``path="auto"`` decides (paths.PathChooser; FSDP's reduce-scatter).
+        This and :meth:`step_choice` are made on first use (collective)."""
         return self._runner.planner.class_choice()
 
     def step_choice(self, options, elapsed, **schedule):
-        """One of ``options`` (most exact first) by whole training steps the
-        caller runs and marks (the DDP hook's; paths.StepChooser: ``option``,
-        ``step_ended``, ``choice``, ``periods``; ``schedule``: its
-        ``rounds``, ``warmup``, ``first``).  Each choice is made on first
-        use, over a private duplicate of the ranks (collective)."""
+        """One of ``options`` (most exact first) by whole steps the caller
+        runs and marks (paths.StepChooser, ``schedule`` its keywords)."""
         return self._runner.planner.step_choice(options, elapsed, **schedule)
 
     def hierarchy_decisions(self) -> dict:
@@ -363,7 +357,7 @@ def simulate_allreduce(xs, *, codec=None, topology="ring", op="sum", seed=0, cou
     """Run the all-reduce of ``len(xs)`` ranks in this process (rank r passes
     ``xs[r]``; always the compressed path).  Returns the list of every rank's
     output (and reports).  ``layout``: see :func:`default_layout`."""
-    spec = CallSpec(_DEFAULT_CODEC if codec is None else codec, topology, op, seed, counter,
+    spec = CallSpec(DEFAULT_CODEC if codec is None else codec, topology, op, seed, counter,
                     "auto", tile_bytes, nonfinite=nonfinite, layout=default_layout(layout))
     return _simulate([rank_program(r, len(xs), xs[r], spec, None, FRESH, return_reports)
                       for r in range(len(xs))], return_reports)
@@ -375,7 +369,7 @@ def simulate_reduce_scatter(xs, *, codec=None, topology="ring", op="sum", seed=0
     """Run the reduce-scatter of ``len(xs)`` ranks in this process (rank r
     passes ``xs[r]``).  Returns every rank's chunk (and reports).
     ``layout``: see :func:`default_layout`."""
-    spec = CallSpec(_DEFAULT_CODEC if codec is None else codec, topology, op, seed, counter,
+    spec = CallSpec(DEFAULT_CODEC if codec is None else codec, topology, op, seed, counter,
                     "auto", DEFAULT_TILE_BYTES if tile_bytes is None else tile_bytes,
                     nonfinite=nonfinite, layout=default_layout(layout))
     return _simulate([rank_program_rs(r, len(xs), xs[r], spec, None, FRESH, return_reports,

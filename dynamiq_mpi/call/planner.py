@@ -245,8 +245,8 @@ class CallPlanner:
 
     def path_decisions(self) -> dict:
         out = self.paths.decisions()
-        for chooser in (self.measured, self.steps):
-            out.update(chooser.decisions() if chooser is not None else {})
+        for chooser in filter(None, (self.measured, self.steps)):
+            out.update(chooser.decisions())
         return out
 
     # -- learning from a call that ran
@@ -278,9 +278,8 @@ class CallPlanner:
             self.graphs[plan.graph_key] = SteadyCompressed(meta, "nccl")
 
     def forget_paths(self):
-        self.paths.forget()         # the caller's classes too; the step choice stands
-        if self.measured is not None:
-            self.measured.forget()
+        for chooser in filter(None, (self.paths, self.measured)):   # the step choice stands
+            chooser.forget()
         self.steady.clear()         # their path came from the choices just forgotten
         self.free_graphs()
 

@@ -12,13 +12,6 @@ from ..errors import InvalidInputError
 from ..settings import environment
 
 
-def _dist_matches(comm) -> bool:
-    """True if torch.distributed's own collectives can reduce over ``comm``'s
-    ranks: ``comm`` is a torch group, or torch's default group spans exactly
-    the mpi4py communicator's world."""
-    return _native_group(comm)[0]
-
-
 def _native_group(comm) -> tuple:
     """(usable, group) for torch.distributed's own collectives over ``comm``'s
     ranks (group None: the default group)."""
