@@ -4,7 +4,8 @@
     total = allreduce(grad, codec=DynamiQ(bits=5), topology="ring")
 """
 from .api import (COLLECTIVE_OPTIONS, Collective, allreduce, check_collective_options,
-                  collective_for, reduce_scatter, simulate_allreduce, simulate_reduce_scatter)
+                  collective_for, default_comm, is_torch_group, plane_of, reduce_scatter,
+                  simulate_allreduce, simulate_reduce_scatter)
 from .codecs import BF16, MXFP, THC, DynamiQ, Exact, OmniReduce
 from .errors import (DynamiQError, InputMismatchError, InvalidInputError, NonFiniteInputError,
                      SumOverflowError)
@@ -24,6 +25,7 @@ def has_cuda() -> bool:
 
 
 __all__ = ["allreduce", "simulate_allreduce", "reduce_scatter", "simulate_reduce_scatter", "Collective", "collective_for",
-           "COLLECTIVE_OPTIONS", "check_collective_options", "DynamiQ",
+           "COLLECTIVE_OPTIONS", "check_collective_options", "plane_of", "default_comm",
+           "is_torch_group", "DynamiQ",
            "Exact", "BF16", "MXFP", "THC", "OmniReduce", "Report", "has_cuda", "DynamiQError", "InputMismatchError",
            "InvalidInputError", "NonFiniteInputError", "SumOverflowError", "TopologyError"]

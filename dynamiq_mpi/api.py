@@ -1,7 +1,9 @@
 """Public entry points: :func:`allreduce`, :class:`Collective` and
 :func:`simulate_allreduce`.  The public face only: how a call runs is
 decided by the call planner (call/planner.py) and carried out by the runner
-(call/runner.py) on the communicator's runtime (call/runtime.py)."""
+(call/runner.py) on the communicator's runtime (call/runtime.py).  An
+adapter also takes :func:`plane_of` (a communicator's control plane),
+:func:`default_comm` and :func:`is_torch_group` from here."""
 from __future__ import annotations
 
 import threading
@@ -19,12 +21,10 @@ from .call.runtime import Runtime
 from .call.workspace import FRESH
 from .codecs import DEFAULT_CODEC
 from .codecs.base import DEFAULT_TILE_BYTES
+from .control import as_plane as plane_of, default_comm, is_torch_group  # noqa: F401
 from .settings import env_choice, env_text
 from .transports import TRANSPORTS
 from .transports.simulate import SimulatedTransport
-
-
-_DEFAULT_CODEC = DEFAULT_CODEC
 
 
 def _check_transport(transport):
@@ -108,7 +108,6 @@ class Collective:
                  nonfinite: str = "propagate", graphs: bool | None = None,
                  hierarchy: str | None = None, node_size: int | None = None,
                  rail_budget: str | None = None, links=None):
-        from .control import default_comm
         if comm is None:
             comm = default_comm()
         _check_transport(transport)
@@ -158,7 +157,7 @@ class Collective:
         ``report.phases`` (slower: for breakdowns, not for production).
         ``path``, ``nonfinite`` and ``hierarchy`` override the collective's
         (see the class)."""
-        codec = _DEFAULT_CODEC if codec is None else codec
+        codec = DEFAULT_CODEC if codec is None else codec
         transport = self.transport if transport is None else transport
         nonfinite = self.nonfinite if nonfinite is None else nonfinite
         requested = self.path if path is None else default_path(path)
@@ -180,7 +179,7 @@ class Collective:
         """Reduce-scatter ``x`` (see :func:`reduce_scatter`); always compressed
         (``path`` does not apply).  Shares the call counter with
         :meth:`allreduce`.  ``hierarchy="nodes"``: hierarchy.py."""
-        codec = _DEFAULT_CODEC if codec is None else codec
+        codec = DEFAULT_CODEC if codec is None else codec
         transport = self.transport if transport is None else transport
         nonfinite = self.nonfinite if nonfinite is None else nonfinite
         hierarchy = self.hierarchy if hierarchy is None else default_hierarchy(hierarchy)
@@ -195,9 +194,21 @@ class Collective:
         return (out, report) if return_report else out
 
     def path_decisions(self) -> dict:
-        """{(backend, dtype, log2 size, codec, topology, transport, op): (path,
-        why)} for the classes of calls ``path="auto"`` has decided."""
-        return self._runner.planner.paths.decisions()
+        """{key: (path, why)} of every path decided: ``path="auto"``'s classes
+        (backend, dtype, log2 size, codec, topology, transport, op),
+        :meth:`class_choice`'s, and :meth:`step_choice`'s under "step"."""
+        return self._runner.planner.path_decisions()
+
+    def class_choice(self):
+        """Compressed or native per class of the caller's own timed calls,
+        as ``path="auto"`` decides (paths.PathChooser; FSDP's reduce-scatter).
+        This and :meth:`step_choice` are made on first use (collective)."""
+        return self._runner.planner.class_choice()
+
+    def step_choice(self, options, elapsed, **schedule):
+        """One of ``options`` (most exact first) by whole steps the caller
+        runs and marks (paths.StepChooser, ``schedule`` its keywords)."""
+        return self._runner.planner.step_choice(options, elapsed, **schedule)
 
     def hierarchy_decisions(self) -> dict:
         """{(backend, dtype, log2 size, codec, topology, transport, op, path):
@@ -205,7 +216,8 @@ class Collective:
         return self._runner.planner.hierarchies.decisions()
 
     def forget_paths(self):
-        """Measure every class of calls again (all ranks must call it alike)."""
+        """Measure every class of calls again, :meth:`class_choice`'s too
+        (all ranks must call it alike); the step choice stands."""
         with self._lock:
             self._runner.forget_paths()
 
@@ -283,7 +295,6 @@ def collective_for(comm=None) -> Collective:
     communicator or a torch.distributed group; None: the launcher's default,
     see :class:`Collective`)."""
     if comm is None:
-        from .control import default_comm
         comm = default_comm()
     with _collectives_lock:
         entry = _collectives.get(id(comm))
@@ -346,7 +357,7 @@ def simulate_allreduce(xs, *, codec=None, topology="ring", op="sum", seed=0, cou
     """Run the all-reduce of ``len(xs)`` ranks in this process (rank r passes
     ``xs[r]``; always the compressed path).  Returns the list of every rank's
     output (and reports).  ``layout``: see :func:`default_layout`."""
-    spec = CallSpec(_DEFAULT_CODEC if codec is None else codec, topology, op, seed, counter,
+    spec = CallSpec(DEFAULT_CODEC if codec is None else codec, topology, op, seed, counter,
                     "auto", tile_bytes, nonfinite=nonfinite, layout=default_layout(layout))
     return _simulate([rank_program(r, len(xs), xs[r], spec, None, FRESH, return_reports)
                       for r in range(len(xs))], return_reports)
@@ -358,7 +369,7 @@ def simulate_reduce_scatter(xs, *, codec=None, topology="ring", op="sum", seed=0
     """Run the reduce-scatter of ``len(xs)`` ranks in this process (rank r
     passes ``xs[r]``).  Returns every rank's chunk (and reports).
     ``layout``: see :func:`default_layout`."""
-    spec = CallSpec(_DEFAULT_CODEC if codec is None else codec, topology, op, seed, counter,
+    spec = CallSpec(DEFAULT_CODEC if codec is None else codec, topology, op, seed, counter,
                     "auto", DEFAULT_TILE_BYTES if tile_bytes is None else tile_bytes,
                     nonfinite=nonfinite, layout=default_layout(layout))
     return _simulate([rank_program_rs(r, len(xs), xs[r], spec, None, FRESH, return_reports,

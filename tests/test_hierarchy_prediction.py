@@ -131,19 +131,19 @@ def test_the_chooser_measures_the_predicted_winner_first_or_keeps_it():
     # indecisive, flat predicted: flat first, then alternating; the measured result wins
     ran = []
     for _ in range(6):
-        choice, why, timed = ch.choose(key, "auto", True, True, predict=predict(_Stub("flat", 0)))
+        choice, why, timed = ch.choose(key, predict=predict(_Stub("flat", 0)))
         assert timed and "measuring" in why and "predicted flat, measured" in why
         ran.append(choice)
         ch.record(key, choice, 1.0 if choice == "nodes" else 3.0, choice)
     assert ran == ["flat", "nodes"] * 3 and len(asked) == 1      # predicted once per class
-    choice, why, timed = ch.choose(key, "auto", True, True)
+    choice, why, timed = ch.choose(key)
     assert (choice, timed) == ("nodes", False)                   # measured nodes 3x faster
     assert why.startswith("auto: measured") and why.endswith("predicted flat")
     # decisive: kept at once, the loser never run
-    choice, why, timed = ch.choose(("cpu", "float32", 13), "auto", True, True,
+    choice, why, timed = ch.choose(("cpu", "float32", 13),
                                    predict=predict(_Stub("nodes", 1)))
     assert (choice, timed) == ("nodes", False) and why == "auto: predicted nodes, decisive"
     assert ch.decisions()[("cpu", "float32", 13)] == ("nodes", why)
     # no prediction: as before (the options' order)
-    assert ch.choose(("cpu", "float32", 14), "auto", True, True, predict=lambda: None)[0] == \
+    assert ch.choose(("cpu", "float32", 14), predict=lambda: None)[0] == \
         "nodes"

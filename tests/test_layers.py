@@ -20,9 +20,7 @@ PUBLIC = {"dynamiq_mpi"}
 # What each upper layer may import of the package besides the public API and
 # the ground floor (a name ending in ".*": the package and its modules).
 DECLARED = {
-    "adapter": {"dynamiq_mpi.torch.*",        # itself
-                "dynamiq_mpi.control",       # the control planes: torch groups, communicators
-                "dynamiq_mpi.call.paths"},   # the path choosers that time whole steps
+    "adapter": {"dynamiq_mpi.torch.*"},       # itself
     "research": {"dynamiq_mpi.torch.*", "dynamiq_mpi.codecs.*", "dynamiq_mpi.cost_model.*",
                  "dynamiq_mpi.bench.gradients", "dynamiq_mpi.call.study"},
 }
@@ -102,6 +100,20 @@ def _violations(files, top, declared, own=None):
 def test_the_adapter_imports_the_public_api_and_declared_interfaces():
     files = sorted((PACKAGE / "torch").rglob("*.py"))
     bad = _violations(files, PACKAGE, DECLARED["adapter"], own="dynamiq_mpi.torch")
+    assert not bad, bad
+
+
+def test_the_adapter_reaches_the_planes_and_the_choices_through_the_collective():
+    """No module of the call machinery, the planes or the transports: the
+    control plane and the measured choices come from the public face
+    (``dq.plane_of``, ``Collective.class_choice`` / ``step_choice``)."""
+    known = _package_modules()
+    bad = [f"{p.relative_to(ROOT)}:{line}: imports {target}"
+           for p in sorted((PACKAGE / "torch").rglob("*.py"))
+           for line, module, names in _imports(p, PACKAGE)
+           for target, _ in _targets(module, names, known)
+           if target.startswith(("dynamiq_mpi.call", "dynamiq_mpi.control",
+                                 "dynamiq_mpi.transports"))]
     assert not bad, bad
 
 

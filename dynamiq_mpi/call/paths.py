@@ -58,6 +58,8 @@ class PathChooser:
     """Per-class path decisions of one communicator (every rank holds one and
     feeds it the same calls, so the decisions agree)."""
 
+    size_class = staticmethod(size_class)   # the size part of a class key
+
     def __init__(self, comm, warmup: int = WARMUP, samples: int = SAMPLES,
                  margin: float = MARGIN, options=("compressed", "native")):
         """``options``: (the candidate, the baseline it must beat by
@@ -68,20 +70,13 @@ class PathChooser:
         self.warmup, self.samples, self.margin = int(warmup), int(samples), float(margin)
         self._classes: dict = {}
 
-    def choose(self, key, requested: str, codec_auto: bool, can_native: bool,
-               codec_name: str = "", predict=None) -> tuple:
+    def choose(self, key, predict=None) -> tuple:
         """(path, why, timed): the path of the next call of ``key``; ``timed``
         asks the caller to time it and :meth:`record` the seconds.
         ``predict``: called once, at a class's first call, for a prediction
         (prediction.Prediction: ``winner``, ``decisive``, ``text()``,
         ``note()``) or None; the winner is measured first, and a decisive
         prediction decides the class at once."""
-        if requested != "auto":
-            return requested, "requested", False
-        if not codec_auto:
-            return "compressed", f"codec {codec_name} runs compressed unless path='native'", False
-        if not can_native:
-            return "compressed", "no native all-reduce for these arrays and transport", False
         first, second = self.options
         c = self._classes.get(key)
         if c is None:
@@ -143,8 +138,6 @@ class PathChooser:
 
 
 # ----------------------------------------------------------------- whole steps
-STEP_ROUNDS = 3         # A/B rounds of the whole-step choice
-STEP_WARMUP = 1         # untimed rounds before the timed ones
 STEP_MARGIN = 1.03      # a less exact option must be at least 3 % faster
 
 
@@ -183,9 +176,8 @@ class StepChooser:
     when deciding, so timing adds no host synchronisation to a step.
     """
 
-    def __init__(self, plane, options, elapsed, rounds: int = STEP_ROUNDS,
-                 margin: float = STEP_MARGIN, first: str | None = None,
-                 warmup: int = STEP_WARMUP):
+    def __init__(self, plane, options, elapsed, rounds: int, margin: float = STEP_MARGIN,
+                 first: str | None = None, warmup: int = 1):
         self.plane, self.options, self.elapsed = plane, tuple(options), elapsed
         self.margin = float(margin)
         if rounds < 1:

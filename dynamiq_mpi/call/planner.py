@@ -12,6 +12,8 @@ resolves to a :class:`Plan`:
   replayed as a CUDA graph, graphs.py) or "engine" (the engine's program);
 * ``path`` for the engine: "compressed" or "native" (``paths``, measured
   per class of calls), with its reason and whether this call is timed;
+* the choices a caller times itself (the torch adapter's): per class of
+  its calls (``class_choice``) and by whole steps (``step_choice``);
 * the transport, once the ranks agreed, and the path the engine runs on it:
   :meth:`CallPlanner.route` answers the program's ``Route`` from every
   rank's record (:meth:`CallPlanner.transport`), and resolves a native path
@@ -34,12 +36,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..codecs.base import signature_of
+from ..control import as_plane
 from ..errors import InvalidInputError
 from ..transports import choose_transport, explain_transport, native_wires
 from ..transports.ops import Routed, compressed_route
 from . import native, prediction
 from .graphs import SteadyCompressed, call_graph_key
-from .paths import PathChooser, size_class
+from .paths import PathChooser, StepChooser, size_class
 from .wire import wire_dtype
 
 # Steady plans kept per kind before the oldest are dropped (a job has a few
@@ -81,14 +84,18 @@ class CallPlanner:
     plans of steady signatures (per call runner).  ``graphs``: whether steady
     compressed calls become graphs; ``links`` seed the hierarchy's
     prediction; ``auto_layout()``: the (nodes, node size) hierarchy="auto"
-    may use, or None (hierarchy.NodeCalls)."""
+    may use, or None (hierarchy.NodeCalls); ``comm``: the communicator."""
 
-    def __init__(self, plane, size: int, graphs: bool = False, links=None, auto_layout=None):
+    def __init__(self, plane, size: int, graphs: bool = False, links=None, auto_layout=None,
+                 comm=None):
         self.plane, self.size, self.use_graphs, self.links = plane, size, graphs, links
+        self.comm = comm
         self.gpu_sharing = {}       # device -> which ranks share a GPU ('' : none), asked once
         self.auto_layout = auto_layout
         self.paths = PathChooser(plane)
         self.hierarchies = PathChooser(plane, options=("nodes", "flat"))
+        self.measured = None        # PathChooser of the classes a caller times (class_choice)
+        self.steps = None           # StepChooser of whole training steps (step_choice)
         self.steady = {}            # native.SteadyNative by native.steady_key
         self.graphs = {}            # graphs.SteadyCompressed by graphs.graph_key
 
@@ -158,9 +165,12 @@ class CallPlanner:
         key = ("gpu" if on_device else "cpu", str(getattr(x, "dtype", None)),
                size_class(getattr(x, "size", 0)), signature_of(codec), call["topology"],
                transport, call["op"])
-        path, why, timed = self.paths.choose(key, requested, getattr(codec, "auto_path", False),
-                                             can_native, getattr(codec, "name", ""))
-        return key, path, why, timed
+        if not getattr(codec, "auto_path", False):
+            return key, "compressed", (f"codec {getattr(codec, 'name', '')} runs compressed "
+                                       "unless path='native'"), False
+        if not can_native:
+            return key, "compressed", "no native all-reduce for these arrays and transport", False
+        return (key, *self.paths.choose(key))
 
     def _choose_hierarchy(self, x, call):
         """(hierarchy, class key, why, timed) of a call with hierarchy="auto":
@@ -186,7 +196,7 @@ class CallPlanner:
             except Exception:   # not an array, a codec or topology the model does not know:
                 return None     # measured (an invalid call fails agreement on every rank)
 
-        choice, why, timed = self.hierarchies.choose(key, "auto", True, True, predict=predict)
+        choice, why, timed = self.hierarchies.choose(key, predict)
         if timed and call["path"] == "auto":
             call["path"] = "compressed"
         return choice, key, why, timed
@@ -219,6 +229,26 @@ class CallPlanner:
         name, why = self.transport(request.transport, metas, x, explain)
         return resolve_path(name, request), why
 
+    # -- choices a caller times itself, each agreed over a private duplicate
+    # of the comm, never the calls' plane (the DDP hook's worker calls meanwhile)
+    def class_choice(self) -> PathChooser:
+        if self.measured is None:
+            self.measured = PathChooser(as_plane(self.comm).dup())
+        return self.measured
+
+    def step_choice(self, options, elapsed, **schedule) -> StepChooser:
+        if self.steps is None:      # (one a planner: later calls get it as it is)
+            plane = as_plane(self.comm).dup()
+            plane.barrier()         # made now, on every rank, not inside a decision
+            self.steps = StepChooser(plane, options, elapsed, **schedule)
+        return self.steps
+
+    def path_decisions(self) -> dict:
+        out = self.paths.decisions()
+        for chooser in filter(None, (self.measured, self.steps)):
+            out.update(chooser.decisions())
+        return out
+
     # -- learning from a call that ran
     def record_path(self, plan, seconds, report):
         if plan.timed and not report.nonfinite:
@@ -248,7 +278,8 @@ class CallPlanner:
             self.graphs[plan.graph_key] = SteadyCompressed(meta, "nccl")
 
     def forget_paths(self):
-        self.paths.forget()
+        for chooser in filter(None, (self.paths, self.measured)):   # the step choice stands
+            chooser.forget()
         self.steady.clear()         # their path came from the choices just forgotten
         self.free_graphs()
 

@@ -33,7 +33,7 @@ class CallRunner:
         self.nodes = NodeCalls(runtime, layout, node_size, rail_budget, links, make_rail)
         self.graphs = GraphCalls(runtime, layout)
         self.planner = CallPlanner(runtime.plane, runtime.size, graphs, links,
-                                   self.nodes.auto_layout)
+                                   self.nodes.auto_layout, runtime.comm)
 
     def allreduce(self, x, out, call, hierarchy, want_report, profile, plan_hook=None):
         """One all-reduce (``call``: its normalised arguments, counter

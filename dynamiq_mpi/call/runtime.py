@@ -22,6 +22,7 @@ class Runtime:
 
     def __init__(self, comm, lanes, lane_bytes):
         from ..control import as_plane
+        self.comm = comm            # what it was made from
         self.host = transport_class("mpi")(as_plane(comm))    # a private duplicate
         self.plane = self.host.plane
         self.rank, self.size = self.host.rank, self.host.size

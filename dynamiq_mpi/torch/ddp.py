@@ -26,8 +26,7 @@ import time
 import torch
 
 from .. import (COLLECTIVE_OPTIONS, Collective, DynamiQ, Exact, InputMismatchError,
-               check_collective_options)
-from ..control import as_plane, is_torch_group
+               check_collective_options, default_comm, is_torch_group, plane_of)
 from ..settings import env_choice
 from .ddp_buckets import DEFAULT_FUSE_MB, HOOK_PATHS, STEP_ROUNDS, BucketRouter, auto_steps
 from .groups import _adopt_group, _native_group, init_process_group_from_mpi  # noqa: F401 (re-exported)
@@ -192,8 +191,6 @@ class HookState:
         self._lock = threading.Lock()
         self.last_report = None
         self._buckets = BucketRouter(self)  # the DDP hook's paths, fused groups, workers
-        self._paths = None          # the reduce-scatter's PathChooser (made on first use)
-        self._path_comm = None
         self._stats_lock = threading.Lock()
         self._reset_stats()
 
@@ -215,7 +212,7 @@ class HookState:
         state = {k: getattr(self, k) for k in self._PICKLED}
         state["counter"] = self.counter
         # path="auto"'s choice: a resumed run goes on with it, as one never stopped
-        state["auto_choice"] = self._buckets.decisions().get("step")
+        state["auto_choice"] = self.path_decisions().get("step")
         return state
 
     def __setstate__(self, state):
@@ -239,7 +236,6 @@ class HookState:
         """The communicator: an mpi4py communicator or a torch.distributed
         group (what was given, else the launcher's default, decided once)."""
         if self._comm is None:
-            from ..control import default_comm
             self._comm = default_comm()
         return self._comm
 
@@ -254,7 +250,7 @@ class HookState:
     def plane(self):
         """The communicator's control plane (rank, size, small exchanges)."""
         if self._plane is None:
-            self._plane = as_plane(self.comm)
+            self._plane = plane_of(self.comm)
         return self._plane
 
     @comm.setter
@@ -403,16 +399,17 @@ class HookState:
 
     def step_periods(self) -> dict:
         """``path="auto"``'s measured step periods (seconds) of each path, on
-        this rank (the choice uses the slowest rank's medians)."""
-        return self._buckets.step_periods()
+        this rank (the choice uses the slowest rank's typical ones)."""
+        chooser = self._buckets.chooser
+        return {} if chooser is None else dict(chooser.periods)
 
     def path_decisions(self) -> dict:
-        """The decided paths: {key: (path, why)} (the DDP hook's whole-step
-        choice under "step"; the reduce-scatter's per size class)."""
-        out = dict(self._buckets.decisions())
-        if self._paths is not None:
-            out.update(self._paths.decisions())
-        return out
+        """The decided paths, {key: (path, why)}: ``Collective.path_decisions``
+        (the hook's whole-step choice under "step", the reduce-scatter's per
+        size class, the collective's own), or "step" as restored."""
+        coll, decided = self._collective, self._buckets.decided
+        out = coll.path_decisions() if coll is not None else {}
+        return out if decided is None else {**out, "step": tuple(decided)}
 
     def _start_timer(self, device):
         if not self.timing:

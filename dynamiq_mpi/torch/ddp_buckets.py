@@ -11,8 +11,9 @@ Paths (``HookState(path=...)``):
   consecutive buckets;
 - ``"auto"`` (default): the three measured by whole training steps, in the
   conditions DDP runs them (overlapped with the backward pass, after the
-  bucket rebuild), agreed by every rank (:class:`~dynamiq_mpi.call.paths.
-  StepChooser`); the most exact one within 3 % of the fastest is kept.
+  bucket rebuild), agreed by every rank (the collective's ``step_choice``,
+  reported by ``path_decisions()``); the most exact one within 3 % of the
+  fastest is kept.
 
 Fusion: DDP calls the hook once per bucket, strictly in bucket order, and
 waits for the buckets' futures only at the end of the backward pass.  So the
@@ -37,13 +38,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..call.paths import STEP_ROUNDS, STEP_WARMUP, StepChooser
 from .groups import _native_group
 from .overlap import BucketWorker, complete, new_future
 
 HOOK_PATHS = ("auto", "compressed", "native", "plain")
 STEP_OPTIONS = ("plain", "native", "compressed")     # most exact first
 DEFAULT_FUSE_MB = 256.0
+STEP_ROUNDS = 3         # timed A/B rounds of path="auto"
+STEP_WARMUP = 1         # untimed rounds before them
 
 
 def auto_steps(rounds: int) -> int:
@@ -91,10 +93,9 @@ class BucketRouter:
 
     def __init__(self, state, decided=None):
         self.state = state
-        self.chooser = None         # StepChooser of path="auto" (made on first use)
+        self.chooser = None         # the collective's step_choice of path="auto" (first use)
         self.decided = decided      # (path, why) of path="auto" restored from a checkpoint
         self._in_step = False       # a step's buckets have begun (its end not yet seen)
-        self._chooser_plane = None  # its own control plane: the worker uses the collective's
         self._group_info = None     # (torch.distributed spans the same ranks, its group)
         self._pg = None             # (its ProcessGroup, is NCCL)
         self._open = []             # [(bucket, future)] of the group not yet started
@@ -177,10 +178,8 @@ class BucketRouter:
         if alone:
             return self.chooser.choice if self.chooser and self.chooser.choice else "compressed"
         if self.chooser is None:
-            self._chooser_plane = st.plane.dup()
-            self._chooser_plane.barrier()   # made now, on every rank, not inside a decision
-            self.chooser = StepChooser(self._chooser_plane, STEP_OPTIONS, _elapsed,
-                                       rounds=st.auto_rounds, first="native")
+            self.chooser = st.collective.step_choice(STEP_OPTIONS, _elapsed, rounds=st.auto_rounds,
+                                                     warmup=STEP_WARMUP, first="native")
         path = self.chooser.option(st.iteration)[0]
         if self.chooser.choice is not None and self.chooser.choice != "compressed":
             self._fused.clear()         # the fused buffers are not needed again
@@ -325,15 +324,6 @@ class BucketRouter:
         workers, self._workers = self._workers, {}
         for worker in workers.values():
             worker.close()
-
-    def decisions(self) -> dict:
-        if self.decided is not None:
-            return {"step": tuple(self.decided)}
-        return {} if self.chooser is None else self.chooser.decisions()
-
-    def step_periods(self) -> dict:
-        """This rank's measured step periods (seconds) of each path."""
-        return {} if self.chooser is None else dict(self.chooser.periods)
 
 
 __all__ = ["BucketRouter", "auto_steps", "fused_groups", "HOOK_PATHS", "STEP_OPTIONS", "DEFAULT_FUSE_MB", "STEP_ROUNDS"]

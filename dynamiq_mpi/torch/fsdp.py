@@ -28,7 +28,8 @@ on every rank alike; ``Exact``/``BF16`` propagate per coordinate), or with
 per size class, the compressed reduce-scatter against the process group's
 own ``reduce_scatter_tensor`` (BF16 on the wire for float32 input and DynamiQ:
 what ``MixedPrecisionPolicy(reduce_dtype=bfloat16)`` sends) and keeps the
-faster, agreed by all ranks (paths.py); "compressed" / "native" force, and
+faster, agreed by all ranks (the collective's ``class_choice``, reported by
+``path_decisions()``); "compressed" / "native" force, and
 "plain" is the group's reduce-scatter in FSDP's ``reduce_dtype``.
 
 FSDP2 as LLM jobs run it, ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
@@ -42,7 +43,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..call.paths import PathChooser, size_class
 from .ddp import HookState, _torch_stream, tensor_as_array
 from .groups import _adopt_group, _native_group
 
@@ -131,7 +131,7 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
                  op, async_op: bool = False):
         opname, factor = _op_of(op)
         self._check_group(group)
-        path, key, timed = self._rs_path(input_tensor, group)
+        path, key, timed = self._rs_path(input_tensor)
         if timed:
             t0 = self._synced_time(input_tensor)
         if path in ("native", "plain"):
@@ -142,7 +142,8 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
             if factor is not None:
                 output_tensor.mul_(factor)
         if timed:
-            self._paths.record(key, path, self._synced_time(input_tensor) - t0, path)
+            self.collective.class_choice().record(key, path,
+                                                  self._synced_time(input_tensor) - t0, path)
         if async_op:
             fut = torch.futures.Future()
             fut.set_result([output_tensor])
@@ -210,20 +211,17 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
             return
         _adopt_group(self, group, "ReduceScatter", "FSDP's group")
 
-    def _rs_path(self, t, group):
+    def _rs_path(self, t):
         """(path, class key or None, timed) of one reduce-scatter."""
         native_ok = t.device.type in ("cpu", "cuda") and _native_group(self.comm)[0]
         if self.path != "auto" or not native_ok:
             return ("compressed" if self.path == "auto" else self.path), None, False
         if not getattr(self.codec, "auto_path", False):
             return "compressed", None, False
-        if self._paths is None:
-            self._path_comm = self.plane.dup()
-            self._paths = PathChooser(self._path_comm)
-        key = (t.device.type, str(t.dtype), size_class(t.numel()), self.codec.cached_signature(),
-               self.topology, "fsdp", "reduce_scatter")
-        path, _, timed = self._paths.choose(key, "auto", getattr(self.codec, "auto_path", False),
-                                            True, self.codec.name)
+        paths = self.collective.class_choice()
+        key = (t.device.type, str(t.dtype), paths.size_class(t.numel()),
+               self.codec.cached_signature(), self.topology, "fsdp", "reduce_scatter")
+        path, _, timed = paths.choose(key)
         return path, key, timed
 
     def __repr__(self):

@@ -7,16 +7,9 @@ import socket
 
 import torch
 
-from ..control import is_torch_group
+from .. import is_torch_group
 from ..errors import InvalidInputError
 from ..settings import environment
-
-
-def _dist_matches(comm) -> bool:
-    """True if torch.distributed's own collectives can reduce over ``comm``'s
-    ranks: ``comm`` is a torch group, or torch's default group spans exactly
-    the mpi4py communicator's world."""
-    return _native_group(comm)[0]
 
 
 def _native_group(comm) -> tuple:

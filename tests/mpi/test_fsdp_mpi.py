@@ -276,6 +276,8 @@ def test_native_and_auto_paths():
         auto(out, x, dist.group.WORLD, dist.ReduceOp.AVG)
         assert float((out.double() - mine).norm() / mine.norm()) < 0.2
     decisions = auto.path_decisions()
-    assert len(decisions) == 1
+    assert len(decisions) == 1 and auto.collective.path_decisions() == decisions
+    auto.collective.forget_paths()          # the planner's classes, the adapter's too
+    assert auto.path_decisions() == {}
     choices = comm.allgather([v[0] for v in decisions.values()])
     assert all(c == choices[0] for c in choices)

@@ -423,6 +423,7 @@ def test_hook_auto_path_measures_whole_steps_then_agrees_on_every_rank(overlap):
     (key, (choice, why)), = state.path_decisions().items()
     assert key == "step" and choice in ("plain", "native", "compressed")
     assert "whole steps" in why and "plain" in why and "compressed" in why
+    assert state.collective.path_decisions()["step"] == (choice, why)   # the planner's
     assert seen[steps:] == [choice, choice]
     assert all(other == (seen, choice, why) for other in comm.allgather((seen, choice, why)))
     assert_same_on_every_rank(list(model.parameters()), "parameters under path='auto'")
