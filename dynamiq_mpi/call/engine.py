@@ -1,38 +1,39 @@
-"""The engine: one rank's all-reduce, as a generator of requests that a
-transport answers (transports/ops.py): the all-reduce's table over the phase
-skeleton of phases.py (:func:`~.phases.run_collective`), which runs the
-phases in the order of docs/design.md ("One all-reduce, step by step").
+"""The engine: one rank's all-reduce, the all-reduce's table over the phase
+skeleton of phases.py (:func:`~.phases.run_collective`), a generator of the
+requests of transports/ops.py; docs/design.md has its steps.
 
-The all-reduce plans the whole input as one stream of n chunks: every chunk
-runs the schedule's reduce-scatter half, a leaf compressing, a rank that
-received partial sums decompress-accumulating all but the last and running
-the fused decompress-accumulate-recompress on the last, the sink decoding
-its own bytes as everybody else will; then the all-gather half forwards the
-compressed bytes unchanged (the sink sends each tile right after its last
-fused step) and every rank decodes them (phases.run_schedule).  The output
-has the input's shape.
+One plan cuts the whole input into n chunks.  Reduce-scatter, tile by tile:
+a leaf compresses, a rank that received partial sums decompress-accumulates
+all but the last and runs the fused decompress-accumulate-recompress on the
+last, the sink decodes its own bytes as everybody else will; all-gather:
+the compressed bytes are forwarded unchanged (the sink sends each tile right
+after its last fused step) and decoded by every rank (phases.run_schedule).
 
 The engine makes no choice of path: it asks for ``CallSpec.path`` (chosen by
 the caller, see paths.py) and runs the one the planner's answer to ``Route``
-names (planner.resolve_path).  A call on the *native* path agrees like any
-other, then hands the whole sum to the transport's own all-reduce
-(``NativeAllreduce``) in the answer's wire dtype; a native path asked for on
-a transport with none for the call's arrays is answered with the compressed
-program and the reason, which the report carries.
+names (planner.resolve_path): the compressed program, or the transport's
+own all-reduce (``NativeAllreduce``) in the answer's wire dtype.  A native
+path asked for on a transport with none for the call's arrays runs
+compressed, and the report carries the reason.
 
-The engine posts every exchange as soon as its payload is computed and
-claims a received buffer only right before a kernel reads it, so a transport
-that works asynchronously (NCCL on its own stream) overlaps the kernel of one
-tile with the transfer of another.  The engine itself never waits or syncs.
+Every exchange is posted as soon as its payload is computed, and a received
+buffer claimed only right before a kernel reads it, so a transport that
+works asynchronously (NCCL on its own stream) overlaps the kernel of one
+tile with the transfer of another.  The engine never waits or syncs.
 """
 from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
 
 from ..backend import dtype_name
 from ..codecs.base import plan_layout
 from ..errors import NonFiniteInputError, SumOverflowError
+from ..rng import call_keys
 from ..transports.ops import Agree, NativeAllreduce, Route
-from .phases import (CallSpec, check_local, holds_nonfinite, local_statistics,
-                     resolve_layout, run_collective, run_schedule)
+from .phases import (NATIVE_DTYPES, CallSpec, check_local, holds_nonfinite, resolve_layout,
+                     run_collective, run_schedule)
 from .wire import from_wire, to_wire
 from .workspace import FRESH
 
@@ -60,7 +61,17 @@ class AllReduce:
 
     def start(self, flat, spec, backend, workspace, n):
         if spec.path == "compressed":   # a native call may never need them
-            self.early = local_statistics(flat, spec, backend, workspace)
+            self.early = self.local_statistics(flat, spec, backend, workspace)
+
+    @staticmethod
+    def local_statistics(flat, spec, backend, workspace):
+        """(values, codec of this length, keys, (stats, local state))."""
+        values = flat if flat.dtype in NATIVE_DTYPES else flat.astype(np.float32)
+        codec = spec.codec.for_length(int(flat.shape[0]))
+        keys = call_keys(int(spec.seed), spec.counter)
+        if spec.keys_at:    # a graph's capture: the keys live on the device
+            keys = dataclasses.replace(keys, device=int(spec.keys_at))
+        return values, codec, keys, codec.local_stats(values, backend, workspace, keys=keys)
 
     def route(self, spec, flat, backend):
         return Route(spec.transport, spec.path, spec.codec, backend.name, dtype_name(flat.dtype))
@@ -73,7 +84,7 @@ class AllReduce:
 
     def statistics(self, flat, spec, backend, workspace):
         if self.early is None:   # a call that asked for the native path started none
-            self.early = local_statistics(flat, spec, backend, workspace)
+            self.early = self.local_statistics(flat, spec, backend, workspace)
         return self.early[3][0]
 
     def plan(self, reduced, rank, n, spec, backend, workspace):

@@ -4,36 +4,29 @@ agreement, statistics phase, codec plans, schedules and transports).
 
 Rank r of n gets coordinates ``[r m, (r + 1) m)`` of the sum, ``m = length / n``
 (a length not divisible by n is an error on every rank).  These chunks are
-fixed by the caller, so they cannot be cuts of one width-sorted stream.  Each
-of the n coordinate ranges (*blocks*) is planned as a stream of its own:
-
-* the codec computes its local statistics per block (a block starts a new
-  super-group), the n vectors are concatenated and reduced in **one** exact
-  reduction (the same phase as the all-reduce's, a few bytes more: one tail
-  per block), and every rank slices block b's statistics out of the result;
-* block b's plan is the codec's ordinary plan of ``x[b m : (b + 1) m]`` with
-  the world size n (events of correlated rounding, MX headroom, THC widths)
-  but one chunk (``codecs.base.plan_chunks``), its own generator keys
-  (derived from the call's keys and b) and workspace names;
-* so DynamiQ gets **a threshold per block**: every block spends the budget
-  ``bits x m``, every ring message carries about the same bytes.  The other
-  choice, one global threshold (unequal messages), is kept for the study
-  (``budget="global"``, DynamiQ only); docs/design.md has the measurement.
+fixed by the caller, so they cannot be cuts of one width-sorted stream: each
+of the n coordinate ranges (*blocks*) is planned as a stream of its own.
+The codec's local statistics are computed per block (a block starts a new
+super-group) and reduced as **one** concatenated vector; block b's plan is
+the codec's ordinary plan of ``x[b m : (b + 1) m]`` with the world size n
+(events of correlated rounding, MX headroom, THC widths) but one chunk
+(``codecs.base.plan_chunks``), its own keys and workspace names.  So DynamiQ
+gets **a threshold per block**: every block spends ``bits x m`` and every
+ring message carries about the same bytes (one global threshold,
+``budget="global"``, is kept for the study; docs/design.md measures both).
 
 The schedule is the all-reduce's reduce-scatter half, ring or butterfly:
-chunk c of the schedule is block ``(c - 1) mod n``, the block of its sink
-rank, so rank r ends as the sink of its own block.  The sink runs the fused
-step on the last partial sum and decodes its own bytes, as in the
-all-reduce, so a block's estimate has the all-reduce's distribution.  The
-plans of different blocks may cut their streams into different numbers of
-tiles: a step posts sends and receives separately beyond the shorter list
+chunk c of the schedule is block ``(c - 1) mod n``, the block of its sink,
+so rank r ends as the sink of its own block, runs the fused step on the
+last partial sum and decodes its own bytes: a block's estimate has the
+all-reduce's distribution.  Blocks may have different numbers of tiles: a
+step posts sends and receives separately beyond the shorter list
 (transports match messages per pair in posting order).
 
-Non-finite input: as the all-reduce (the reduced statistics of every block
-are known to every rank, so "propagate" fills every rank's output with NaN
-and sends nothing, "raise" raises on every rank); codecs without statistics
-sum per coordinate; a small input that DynamiQ hands to BF16 checks its
-decoded chunk under "raise" and the ranks agree on the verdict.
+Non-finite input: as the all-reduce, from every block's reduced statistics;
+codecs without statistics sum per coordinate; a small input that DynamiQ
+hands to BF16 checks its decoded chunk under "raise" and the ranks agree on
+the verdict.
 """
 from __future__ import annotations
 

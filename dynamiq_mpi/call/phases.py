@@ -5,7 +5,6 @@ The hierarchical call (hierarchy.py) shares the checks and the agreement.
 The generators here yield the requests of transports/ops.py."""
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -17,10 +16,9 @@ from ..backend import BFLOAT16, SUPPORTED_DTYPES, backend_for, dtype_name
 from ..codecs.base import DEFAULT_TILE_BYTES, LAYOUTS, Codec, align_up, signature_of
 from ..codecs.plain import ByteMaxPlan, ElementwisePlan, exact_sum_into
 from ..errors import InputMismatchError, InvalidInputError, NonFiniteInputError, SumOverflowError
-from ..rng import call_keys
 from ..settings import env_choice
-from ..transports import TRANSPORTS, transport_capabilities
 from ..report import Report
+from ..transports import TRANSPORTS, transport_capabilities
 from ..transports.ops import Agree, Claim, Exchange, Mark
 
 OPS = ("sum", "mean")
@@ -447,17 +445,6 @@ def holds_nonfinite(xp, a) -> bool:
     if a.dtype == BFLOAT16:
         return bool(((a.view(np.uint16) & np.uint16(0x7F80)) == np.uint16(0x7F80)).any())
     return not bool(xp.isfinite(a).all())
-
-
-def local_statistics(flat, spec, backend, workspace):
-    """(values, codec of this length, keys, (stats, local state)): the part of
-    a compressed call that needs no other rank."""
-    values = flat if flat.dtype in NATIVE_DTYPES else flat.astype(np.float32)
-    codec = spec.codec.for_length(int(flat.shape[0]))
-    keys = call_keys(int(spec.seed), spec.counter)
-    if spec.keys_at:
-        keys = dataclasses.replace(keys, device=int(spec.keys_at))
-    return values, codec, keys, codec.local_stats(values, backend, workspace, keys=keys)
 
 
 def default_layout(value=None) -> str:
