@@ -1,8 +1,9 @@
 """The machinery of a call, under the public face (``dynamiq_mpi.api``):
 
-* ``engine`` - one rank's program of the compressed all-reduce (agreement,
-  statistics, plan, reduce-scatter and all-gather over a schedule), and of
-  the native path; ``engine_rs`` - the same for the reduce-scatter;
+* ``phases`` - the phases of a call and the one skeleton that runs them;
+  ``engine`` - the all-reduce's table over it (agreement, statistics, plan,
+  reduce-scatter and all-gather over a schedule, or the native path);
+  ``engine_rs`` - the reduce-scatter's;
 * ``wire`` - the native path's wire dtype and casts;
 * ``paths`` - the measured choice between the compressed and the native
   path (and between flat and nodes);

@@ -268,8 +268,7 @@ def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, 
     exchange and every rank raises).  Returns (flat input, flat out or None,
     backend)."""
     from .. import schedules
-    from .phases import CallSpec, agreement_record, check_agreement, check_local
-    from .engine_rs import _check_out
+    from .phases import CallSpec, agreement_record, check_agreement, check_local, check_scatter
     from ..control.agreement import agree
     n = coll.size
     spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
@@ -284,10 +283,7 @@ def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, 
             flat, flat_out, backend = check_local(x, out, local, n)
         else:
             flat, _, backend = check_local(x, None, local, n)
-            if flat.shape[0] % n:
-                raise ValueError(f"reduce_scatter needs a length divisible by the {n} "
-                                 f"ranks, got {flat.shape[0]} (pad it, as FSDP does)")
-            flat_out = _check_out(out, x, flat.shape[0] // n, backend)
+            flat_out = check_scatter(x, out, flat, backend, n)
     except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
     record = agreement_record(error, flat, backend, spec, hierarchy="nodes",

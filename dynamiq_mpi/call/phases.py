@@ -1,12 +1,11 @@
-"""The phases of a call that the all-reduce (engine.py), the reduce-scatter
-(engine_rs.py) and the hierarchical call (hierarchy.py) share: the call's
-specification and its local checks, the agreement record and its check, the
-statistics phase, the schedule run tile by tile, and the finish (the result in
-the caller's layout, non-finite input, the report).  The generators here
-yield the same requests as the engines (transports/ops.py)."""
+"""The phases of a call and the one skeleton that runs them for every flat
+collective (:func:`run_collective`); the all-reduce (engine.py) and the
+reduce-scatter (engine_rs.py) are tables over it that say what differs.
+The hierarchical call (hierarchy.py) shares the checks and the agreement.
+The generators here yield the requests of transports/ops.py."""
 from __future__ import annotations
 
-import dataclasses
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -17,10 +16,10 @@ from ..backend import BFLOAT16, SUPPORTED_DTYPES, backend_for, dtype_name
 from ..codecs.base import DEFAULT_TILE_BYTES, LAYOUTS, Codec, align_up, signature_of
 from ..codecs.plain import ByteMaxPlan, ElementwisePlan, exact_sum_into
 from ..errors import InputMismatchError, InvalidInputError, NonFiniteInputError, SumOverflowError
-from ..rng import call_keys
 from ..settings import env_choice
+from ..report import Report
 from ..transports import TRANSPORTS, transport_capabilities
-from ..transports.ops import Claim, Exchange, Mark
+from ..transports.ops import Agree, Claim, Exchange, Mark
 
 OPS = ("sum", "mean")
 PATHS = ("compressed", "native")
@@ -95,6 +94,22 @@ def check_local(x, out, spec: CallSpec, n: int):
     return x.reshape(-1), flat_out, backend
 
 
+def check_scatter(x, out, flat, backend, n: int):
+    """A reduce-scatter's checks after :func:`check_local` (of ``x`` without
+    ``out``: ``flat``, ``backend``): a length divisible by n and ``out`` of
+    ``len(x) / n`` elements.  The flat view of ``out`` (or None), or raises."""
+    if flat.shape[0] % n:
+        raise ValueError(f"reduce_scatter needs a length divisible by the {n} ranks, got "
+                         f"{flat.shape[0]} (pad it, as FSDP does)")
+    if out is None:
+        return None
+    m = flat.shape[0] // n
+    check_out_buffer(out, x, backend, out.size == m,
+                     f"hold len(x) / n = {m} elements of dtype {x.dtype}, "
+                     f"got {out.size} of {out.dtype}")
+    return out.reshape(-1)
+
+
 def check_out_buffer(out, x, backend, size_ok: bool, expected: str) -> None:
     """The checks every ``out=`` passes: x's array type and dtype, its size
     (``size_ok``; ``expected`` says what was wanted and got), C-contiguous,
@@ -119,7 +134,9 @@ def check_nonfinite(nonfinite) -> None:
 _FLAT_DEFAULTS = {"collective": "allreduce", "hierarchy": "flat"}
 
 
-def check_agreement(metas: list) -> None:
+def check_agreement(metas: list, what: str = "all-reduce") -> None:
+    """Raise on every rank alike where a rank reported an error (``what``:
+    the collective, named in the message) or the records differ."""
     first = metas[0]
     if not first.get("error") and all(m is first for m in metas):
         return      # the agreement matched digests and handed back one record
@@ -128,7 +145,7 @@ def check_agreement(metas: list) -> None:
     bad = [(r, m["error"]) for r, m in enumerate(metas) if m["error"]]
     if bad:
         detail = "; ".join(f"rank {r}: {e}" for r, e in bad)
-        raise InvalidInputError(f"invalid all-reduce input ({detail})")
+        raise InvalidInputError(f"invalid {what} input ({detail})")
     for key in ("length", "dtype", "backend", "codec", "topology", "op", "seed", "counter",
                 "transport", "tile_bytes", "path", "nonfinite", "layout", "collective",
                 "hierarchy", "node_size", "rail_budget"):
@@ -141,6 +158,113 @@ def check_agreed(values: list, what: str) -> None:
     if any(v != values[0] for v in values):
         per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
         raise InputMismatchError(f"ranks disagree on {what} ({per_rank})")
+
+
+def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
+                   detailed_report: bool):
+    """Generator: one rank's call of the collective that ``table`` describes
+    (engine.AllReduce, engine_rs.ReduceScatter).  Returns (output, Report).
+    In this order on every rank: the local checks (``table.check`` sets
+    ``flat``, ``flat_out`` and ``backend`` as far as it gets); the local
+    statistics (``table.start``: they need no other rank, so a device
+    computes them while the host agrees); the agreement (``table.record``:
+    the collective's own fields); ``Route`` (``table.route``); then, for
+    n > 1 and a non-empty input, the native path (``table.native``) or the
+    compressed phases."""
+    t0 = time.perf_counter()
+    error = None
+    try:
+        table.check(x, out, spec, n)
+    except Exception as exc:  # reported to every rank, raised after agreement
+        error = f"{type(exc).__name__}: {exc}"
+    # what the checks established before any error: the agreement record's facts
+    flat, flat_out, backend = table.flat, table.flat_out, table.backend
+    if error is None and n > 1 and flat.shape[0] > 0:
+        try:
+            table.start(flat, spec, backend, workspace, n)
+        except Exception as exc:  # reported to every rank like a bad input
+            error = f"{type(exc).__name__}: {exc}"
+    metas = yield Agree(agreement_record(error, flat, backend, spec, **table.record))
+    check_agreement(metas, table.name)
+    # the planner answers from the records: the transport, and the path on it
+    routed = yield table.route(spec, flat, backend)
+
+    length = int(flat.shape[0])
+    report = Report(codec=spec.codec.name, topology=spec.topology, world_size=n, length=length,
+                    dtype=dtype_name(flat.dtype), op=spec.op, seed=int(spec.seed),
+                    call_counter=spec.counter, transport=routed.transport,
+                    collective=table.collective)
+    result = (flat_out if flat_out is not None
+              else backend.empty(table.output_length(length, n), flat.dtype))
+    output = out if out is not None else table.shaped(result, x)
+    if n == 1 or length == 0:
+        result[...] = flat
+    else:
+        report.path, report.path_reason = routed.path, routed.reason
+        if routed.path == "native":     # only where the table's Route asked for it
+            yield from table.native(n, flat, result, spec, routed, backend, workspace, report,
+                                    detailed_report)
+        else:
+            yield from compressed_phases(table, rank, n, flat, result, spec, backend,
+                                         workspace, report, detailed_report)
+    report.seconds = time.perf_counter() - t0
+    return output, report
+
+
+def compressed_phases(table, rank, n, flat, result, spec: CallSpec, backend, workspace, report,
+                      detailed_report):
+    """Generator: the statistics (``table.statistics``) reduced exactly, the
+    plans (``table.plan`` sets ``codec``, ``plans`` and this rank's
+    ``own``), the schedule's hops (``table.hops``), the finish into
+    ``result``, the report (``table.info``: the collective's own entries)."""
+    xp = backend.xp
+    divisor = n if spec.op == "mean" else 1
+    stats = table.statistics(flat, spec, backend, workspace)
+    schedule = schedules.build(spec.topology, n)
+    yield Mark("statistics")
+    reduced, sent, stats_total = None, 0, 0
+    if stats is not None:
+        reduced, sent, stats_total = yield from reduce_stats(
+            stats, n, rank, schedule, backend, workspace, spec.tile_bytes)
+    yield Mark("plan")
+    try:
+        table.plan(reduced, rank, n, spec, backend, workspace)
+        fixed = getattr(table.own, "fixed", False)
+        if fixed and spec.nonfinite == "raise":
+            for p in table.plans:       # the host reads; the same verdict on every rank
+                raise_refusal(p.refusal())
+    except (NonFiniteInputError, SumOverflowError) as exc:
+        propagate_nonfinite(exc, spec, result, report, stats_total, sent)
+        return
+    codec = table.codec
+    # A small input sent uncompressed keeps the contract of the codec asked
+    # for: its decoded sum is checked (table.check_sum) before anything
+    # reaches the caller's buffer.
+    raise_check = (codec is not spec.codec and getattr(spec.codec, "rejects_nonfinite", False)
+                   and spec.nonfinite == "raise")
+    if result.dtype in NATIVE_DTYPES:   # the plan may decode straight into the result
+        table.bind(result, divisor, raise_check)
+    yield Mark("reduce-scatter")
+    sent += yield from table.hops(schedule, rank)
+    yield Mark("finish")
+    if raise_check:
+        yield from table.check_sum()
+    finish_into(table.own, divisor, result, workspace, xp)
+    yield Mark("done")
+
+    chunk_bytes = [sum(p.chunk_nbytes) for p in table.plans]
+    report.wire_bytes_total = stats_total + table.halves * (n - 1) * sum(chunk_bytes)
+    report.stats_bytes_total = stats_total
+    report.bytes_sent = sent
+    report.tiles_per_chunk = max(len(p.chunk_tiles[0]) for p in table.plans)
+    report.sync_free = (all(getattr(p, "sync_free", False) for p in table.plans)
+                        and not raise_check and spec.nonfinite == "propagate")
+    info = report_plan(report, table.own, fixed, stats is not None, detailed_report, xp, result)
+    info.update(table.info(chunk_bytes))
+    if codec is not spec.codec:
+        info["fallback"] = (f"{codec.name}: {report.length} elements < small_input="
+                            f"{getattr(spec.codec, 'small_input', '?')}")
+    report.codec_info = info
 
 
 def reduce_tile(plan, tile, received, event):
@@ -321,17 +445,6 @@ def holds_nonfinite(xp, a) -> bool:
     if a.dtype == BFLOAT16:
         return bool(((a.view(np.uint16) & np.uint16(0x7F80)) == np.uint16(0x7F80)).any())
     return not bool(xp.isfinite(a).all())
-
-
-def local_statistics(flat, spec, backend, workspace):
-    """(values, codec of this length, keys, (stats, local state)): the part of
-    a compressed call that needs no other rank."""
-    values = flat if flat.dtype in NATIVE_DTYPES else flat.astype(np.float32)
-    codec = spec.codec.for_length(int(flat.shape[0]))
-    keys = call_keys(int(spec.seed), spec.counter)
-    if spec.keys_at:
-        keys = dataclasses.replace(keys, device=int(spec.keys_at))
-    return values, codec, keys, codec.local_stats(values, backend, workspace, keys=keys)
 
 
 def default_layout(value=None) -> str:

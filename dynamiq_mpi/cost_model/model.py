@@ -265,7 +265,7 @@ def _steps(topology, n):
 def data_phase(n, topology, chunk_elements, cost: CodecCost, link_for, tile_bytes,
                launch) -> dict:
     """Device time of the reduce-scatter and all-gather of one compressed call
-    (engine.run_schedule, replayed for rank 0; by symmetry a message arrives
+    (phases.run_schedule, replayed for rank 0; by symmetry a message arrives
     when this rank's own message of the same step and tile has crossed).
     ``link_for(distance)`` gives the flow of a step."""
     chunk_bytes = chunk_elements * cost.wire_bits / 8
