@@ -46,7 +46,7 @@ SUPER = 256                       # entries per DynamiQ super-group
 STATS_BITS = 64                   # DynamiQ statistics per super-group: mean and norm, float32
 DEFAULT_TILE_BYTES = 32 << 20     # codecs/base.py
 WIDTHS = (2, 4, 8)
-HOST_MODES = ("exact", "fixed", "graph")
+HOST_MODES = ("exact", "fixed", "eager", "graph")
 
 # ------------------------------------------------------------------ units
 
@@ -263,28 +263,39 @@ def _steps(topology, n):
 
 
 def data_phase(n, topology, chunk_elements, cost: CodecCost, link_for, tile_bytes,
-               launch) -> dict:
+               launch, start=0.0, host=None) -> dict:
     """Device time of the reduce-scatter and all-gather of one compressed call
     (phases.run_schedule, replayed for rank 0; by symmetry a message arrives
     when this rank's own message of the same step and tile has crossed).
-    ``link_for(distance)`` gives the flow of a step."""
+    ``link_for(distance)`` gives the flow of a step.  ``start``: when the
+    device may begin.  ``host``: ``(t0, per_message)``: an eager host that
+    issues the messages one after another from ``t0``, ``per_message``
+    seconds each (its exchange and the launch of the kernel that feeds it);
+    neither the kernel nor the message runs before its issue.  ``None``: all
+    issued at once (a replayed graph)."""
     chunk_bytes = chunk_elements * cost.wire_bits / 8
     tiles = max(1, math.ceil(chunk_bytes / tile_bytes))
     tb, te = chunk_bytes / tiles, chunk_elements / tiles
-    gpu = link = 0.0
+    gpu = link = start
+    issued, per_message = host if host else (start, 0.0)
     busy = {"kernels": 0.0, "wire": 0.0}
 
     def kernel(ready, per_element):
         nonlocal gpu
         dur = per_element * te + launch * cost.pieces
-        gpu = max(gpu, ready) + dur
+        gpu = max(gpu, ready, issued) + dur
         busy["kernels"] += dur
         return gpu
+
+    def issue():
+        nonlocal issued
+        issued += per_message            # the host issues the next message and its kernel
+        return 0.0
 
     def send(ready, distance):
         nonlocal link
         dur = link_for(distance).time(tb)
-        link = max(link, ready) + dur
+        link = max(link, ready, issued) + dur
         busy["wire"] += dur
         return link
 
@@ -299,24 +310,27 @@ def data_phase(n, topology, chunk_elements, cost: CodecCost, link_for, tile_byte
     pending = defaultdict(list)          # (chunk, tile) -> arrival times of partial sums
     for st in reduce:
         for k in range(tiles):
+            issue()
             arrived = send(reduce_tile(pending.pop((st.send_chunk, k), [])), (st.dest - 0) % n)
             pending[(st.recv_chunk, k)].append(arrived)
     arrivals = []
     if gather:
         own = gather[0].send_chunk
         for k in range(tiles):           # the sink's last fused step, sent at once, then decoded
+            issue()
             arrivals.append(send(reduce_tile(pending.pop((own, k), [])), 1))
             kernel(0.0, cost.decode)
         for k in range(tiles):
             kernel(arrivals[k], cost.decode)
         for _ in gather[1:]:             # forward what arrived, decode what arrives
-            arrivals = [send(a, 1) for a in arrivals]
+            arrivals = [send(a + issue(), 1) for a in arrivals]
             for a in arrivals:
                 kernel(a, cost.decode)
     else:                                # one rank: compress and decode its own values
         kernel(kernel(0.0, cost.compress), cost.decode)
     hops = (len(reduce) + len(gather)) * tiles
-    return {"seconds": max(gpu, link), "tiles": tiles, "hops": hops, **busy}
+    return {"seconds": max(gpu, link) - start, "end": max(gpu, link), "host_end": issued,
+            "tiles": tiles, "hops": hops, **busy}
 
 
 def planner_seconds(rates, elements):
@@ -348,40 +362,54 @@ def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
     probe = cost_at(chunk)
     tiles = max(1, math.ceil(chunk * probe.wire_bits / 8 / tile_bytes))
     cost = cost_at(chunk / tiles)
-    data = data_phase(n, ran, chunk, cost, link_for, tile_bytes, launch)
     d = {"stats_local": 0.0, "stats_exchange": 0.0, "plan": 0.0}
+    stats_messages = 0
     if cost.stats_bytes:
         d["stats_local"] = (elements * kernel_ns(rates, "stats", elements) * 1e-9
                             * rates.get("in_call_factor", 1.0) + launch)
         sbytes = elements * cost.stats_bytes
         if n == 2:                       # one exchange of the whole vector, one summing kernel
             d["stats_exchange"] = link_for(1).time(sbytes) + sbytes * 3 / copy_rate(rates) + launch
+            stats_messages = 1
         elif n > 2:                      # the exact codec's all-reduce, same schedule
             exact = codec_cost("exact", 32, rates, sbytes / 4, in_bytes=4)
             d["stats_exchange"] = data_phase(n, ran, sbytes / 4 / n, exact, link_for,
                                              tile_bytes, launch)["seconds"]
+            stats_messages = 2 * (n - 1)
     if cost.planner:
         d["plan"] = planner_seconds(rates, elements)
     # the caller's rows absent from the stream (DynamiQ's 0-bit class) and the mean
     d["finish"] = elements * in_bytes / copy_rate(rates) * 0.25 + launch
+    per_hop = h["per_hop"]
+    h_plan = h["plan"] if cost.planner else 0.0
+    prologue = d["stats_local"] + d["stats_exchange"] + d["plan"]
+    # the host: the agreement, the engine's own work, the statistics' messages ...
+    host_pre = h["agree"] + h["data_base"] + per_hop * stats_messages
+    if host == "exact" and cost.planner:
+        # ... then it waits for the plan's header (the device's prologue and the copy)
+        # and runs the plan's Python before it issues the first data message
+        h0 = max(host_pre, h["agree"] + prologue) + h["d2h"] + h_plan
+    else:                                # fixed: no host read, the plan's Python at once
+        h0 = host_pre + h_plan
+    gated = data_phase(n, ran, chunk, cost, link_for, tile_bytes, launch,
+                       start=h["agree"] + prologue, host=(h0, per_hop if n > 1 else 0.0))
+    data = data_phase(n, ran, chunk, cost, link_for, tile_bytes, launch)
     d["data"] = data["seconds"]
     device = sum(d.values())
-    hops = data["hops"] + (0 if not cost.stats_bytes else (1 if n == 2 else 2 * (n - 1)))
-    # host: the agreement, the plan's Python, then per message its exchange and launch
-    h_rest = h["data_base"] + (h["per_hop"] * hops if n > 1 else 0.0)
-    h_plan = h["plan"] if cost.planner else 0.0
+    hops = data["hops"] + stats_messages
+    host_total = h["agree"] + h["data_base"] + h_plan + (per_hop * hops if n > 1 else 0.0)
     if host == "graph":                  # one replay: the work is all on the device
         total = max(h["graph_call"], device)
-    elif host == "fixed" or not cost.planner:
-        # no host read: back-to-back calls overlap one call's host with another's device
-        total = max(h["agree"] + h_plan + h_rest, device)
+    elif host == "fixed":
+        # no host read and no report: back-to-back calls overlap one call's host
+        # with another's device
+        total = max(host_total, device)
     else:
-        # the layout measured on 2026-11-24: the host reads the plan's header, so the
-        # plan's Python starts when stats exchange, planner and copy are done; the
-        # agreement of the next call overlaps this call's data phase
-        total = (h_plan + h["d2h"] + d["stats_exchange"] + d["plan"]
-                 + max(d["stats_local"] + d["data"] + d["finish"], h["agree"] + h_rest))
-    return {"seconds": total, "device": device, "host": h["agree"] + h_plan + h_rest,
+        # exact, eager: the call's end is waited for (its report read), so one call's
+        # host cannot hide behind another's device; the device runs each message
+        # once the host has issued it
+        total = max(gated["end"] + d["finish"], gated["host_end"])
+    return {"seconds": total, "device": device, "host": host_total,
             "topology": ran, "tiles": data["tiles"], "hops": hops, "codec": cost.name,
             "wire_bits": cost.wire_bits,
             "parts": d, "kernels": data["kernels"], "wire": data["wire"]}
