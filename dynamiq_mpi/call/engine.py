@@ -89,11 +89,15 @@ class AllReduce:
 
     def plan(self, reduced, rank, n, spec, backend, workspace):
         values, codec, keys, (stats, local_state) = self.early
+        # ``codec``: the codec the call runs (a small input's fallback or the
+        # codec asked for); a rail's plan hook only re-budgets it, so the
+        # fallback test (phases) still compares the codec before the hook.
+        planned = codec
         if spec.plan_hook is not None and stats is not None:
-            codec = spec.plan_hook(codec, reduced, backend)
+            planned = spec.plan_hook(codec, reduced, backend)
         with plan_layout(resolve_layout(spec, backend.name)):
-            self.own = codec.plan(values, reduced, n, keys, backend, local_state, workspace,
-                                  spec.tile_bytes)
+            self.own = planned.plan(values, reduced, n, keys, backend, local_state, workspace,
+                                    spec.tile_bytes)
         self.codec, self.plans = codec, [self.own]
 
     def bind(self, result, divisor, raise_check):

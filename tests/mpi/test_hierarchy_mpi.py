@@ -551,3 +551,22 @@ def test_ranks_asking_unlike_rail_budgets_raise_everywhere():
     coll.free()
     with pytest.raises(ValueError, match="rail_budget"):
         dq.Collective(comm, rail_budget="uneven")
+
+
+@pytest.mark.mpi(min_size=4)
+def test_a_joint_rail_budget_runs_under_nonfinite_raise():
+    """nonfinite="raise" with the joint rail budget: the rails' re-budgeted
+    codec is not mistaken for a small input's fallback (whose decoded sum
+    is checked); the result equals the default call's bit for bit."""
+    if N % 2:
+        pytest.skip("nodes of 2 ranks")
+    x = rank_inputs(shared_seed(comm), N, 256 * 4000)[comm.rank]
+    got = {}
+    for nonfinite in ("raise", "propagate"):
+        coll = dq.Collective(comm, node_size=2, hierarchy="nodes", rail_budget="joint")
+        got[nonfinite], report = coll.allreduce(x, codec=dq.DynamiQ(small_input=0),
+                                                nonfinite=nonfinite, return_report=True)
+        assert "fallback" not in str(report.codec_info), report.codec_info
+        coll.free()
+    assert digest(got["raise"]) == digest(got["propagate"])
+    assert len(set(comm.allgather(digest(got["raise"])))) == 1
