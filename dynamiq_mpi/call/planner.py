@@ -136,7 +136,8 @@ class CallPlanner:
             if steady is not None:
                 plan.route, plan.steady, plan.path = "steady", steady, "native"
                 return plan
-        if self.use_graphs and out is not None and requested != "native" and quiet:
+        if (self.use_graphs and out is not None and requested != "native" and quiet
+                and type(x).__module__.startswith("cupy")):   # graphs replay device work only
             plan.graph_key = call_graph_key(x, out, call)
             entry = self.graphs.get(plan.graph_key) if plan.graph_key is not None else None
             if entry is not None and not entry.failed:

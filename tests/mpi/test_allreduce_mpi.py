@@ -217,3 +217,45 @@ def test_graphs_on_host_arrays_change_nothing(monkeypatch):
     assert on.graphs and not off.graphs and not env_off.graphs and default.graphs
     for c in (plain, graphs, on, off, env_off, default):
         c.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_steady_call_crosses_few_modules_and_plans_once():
+    """A steady flat all-reduce of NumPy arrays, traced with sys.setprofile
+    from dq.allreduce to its end: the public face and the call machinery
+    run code in at most 6 modules (codecs, schedules, transports, the
+    control plane and the ground floor not counted, nor what a codec calls
+    on the workspace it is handed) and the planner is entered once."""
+    import sys
+    x = np.random.default_rng(comm.rank).standard_normal(1 << 16).astype(np.float32)
+    out = np.empty_like(x)
+    for _ in range(3):                          # buffers sized (the path: conftest's
+        dq.allreduce(x, out=out, comm=comm)     # DYNAMIQ_PATH=compressed)
+    machinery, plans = set(), []
+
+    def where(frame):
+        name = frame.f_code.co_filename.replace("\\", "/")
+        return name.split("dynamiq_mpi/", 1)[1] if "/dynamiq_mpi/" in name else None
+
+    def profile(frame, event, arg):
+        if event != "call":
+            return
+        mod, up = where(frame), frame.f_back
+        while up is not None:                   # code run on behalf of a codec
+            if (where(up) or "").startswith("codecs/"):
+                return
+            up = up.f_back
+        if mod is None:
+            return
+        if mod in ("api.py", "__init__.py") or mod.startswith("call/"):
+            machinery.add(mod)
+        if mod == "call/planner.py" and frame.f_code.co_name == "plan_allreduce":
+            plans.append(1)
+
+    sys.setprofile(profile)
+    try:
+        dq.allreduce(x, out=out, comm=comm)
+    finally:
+        sys.setprofile(None)
+    assert len(plans) == 1
+    assert len(machinery) <= 6, str(sorted(machinery))
