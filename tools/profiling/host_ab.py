@@ -1,6 +1,6 @@
 """Host time per call of a steady all-reduce on host (NumPy) arrays, through
 the public API only, so that two versions of the package can be compared
-alternately in one session (each imports the `dynamiq_mpi` on PYTHONPATH):
+alternately in one job (each imports the `dynamiq_mpi` on PYTHONPATH):
 
     for r in 1 2 3 4; do for P in OLD_DIR .; do
       PYTHONSAFEPATH=1 PYTHONPATH=$P mpiexec -n 2 python tools/profiling/host_ab.py 10
