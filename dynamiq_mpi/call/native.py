@@ -21,7 +21,7 @@ from __future__ import annotations
 from ..codecs.base import signature_of
 from ..errors import InputMismatchError
 from ..control.agreement import Digests, digest_with_counter, record_digest
-from .wire import _gpu_kernels, from_wire, to_wire, wire_dtype  # noqa: F401 (the old module's)
+from .wire import from_wire, to_wire
 
 
 def steady_key(x, out, codec, topology, op, seed, transport, tile_bytes, nonfinite, path):

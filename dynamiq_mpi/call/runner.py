@@ -119,8 +119,7 @@ class CallRunner:
     def free(self):
         """Everything, collectively: graphs first (a captured NCCL call holds
         a reference on its communicator, and ncclCommDestroy waits until
-        every graph that holds one is gone: it hung at 2 and 4 ranks on
-        H100s), then the transports, workspace and level planes, then the
+        every graph that holds one is gone), then the transports, workspace and level planes, then the
         control plane's duplicate."""
         self.planner.free_graphs()
         self.runtime.free_transports()
