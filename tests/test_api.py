@@ -217,3 +217,20 @@ def test_the_planner_resolves_the_path_the_engine_runs(monkeypatch):
     assert routed == Routed("mpi", reason="no native all-reduce on mpi for gpu arrays")
     assert "staged through host memory" in why
     coll.free()
+
+
+def test_ranks_asking_different_reduce_scatter_budgets_raise_on_every_rank():
+    """The block budget ("per-chunk" or "global") is in the agreement: ranks
+    that differ raise before any payload moves, instead of exchanging
+    messages of different sizes."""
+    from dynamiq_mpi.call.engine_rs import rank_program_rs
+    from dynamiq_mpi.call.phases import CallSpec
+    from dynamiq_mpi.call.workspace import FRESH
+    from dynamiq_mpi.transports.simulate import SimulatedTransport
+    n, m = 2, 256 * 40
+    xs = rank_inputs(fresh_seed(), n, n * m)
+    spec = CallSpec(dq.DynamiQ(small_input=0), "ring", "sum", 0, 0, "auto", 1 << 16)
+    programs = [rank_program_rs(r, n, xs[r], spec, None, FRESH, False, budget)
+                for r, budget in enumerate(("per-chunk", "global"))]
+    with pytest.raises(dq.InputMismatchError, match="budget"):
+        SimulatedTransport(n).run(programs)

@@ -30,6 +30,7 @@ turns them off.
 """
 from __future__ import annotations
 
+import gc
 import weakref
 
 from ..codecs.base import signature_of
@@ -80,17 +81,26 @@ class CallGraph:
         what the capture raised (the stream is then out of capture).
         :meth:`launch` runs it."""
         rt = self._cupy.cuda.runtime
-        rt.streamBeginCapture(stream.ptr, _RELAXED)
+        # No garbage collection inside the capture: a collected Collective
+        # would free device memory and destroy graphs and communicators there.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
         try:
-            with self._cupy.cuda.using_allocator(self.pool.malloc):
-                result = body()
-        except BaseException:
+            rt.streamBeginCapture(stream.ptr, _RELAXED)
             try:
-                rt.graphDestroy(rt.streamEndCapture(stream.ptr))
-            except Exception:       # an invalidated capture: ended with an error
-                pass
-            raise
-        self._handles.graph = rt.streamEndCapture(stream.ptr)   # raises if a host wait invalidated it
+                with self._cupy.cuda.using_allocator(self.pool.malloc):
+                    result = body()
+            except BaseException:
+                try:
+                    rt.graphDestroy(rt.streamEndCapture(stream.ptr))
+                except Exception:   # an invalidated capture: ended with an error
+                    pass
+                raise
+            self._handles.graph = rt.streamEndCapture(stream.ptr)   # raises if a host wait invalidated it
+        finally:
+            if collecting:
+                gc.enable()
         for _ in range(2):
             self._handles.execs.append(rt.graphInstantiate(self._handles.graph))
         return result
@@ -123,14 +133,16 @@ class _GraphHandles:
         if not execs and not graph:
             return
         previous = runtime.getDevice()
-        runtime.setDevice(self.device)
+        if previous != self.device:      # (a thread of no device gets none made current)
+            runtime.setDevice(self.device)
         try:
             for e in execs:
                 runtime.graphExecDestroy(e)
             if graph:
                 runtime.graphDestroy(graph)
         finally:
-            runtime.setDevice(previous)
+            if previous != self.device:
+                runtime.setDevice(previous)
 
 
 def graph_key(x, out, codec_signature, topology, op, seed, transport, tile_bytes, nonfinite,

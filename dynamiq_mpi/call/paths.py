@@ -130,7 +130,9 @@ class PathChooser:
 
     def decisions(self) -> dict:
         """{class key: (choice, why)} of the classes decided so far."""
-        return {k: (c.choice, c.why) for k, c in self._classes.items() if c.choice is not None}
+        # a snapshot: the DDP hook's worker thread may add a class meanwhile
+        return {k: (c.choice, c.why) for k, c in list(self._classes.items())
+                if c.choice is not None}
 
     def forget(self) -> None:
         """Measure every class again (e.g. after the link changed)."""

@@ -148,7 +148,7 @@ def check_agreement(metas: list, what: str = "all-reduce") -> None:
         raise InvalidInputError(f"invalid {what} input ({detail})")
     for key in ("length", "dtype", "backend", "codec", "topology", "op", "seed", "counter",
                 "transport", "tile_bytes", "path", "nonfinite", "layout", "collective",
-                "hierarchy", "node_size", "rail_budget"):
+                "hierarchy", "node_size", "rail_budget", "budget"):
         check_agreed([m.get(key, _FLAT_DEFAULTS.get(key)) for m in metas], key)
 
 

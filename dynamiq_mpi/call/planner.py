@@ -244,6 +244,12 @@ class CallPlanner:
             self.steps = StepChooser(plane, options, elapsed, **schedule)
         return self.steps
 
+    def free_choices(self):
+        """Free the choosers' duplicated planes (collective, as Collective.free)."""
+        for chooser in filter(None, (self.measured, self.steps)):
+            chooser.plane.free()
+        self.measured = self.steps = None
+
     def path_decisions(self) -> dict:
         out = self.paths.decisions()
         for chooser in filter(None, (self.measured, self.steps)):

@@ -122,6 +122,7 @@ class CallRunner:
         every graph that holds one is gone), then the transports, workspace and level planes, then the
         control plane's duplicate."""
         self.planner.free_graphs()
+        self.planner.free_choices()
         self.runtime.free_transports()
         self.nodes.free()
         self.runtime.free()

@@ -309,3 +309,17 @@ def test_a_steady_signature_resolves_once_to_its_plan():
     for out in outs:
         assert np.array_equal(out, want.astype(np.float32))
     coll.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_free_releases_the_choosers_duplicated_communicators():
+    """class_choice() and step_choice() agree over duplicates of the
+    collective's communicator; free() releases them with the rest."""
+    coll = dq.Collective(comm)
+    classes = coll.class_choice()
+    steps = coll.step_choice(("a", "b"), lambda mark: 0.0, rounds=1)
+    assert coll.class_choice() is classes and coll.step_choice(("x",), None, rounds=9) is steps
+    planes = [classes.plane, steps.plane]
+    assert all(p.mpi_comm is not None and p.mpi_comm != comm for p in planes)
+    coll.free()
+    assert all(p.mpi_comm is None for p in planes)
