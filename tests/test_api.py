@@ -234,3 +234,41 @@ def test_ranks_asking_different_reduce_scatter_budgets_raise_on_every_rank():
                 for r, budget in enumerate(("per-chunk", "global"))]
     with pytest.raises(dq.InputMismatchError, match="budget"):
         SimulatedTransport(n).run(programs)
+
+
+def test_a_graphs_handles_are_destroyed_once_executables_first_on_their_device():
+    """call/graphs.py's handles (what a CallGraph's finalizer destroys, on
+    whatever thread collects it): executables, then the graph, on the
+    graph's device, the caller's device restored; a second destroy does
+    nothing.  (A fake CUDA runtime: the real one is tested on GPUs.)"""
+    from dynamiq_mpi.call.graphs import _GraphHandles
+
+    class Runtime:
+        def __init__(self, device):
+            self.device, self.calls = device, []
+
+        def getDevice(self):
+            return self.device
+
+        def setDevice(self, d):
+            self.calls.append(("set", d))
+            self.device = d
+
+        def graphExecDestroy(self, e):
+            self.calls.append(("exec", e))
+
+        def graphDestroy(self, g):
+            self.calls.append(("graph", g))
+
+    handles = _GraphHandles(1)
+    handles.graph, handles.execs = 7, [3, 4]
+    rt = Runtime(0)
+    handles.destroy(rt)
+    assert rt.calls == [("set", 1), ("exec", 3), ("exec", 4), ("graph", 7), ("set", 0)]
+    handles.destroy(rt)
+    assert len(rt.calls) == 5 and rt.device == 0
+    same = _GraphHandles(2)
+    same.graph, same.execs = 9, [5]
+    rt = Runtime(2)
+    same.destroy(rt)
+    assert rt.calls == [("exec", 5), ("graph", 9)]       # no device switch
