@@ -81,9 +81,10 @@ class CallGraph:
         what the capture raised (the stream is then out of capture).
         :meth:`launch` runs it."""
         rt = self._cupy.cuda.runtime
-        # No garbage collection inside the capture: a collected Collective
-        # would free device memory and destroy graphs and communicators there.
-        gc.collect()
+        # No garbage collection inside the capture (on any thread): a
+        # collected Collective would free device memory and destroy graphs
+        # and communicators there.  (No collection before it either: a DDP
+        # step captures one call per bucket.)
         collecting = gc.isenabled()
         gc.disable()
         try:
