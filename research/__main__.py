@@ -1,5 +1,5 @@
 """Command line of the studies: ``python -m research {vnmse,train-sim,model-check,
-model-map,schedule}``, run from the repository root (no MPI: every rank is
+model-check-runs,model-map,schedule}``, run from the repository root (no MPI: every rank is
 simulated)."""
 from __future__ import annotations
 
@@ -32,6 +32,13 @@ def main(argv=None):
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     model_check.add_arguments(p)
     p.set_defaults(func=model_check.run, check=True, map=None)
+    from . import model_check_runs
+    p = sub.add_parser("model-check-runs", help="the cost model against every recorded "
+                                                "compressed call from 2^20, two and four ranks",
+                       description=model_check_runs.__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_check_runs.add_arguments(p)
+    p.set_defaults(func=model_check_runs.run)
     p = sub.add_parser("model-map", help="where compression pays, by the cost model (a PNG, "
                                          "its data beside it as JSON; needs matplotlib)")
     p.add_argument("map", metavar="FILE")

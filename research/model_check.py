@@ -69,7 +69,7 @@ def fit_nccl(rows):
     return c, 1 / g
 
 
-def _codec_of(row):
+def codec_of(row):
     if row.get("fallback", "").startswith("bf16"):
         return "bf16", 16.0, None
     name = row["codec"]
@@ -114,7 +114,7 @@ def _stamp(date):
         return 0.0
 
 
-def _lanes(run):
+def lanes_of(run):
     if "DYNAMIQ_NCCL_LANES" in run["env"]:
         return int(run["env"]["DYNAMIQ_NCCL_LANES"])
     return 4 if run["link"] == "shm" and run["date"] >= LANES_AUTO_SINCE else 1
@@ -133,10 +133,10 @@ def check(results_dir, rates_name="h200", host="exact"):
                                                      for r in run["rows"])
             continue
         eff = P2P_EFFICIENCY[run["link"]][0]
-        eff = eff[_lanes(run)] if isinstance(eff, dict) else eff
+        eff = eff[lanes_of(run)] if isinstance(eff, dict) else eff
         link = Link(c / 2, beta * eff)   # the collective's constant over its two steps
         for r in run["rows"]:
-            codec, bits, widths = _codec_of(r)
+            codec, bits, widths = codec_of(r)
             why = None
             if r["codec"] == "nccl all-reduce":
                 continue
@@ -158,7 +158,7 @@ def check(results_dir, rates_name="h200", host="exact"):
                                      lambda d: link, rates, "ring", host, tile_bytes)
             meas = r["time_us"] * 1e-6
             out.append({"run": run["label"], "date": run["date"][:16], "link": run["link"],
-                        "lanes": _lanes(run), "codec": r["codec"], "elements": n_el,
+                        "lanes": lanes_of(run), "codec": r["codec"], "elements": n_el,
                         "measured_us": meas * 1e6, "predicted_us": p["seconds"] * 1e6,
                         "error": p["seconds"] / meas - 1, "nccl_us": _nccl_at(run, n_el),
                         "current_code": run["date"] >= CURRENT_CODE_SINCE,

@@ -178,17 +178,13 @@ def test_map(tmp_path):
 
 
 def _check_tool():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("cost_model_check",
-                                                  os.path.join(ROOT, "tools", "cost_model_check.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from research import model_check_runs
+    return model_check_runs
 
 
 def test_error_from_2_20_at_two_and_four_ranks():
     """The statement of docs/cost-model.md, "Predicted against measured": from
-    2^20 elements at two and four ranks (tools/cost_model_check.py), every
+    2^20 elements at two and four ranks (research/model_check_runs.py), every
     out-of-sample row within 25 % but the four NVLink rows of
     bench_defaults_nvlink (the same calls took 672-680 us in bench_paths
     minutes earlier), mean under 10 %; every four-rank row within 25 %; and

@@ -1,7 +1,7 @@
 """The cost model against every recorded compressed call from 2^20 elements at
 two and four ranks (docs/cost-model.md, "Predicted against measured").
 
-    PYTHONPATH=. python tools/cost_model_check.py [--json docs/results/cost_model_check_2026-11-27.json]
+    python -m research model-check-runs [--json docs/results/cost_model_check_2026-11-27.json]
 
 Runs read (docs/results, docs/benchmarks.md sections 2, 4 and 5):
 
@@ -20,7 +20,7 @@ What is fitted, and to what:
   count, ``t = c + 2(n-1)/n S / beta`` (least squares on the relative error),
   a message's latency ``c / (2(n-1))``; runs without NCCL rows take the run of
   their link minutes apart; our point-to-point at ``beta`` times the probed
-  ratio of research/model_check.py (``P2P_EFFICIENCY``);
+  ratio of model_check.py (``P2P_EFFICIENCY``);
 * the host's time per message at four ranks: the 4x H100 NVLink run's own
   compressed-path rows of 2^20 elements, which DynamiQ sends as BF16 (below
   its ``small_input``; device work under 0.1 ms, so these rows time the
@@ -31,18 +31,16 @@ No DynamiQ row is fitted: every DynamiQ prediction is out of sample.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from dynamiq_mpi.cost_model import model as cm
 
-from dynamiq_mpi.cost_model import model as cm  # noqa: E402
-from research import model_check as mc  # noqa: E402
+from . import model_check as mc
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FROM = 1 << 20
 RUNS = [  # file, kernel set, host mode, the run whose NCCL rows fit the link
@@ -78,7 +76,7 @@ def _p2p(doc):
     link = mc.link_of(meta["env"])
     eff = mc.P2P_EFFICIENCY[link][0]
     run = {"env": meta["env"], "link": link, "date": meta["date"]}
-    return link, (eff[mc._lanes(run)] if isinstance(eff, dict) else eff)
+    return link, (eff[mc.lanes_of(run)] if isinstance(eff, dict) else eff)
 
 
 def _compressed_rows(doc):
@@ -89,7 +87,7 @@ def _compressed_rows(doc):
 
 
 def predict_row(r, n, link, rates, host):
-    codec, bits, widths = mc._codec_of(r)
+    codec, bits, widths = mc.codec_of(r)
     ne = r["count"]
     tiles = max(1, int(r.get("tiles_per_chunk") or 1))
     probe = cm.codec_cost(codec, bits, rates, ne / n, widths=widths)
@@ -114,7 +112,7 @@ def fit_host_per_message(results):
     c, beta = fit_link(doc)
     _, eff = _p2p(doc)
     link = cm.Link(c / (2 * (n - 1)), beta * eff)
-    rows = [r for r in _compressed_rows(doc) if mc._codec_of(r)[0] == "bf16"]
+    rows = [r for r in _compressed_rows(doc) if mc.codec_of(r)[0] == "bf16"]
 
     def loss(p):
         rates = _rates("h100", p)
@@ -146,7 +144,7 @@ def check(results=None):
                      "host_per_message_us": rates["host_us"]["per_hop"]})
         for r in _compressed_rows(doc):
             p = predict_row(r, n, link, rates, host)
-            in_sample = fname == HOST_FIT_RUN and mc._codec_of(r)[0] == "bf16"
+            in_sample = fname == HOST_FIT_RUN and mc.codec_of(r)[0] == "bf16"
             out.append(_row(fname, doc["meta"], link_name, n, r["codec"], r.get("topology"),
                             r["count"], r["time_us"], p, host, kernels, in_sample,
                             bool(r.get("fallback"))))
@@ -209,17 +207,14 @@ def print_table(res, out=sys.stdout):
                       f"{s['max_abs_error']:5.1%}  within 25 %: {s['within_25pct']}\n")
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--results", default=None)
+def add_arguments(p):
+    p.add_argument("--results", default=None, help="docs/results (default: this checkout's)")
     p.add_argument("--json", default=None, help="write the result as JSON")
-    args = p.parse_args(argv)
+
+
+def run(args):
     res = check(args.results)
     print_table(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
     return res
-
-
-if __name__ == "__main__":
-    main()
