@@ -30,6 +30,7 @@ the verdict.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 import numpy as np
@@ -156,6 +157,9 @@ class ReduceScatter:
         self.values = [values[b * self.m:(b + 1) * self.m] for b in range(n)]
         self.ws = [_Scoped(workspace, f"rs{b}.") for b in range(n)]
         self.keys = [block_keys(keys, b) for b in range(n)]
+        if spec.keys_at:    # a graph's capture: block b's keys live on the device, 8 bytes each
+            self.keys = [dataclasses.replace(k, device=int(spec.keys_at) + 8 * b)
+                         for b, k in enumerate(self.keys)]
         self.stats, self.states = zip(*[self.codec.local_stats(xb, backend, ws, keys=kb)
                                         for xb, ws, kb in zip(self.values, self.ws, self.keys)])
         if self.stats[0] is not None:

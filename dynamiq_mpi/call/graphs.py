@@ -20,6 +20,12 @@ stream), is captured once into a CUDA graph and replayed:
   8-byte digest exchange, and a rank whose call differs makes every rank
   raise the engine's error) and its graph once captured.
 
+An all-reduce's graph reads and writes the caller's buffers (the DDP hook's
+fused buffer persists across steps).  A reduce-scatter's graph is *staged*:
+it reads and writes buffers of its own, the input copied in and the output
+copied out around each replay (FSDP2 hands a fresh input buffer every step,
+and every decoder layer of one size shares the graph).
+
 The capture itself runs the ordinary engine on the caller's stream.  A rank
 whose capture (or launch) fails after the call's digests were exchanged runs
 that call on the engine instead, without a second agreement: the engine sends
@@ -47,14 +53,16 @@ _RELAXED = 2        # cudaStreamCaptureModeRelaxed: the pool may grow during a c
 class CallGraph:
     """A call's device work, captured once on a stream and replayed."""
 
-    def __init__(self):
+    def __init__(self, blocks: int = 1):
+        """``blocks``: the generator streams the call keys (a reduce-scatter:
+        one a block, each key pair 8 bytes after the last)."""
         import cupy
         from .. import _gpu
         self._cupy, self._gpu = cupy, _gpu
         self.pool = cupy.cuda.MemoryPool()
         self.workspace = Workspace()
         with cupy.cuda.using_allocator(self.pool.malloc):
-            self.keys = cupy.zeros(2, dtype=cupy.uint32)
+            self.keys = cupy.zeros(2 * blocks, dtype=cupy.uint32)
         self._handles = _GraphHandles(cupy.cuda.runtime.getDevice())
         # A graph left to the garbage collector (its Collective never freed)
         # or alive at exit is destroyed before any communicator can be:
@@ -67,6 +75,7 @@ class CallGraph:
         # as long as the graph, so that no communicator it captured can be
         # dropped before it (the finalizer runs before this reference goes).
         self.holds = None
+        self.staged = None          # (input, output) of a staged graph
         self._turn = 0
         self.replays = 0
 
@@ -106,16 +115,34 @@ class CallGraph:
             self._handles.execs.append(rt.graphInstantiate(self._handles.graph))
         return result
 
-    def launch(self, keys, stream):
-        """Replay with the generator keys of this call (rng.CallKeys)."""
-        self._gpu.set_keys(self.keys, keys.value, keys.perm, stream)
-        self._cupy.cuda.runtime.graphLaunch(self._handles.execs[self._turn], stream.ptr)
+    def stage(self, x, out):
+        """Buffers of the graph's own, shaped as ``x`` and ``out``, that a
+        staged graph reads and writes."""
+        with self._cupy.cuda.using_allocator(self.pool.malloc):
+            self.staged = (self._cupy.empty_like(x), self._cupy.empty_like(out))
+        return self.staged
+
+    def launch(self, keys, stream, x=None, out=None):
+        """Replay with the generator keys of this call (rng.CallKeys, or a
+        list of them: one a block); a staged graph takes ``x`` in and gives
+        ``out`` back, on ``stream``."""
+        cupy = self._cupy
+        if self.staged is not None:
+            with stream:
+                cupy.copyto(self.staged[0], x)
+        for b, k in enumerate(keys if isinstance(keys, list) else [keys]):
+            self._gpu.set_keys(self.keys[2 * b:2 * b + 2], k.value, k.perm, stream)
+        cupy.cuda.runtime.graphLaunch(self._handles.execs[self._turn], stream.ptr)
+        if self.staged is not None:
+            with stream:
+                cupy.copyto(out, self.staged[1])
         self._turn ^= 1
         self.replays += 1
 
     def free(self):
         self._handles.destroy(self._cupy.cuda.runtime)
         self.workspace.clear()
+        self.staged = None
 
 
 class _GraphHandles:
@@ -147,12 +174,15 @@ class _GraphHandles:
 
 
 def graph_key(x, out, codec_signature, topology, op, seed, transport, tile_bytes, nonfinite,
-              path, stream_ptr):
+              path, stream_ptr, collective="allreduce"):
     """What must equal for a call to replay another's graph: everything the
     engine's agreement covers but the counter, from local facts, plus the
-    addresses the graph reads and writes and the stream it runs on."""
-    return (x.shape, x.dtype, x.flags.c_contiguous, x.device.id, int(x.data.ptr),
-            out.shape, out.dtype, int(out.data.ptr), codec_signature, topology, op, int(seed),
+    stream it runs on and (unless staged: the reduce-scatter's) the
+    addresses the graph reads and writes."""
+    staged = collective == "reduce_scatter"
+    return (collective, x.shape, x.dtype, x.flags.c_contiguous, x.device.id,
+            None if staged else int(x.data.ptr), out.shape, out.dtype,
+            None if staged else int(out.data.ptr), codec_signature, topology, op, int(seed),
             transport, tile_bytes, nonfinite, path, stream_ptr)
 
 
@@ -160,12 +190,13 @@ class SteadyCompressed:
     """One steady compressed call of a Collective (see the module's doc):
     seen once (``graph`` None), then captured, then replayed."""
 
-    __slots__ = ("record", "static", "transport", "graph", "failed", "_digests")
+    __slots__ = ("record", "static", "transport", "collective", "graph", "failed", "_digests")
 
-    def __init__(self, record: dict, transport: str):
+    def __init__(self, record: dict, transport: str, collective: str = "allreduce"):
         self.record = {k: v for k, v in record.items() if k != "counter"}
         self.static = record_digest(self.record)
         self.transport = transport
+        self.collective = collective    # "allreduce", or "reduce_scatter" (staged)
         self.graph = None           # CallGraph once captured
         self.failed = ""            # why this call cannot be a graph ('' : it can)
         self._digests = None
@@ -210,7 +241,7 @@ def drive_agreed(program, metas, data, capturing=True):
             return report
 
 
-def call_graph_key(x, out, call):
+def call_graph_key(x, out, call, collective="allreduce"):
     """The graph key of a call (``call``: its normalised arguments) on device
     arrays, or None (anything else, or arguments the engine will refuse: it
     reports them to every rank)."""
@@ -220,7 +251,8 @@ def call_graph_key(x, out, call):
         import cupy
         return graph_key(x, out, signature_of(call["codec"]), call["topology"], call["op"],
                          call["seed"], call["transport"], call["tile_bytes"], call["nonfinite"],
-                         call["path"], cupy.cuda.get_current_stream().ptr)
+                         call.get("path", "compressed"), cupy.cuda.get_current_stream().ptr,
+                         collective)
     except Exception:
         return None
 
@@ -245,24 +277,30 @@ class GraphCalls:
         import cupy
         stream = cupy.cuda.get_current_stream()
         keys = call_keys(int(call["seed"]), counter)
+        if entry.collective == "reduce_scatter":
+            from .engine_rs import block_keys
+            keys = [block_keys(keys, b) for b in range(rt.size)]
 
         from .engine import rank_program      # (the engine imports what this imports)
+        from .engine_rs import rank_program_rs
         from .phases import CallSpec
+        make = rank_program_rs if entry.collective == "reduce_scatter" else rank_program
 
-        def program(keys_at, workspace):      # (a replay needs none: only a capture or fallback)
+        def program(keys_at, workspace, src=x, dst=out):   # (a replay needs none)
             spec = CallSpec(call["codec"], call["topology"], call["op"], call["seed"], counter,
                             call["transport"], call["tile_bytes"], path="compressed",
                             nonfinite=call["nonfinite"], layout=self.layout, keys_at=keys_at)
-            return (rank_program(rt.rank, rt.size, x, spec, out, workspace,
-                                 detailed_report=False),
+            return (make(rt.rank, rt.size, src, spec, dst, workspace, detailed_report=False),
                     entry.metas(counter, rt.size), rt.route(entry.transport, x))
         rt.fence_stream()
         try:
             try:
                 if entry.graph is None:
-                    graph = CallGraph()
+                    graph = CallGraph(len(keys) if isinstance(keys, list) else 1)
                     try:
-                        run = program(graph.keys_at, graph.workspace)
+                        staged = (graph.stage(x, out) if entry.collective == "reduce_scatter"
+                                  else (x, out))
+                        run = program(graph.keys_at, graph.workspace, *staged)
                         graph.holds = run[2]
                         on = rt.capture_stream(stream)
                         with on:                # the body enqueues on the current stream
@@ -271,7 +309,7 @@ class GraphCalls:
                         graph.free()
                         raise
                     entry.graph = graph
-                entry.graph.launch(keys, stream)
+                entry.graph.launch(keys, stream, x, out)
             except Exception as exc:
                 # Whatever failed after the agreement failed on this rank alone
                 # (a capture that met a host read, an allocation, a launch):

@@ -42,7 +42,7 @@ from ..transports import choose_transport, explain_transport, native_wires
 from ..transports.ops import Routed, compressed_route
 from . import native, prediction
 from .graphs import SteadyCompressed, call_graph_key
-from .paths import PathChooser, StepChooser, size_class
+from .paths import WARMUP, PathChooser, StepChooser, size_class
 from .wire import wire_dtype
 
 # Steady plans kept per kind before the oldest are dropped (a job has a few
@@ -77,6 +77,7 @@ class Plan:
     steady: object = None           # SteadyNative (route "steady"), SteadyCompressed ("graph")
     steady_key: tuple | None = None  # remember a native engine call under this key
     graph_key: tuple | None = None   # remember a compressed engine call as a graph
+    collective: str = "allreduce"   # or "reduce_scatter"
 
 
 class CallPlanner:
@@ -114,11 +115,20 @@ class CallPlanner:
         return self._plan_flat(x, out, call, want_report or plan.hierarchy_timed, profile,
                                plan)
 
-    def plan_reduce_scatter(self, hierarchy) -> Plan:
-        """The plan of a reduce-scatter: always compressed, on the engine or
-        the levels ("nodes"; "auto" is flat: it measures all-reduces only)."""
-        nodes = hierarchy == "nodes" and self.size > 1
-        return Plan(hierarchy="nodes" if nodes else "flat", route="levels" if nodes else "engine")
+    def plan_reduce_scatter(self, x, out, call, hierarchy, want_report, profile) -> Plan:
+        """The plan of a reduce-scatter: always compressed, on the levels
+        ("nodes"; "auto" is flat: it measures all-reduces only), a staged
+        graph (a steady quiet call on device arrays) or the engine."""
+        if hierarchy == "nodes" and self.size > 1:
+            return Plan(hierarchy="nodes", route="levels")
+        plan = Plan(collective="reduce_scatter")
+        if (self.use_graphs and out is not None and not (want_report or profile)
+                and type(x).__module__.startswith("cupy")):
+            plan.graph_key = call_graph_key(x, out, call, "reduce_scatter")
+            entry = self.graphs.get(plan.graph_key) if plan.graph_key is not None else None
+            if entry is not None and not entry.failed:
+                plan.route, plan.steady = "graph", entry
+        return plan
 
     def _plan_flat(self, x, out, call, want_report, profile, plan):
         requested = call["path"]
@@ -234,7 +244,10 @@ class CallPlanner:
     # of the comm, never the calls' plane (the DDP hook's worker calls meanwhile)
     def class_choice(self) -> PathChooser:
         if self.measured is None:
-            self.measured = PathChooser(as_plane(self.comm).dup())
+            # with graphs, a class's second compressed call is the capture:
+            # one more untimed call each, so that replays are what is timed
+            self.measured = PathChooser(as_plane(self.comm).dup(),
+                                        warmup=WARMUP + 1 if self.use_graphs else WARMUP)
         return self.measured
 
     def step_choice(self, options, elapsed, **schedule) -> StepChooser:
@@ -282,7 +295,7 @@ class CallPlanner:
                 and plan.graph_key not in self.graphs):
             if len(self.graphs) >= MAX_STEADY:
                 self.free_graphs()
-            self.graphs[plan.graph_key] = SteadyCompressed(meta, "nccl")
+            self.graphs[plan.graph_key] = SteadyCompressed(meta, "nccl", plan.collective)
 
     def forget_paths(self):
         for chooser in filter(None, (self.paths, self.measured)):   # the step choice stands

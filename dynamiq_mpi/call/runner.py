@@ -66,9 +66,13 @@ class CallRunner:
     def reduce_scatter(self, x, out, call, hierarchy, want_report, profile):
         """One reduce-scatter (always compressed) by its plan: the
         hierarchical call, or the engine's reduce-scatter program."""
-        if self.planner.plan_reduce_scatter(hierarchy).route == "levels":
+        plan = self.planner.plan_reduce_scatter(x, out, call, hierarchy, want_report, profile)
+        if plan.route == "levels":
             return self.nodes.run("reduce_scatter", x, out, path="compressed",
                                   return_report=want_report, **call)
+        if plan.route == "graph":
+            self.graphs.run(plan.steady, x, out, call)
+            return out, None
         from .engine_rs import rank_program_rs
         rt = self.runtime
         spec = CallSpec(call["codec"], call["topology"], call["op"], call["seed"],
@@ -76,7 +80,10 @@ class CallRunner:
                         nonfinite=call["nonfinite"], layout=self.layout)
         program = rank_program_rs(rt.rank, rt.size, x, spec, out, rt.workspace,
                                   detailed_report=want_report)
-        return rt.drive(program, x, profile, want_report, self.planner.route)
+        out, report = rt.drive(program, x, profile, want_report, self.planner.route)
+        meta = rt.last_metas[rt.rank] if rt.last_metas else None
+        self.planner.remember(plan, report, meta, call["codec"], backend_for(x))
+        return out, report
 
     def _run_engine(self, plan, x, out, want_report, profile, call, plan_hook):
         rt = self.runtime
