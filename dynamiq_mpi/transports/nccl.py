@@ -31,6 +31,40 @@ from .ops import Received, payload_array
 _status_lock = threading.Lock()
 _status = None
 
+# The NCCL communicators made here and not destroyed yet.  ncclCommDestroy is
+# collective among the ranks of a node: NCCL's proxy thread lives until every
+# other rank of the node has dropped the same communicator, and the destroy
+# joins it.  CuPy's NcclCommunicator destroys itself when it is deallocated, so
+# a communicator of an object dropped without free() (a HookState and its
+# Collective sit in a reference cycle) would be destroyed by the garbage
+# collector, at a moment of each rank's own: the first rank to collect waits
+# there, inside whatever call it was making, for ranks that wait for it in
+# their next collective (a hang).  Held here, such a communicator waits for
+# free() or for the interpreter's exit (every rank alike).
+_HELD: list = []
+
+
+def new_communicator(nccl, size: int, uid, rank: int):
+    """``nccl.NcclCommunicator(size, uid, rank)``, held until
+    :func:`destroy_communicator`: never destroyed by the garbage collector."""
+    comm = nccl.NcclCommunicator(size, uid, rank)
+    _HELD.append(comm)
+    return comm
+
+
+def destroy_communicator(comm) -> None:
+    """Destroy a communicator of :func:`new_communicator` (collective: every
+    rank of it, in the same order) and let it go."""
+    try:
+        comm.destroy()
+    except Exception:
+        pass
+    for i, held in enumerate(_HELD):
+        if held is comm:
+            del _HELD[i]
+            break
+
+
 # Smallest slice worth a lane of its own.
 MIN_LANE_BYTES = 1 << 20
 # Lane slices start at multiples of this (the wire slots' alignment).
@@ -220,7 +254,7 @@ class NCCLTransport(Transport):
         ids = [nccl.get_unique_id() for _ in range(self.lanes)] if self.rank == 0 else None
         ids = self.plane.bcast(ids, root=0)
         with cupy.cuda.Device(self.device_id):
-            self.comms = [nccl.NcclCommunicator(self.size, uid, self.rank) for uid in ids]
+            self.comms = [new_communicator(nccl, self.size, uid, self.rank) for uid in ids]
             self.streams = [cupy.cuda.Stream(non_blocking=True) for _ in range(self.lanes)]
         self.profile = None
         self.pair_allgather = self.size == 2 and bool(pair_allgather)
@@ -339,7 +373,7 @@ class NCCLTransport(Transport):
         if self._native is None:
             uid = self.plane.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
             with self.cupy.cuda.Device(self.device_id):
-                self._native = nccl.NcclCommunicator(self.size, uid, self.rank)
+                self._native = new_communicator(nccl, self.size, uid, self.rank)
         compute = self.cupy.cuda.get_current_stream()
         wire = self._native_types.get(recv.dtype)
         if wire is None:
@@ -394,14 +428,8 @@ class NCCLTransport(Transport):
 
     def free(self):
         if self._native is not None:
-            try:
-                self._native.destroy()
-            except Exception:
-                pass
+            destroy_communicator(self._native)
             self._native = None
         for c in getattr(self, "comms", ()):
-            try:
-                c.destroy()
-            except Exception:
-                pass
+            destroy_communicator(c)
         self.comms = []

@@ -98,9 +98,10 @@ class NCCLNodeLevel:
             modules = (cupy, nccl)
         self.cupy, self.nccl = modules
         self.k, self.local = node_plane.size, node_plane.rank
+        from .nccl import new_communicator
         uid = node_plane.bcast(self.nccl.get_unique_id() if self.local == 0 else None, root=0)
         with self.cupy.cuda.Device(int(device_id)):
-            self.comm = self.nccl.NcclCommunicator(self.k, uid, self.local)
+            self.comm = new_communicator(self.nccl, self.k, uid, self.local)
         self._types = {}
 
     def _wire(self, dtype):
@@ -132,10 +133,8 @@ class NCCLNodeLevel:
         return out
 
     def free(self):
-        try:
-            self.comm.destroy()
-        except Exception:
-            pass
+        from .nccl import destroy_communicator
+        destroy_communicator(self.comm)
 
 
 def node_level_for(plane, node_plane, device_id: int, staged, modules=None):

@@ -5,16 +5,20 @@ point-to-point mapped onto MPI), so its request handling - messages cut over
 lanes, grouped sends and receives, forwarded buffers, claims - is checked on
 every CI run; the GPU suite checks it with real NCCL on the device.
 """
+import gc
+import weakref
+
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import dynamiq_mpi as dq
 from dynamiq_mpi.call.engine import CallSpec, rank_program
-from dynamiq_mpi.transports.nccl import NCCLTransport
+from dynamiq_mpi.transports.nccl import NCCLTransport, destroy_communicator
 from dynamiq_mpi.call.planner import resolve_path
 from dynamiq_mpi.transports.ops import Route, drive
 from dynamiq_mpi.call.workspace import Workspace
+from fake_nccl import _Comm as _FakeComm
 from fake_nccl import modules as fake_modules
 from helpers import BF16, digest, exact_sum, rank_inputs, same_everywhere, shared_seed, vnmse
 
@@ -239,3 +243,50 @@ def test_mx_codecs_identical_everywhere_and_equal_to_simulation(fmt):
         assert digest(out) == digest(sim), f"seed {seed}"
         assert same_everywhere(comm, digest(out))
         assert rep.codec_info["format"] == fmt
+
+
+class _CountedComm(_FakeComm):
+    """The fake communicator, counting what CuPy's NcclCommunicator does when
+    it is deallocated: ncclCommDestroy, unless destroy() ran first."""
+    by_collector = 0
+
+    def destroy(self):
+        self.destroyed = True
+        super().destroy()
+
+    def __del__(self):
+        if not getattr(self, "destroyed", False):
+            type(self).by_collector += 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_transport_dropped_without_free_keeps_its_communicators():
+    """ncclCommDestroy is collective among a node's ranks (NCCL's proxy
+    thread lives until every peer has dropped the communicator, and the
+    destroy joins it), and CuPy's communicator destroys itself when
+    deallocated.  A transport dropped without free() - its Collective in a
+    reference cycle, as a HookState's is - goes when each rank's garbage
+    collector happens to run: destroyed then, the first rank to collect
+    waits inside whatever it was doing for ranks that wait for it in their
+    next collective (a hang).  So no collection destroys one; free() does,
+    on every rank alike."""
+    cupy, nccl = fake_modules()
+    nccl.NcclCommunicator = lambda ndev, uid, rank: _CountedComm(nccl, ndev, rank)
+    _CountedComm.by_collector = 0
+    t = NCCLTransport(comm.Dup(), 0, lanes=2, modules=(cupy, nccl))
+    refs = [weakref.ref(c) for c in t.comms]
+    cycle = [t]
+    cycle.append(cycle)                 # only the garbage collector frees it
+    del t, cycle
+    gc.collect()
+    assert _CountedComm.by_collector == 0, "the garbage collector destroyed a communicator"
+    assert all(r() is not None for r in refs)
+    for r in refs:                      # what free() would have done, collectively
+        destroy_communicator(r())
+    assert all(r() is None for r in refs)
+    # free() destroys them and lets them go
+    t = NCCLTransport(comm.Dup(), 0, lanes=2, modules=(cupy, nccl))
+    refs = [weakref.ref(c) for c in t.comms]
+    t.free()
+    del t
+    assert all(r() is None for r in refs) and _CountedComm.by_collector == 0
