@@ -149,8 +149,8 @@ def run_mode(mode, args, device, comm):
         decisions = {(k if isinstance(k, str) else f"2^{k[2]} elements"): f"{p}: {why}"
                      for k, (p, why) in state.path_decisions().items()}
     row = dict(mode=mode, step_ms=worst * 1e3, loss=loss.item(), paths=decisions)
-    if hasattr(state, "close"):
-        state.close()       # the hook's worker thread
+    if hasattr(state, "free"):
+        state.free()        # its worker thread, NCCL communicators and graphs (every rank)
     del ddp, model, opt
     if device.type == "cuda":
         torch.cuda.empty_cache()

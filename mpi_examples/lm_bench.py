@@ -225,8 +225,8 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
     for c in configs:
-        if hasattr(c.state, "close"):
-            c.state.close()
+        if hasattr(c.state, "free"):
+            c.state.free()      # its worker threads, NCCL communicators and graphs (every rank)
     if owns_group:
         dist.destroy_process_group()
     return result

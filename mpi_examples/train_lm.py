@@ -365,6 +365,8 @@ def main(argv=None):
                 json.dump(run, f, indent=1)
         if args.png:
             plot_runs([run], args.png)
+    if hasattr(state, "free"):
+        state.free()        # its worker threads, NCCL communicators and graphs (every rank)
     if owns_group:
         dist.destroy_process_group()
     return run

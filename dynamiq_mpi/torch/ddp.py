@@ -378,6 +378,20 @@ class HookState:
         """Stop the hook's worker threads (made again on next use)."""
         self._buckets.close()
 
+    def free(self) -> None:
+        """Free what the state holds, collectively (every rank at the same
+        point, e.g. after training): its worker threads and its collective's
+        graphs, NCCL communicators and duplicated communicator.  A later
+        call makes them again and continues the call counter (``path="auto"``
+        then measures again)."""
+        self.settle()
+        self.close()
+        with self._lock:
+            old, self._collective = self._collective, None
+            if old is not None:
+                self._counter = old.counter
+                old.free()
+
     @property
     def _workers(self) -> dict:
         return self._buckets._workers

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import dynamiq_mpi as dq  # noqa: E402
 import dynamiq_mpi.torch as dqt  # noqa: E402
 
-from helpers import load_example  # noqa: E402
+from helpers import load_example, shared_seed  # noqa: E402
 
 # The same at every world size above 4: not run again at 6 and 8 ranks (CI time).
 pytestmark = pytest.mark.max_size(4)
@@ -657,3 +657,24 @@ def test_plain_path_outside_ddp_and_bad_fuse_mb():
     alone.close()
     with pytest.raises(ValueError, match="fuse_mb"):
         dqt.HookState(fuse_mb=float("inf"))
+
+
+@pytest.mark.mpi(min_size=2)
+def test_free_releases_the_collective_and_a_later_call_continues_the_counter():
+    """HookState.free(): the collective (and with it its communicators) goes,
+    on every rank; the next call makes a new one that continues the counter,
+    so it draws the randomness the unfreed state would have drawn."""
+    kept = dqt.HookState(codec=dq.DynamiQ(bits=4), comm=comm, path="compressed", seed=3)
+    freed = dqt.HookState(codec=dq.DynamiQ(bits=4), comm=comm, path="compressed", seed=3)
+    rng = np.random.default_rng(shared_seed(comm) + comm.rank)
+    for call in range(3):
+        x = torch.from_numpy(rng.standard_normal(5000).astype(np.float32))
+        a, b = x.clone(), x.clone()
+        kept.allreduce_(a)
+        freed.allreduce_(b)
+        assert torch.equal(a, b), call
+        if call == 1:
+            freed.free()
+            assert freed._collective is None and freed.counter == kept.counter
+    kept.free()
+    freed.free()
