@@ -1,8 +1,9 @@
-"""Command line: ``python -m dynamiq_mpi {doctor,demo,bench,kernels,model}``.
+"""Command line: ``python -m dynamiq_mpi {doctor,demo,bench,model}``.
 
 Run under ``mpiexec -n N`` for the MPI commands.  The studies (the error
-study, the training simulator, the schedules) are not installed: they run
-from a checkout, ``python -m research {vnmse,train-sim,schedule}``.  An exception on any rank
+study, the training simulator, the schedules) and the CUDA kernel benchmark
+are not installed: they run from a checkout, ``python -m research
+{vnmse,train-sim,schedule,kernels}``.  An exception on any rank
 prints its traceback and aborts the whole job (no rank is left hanging).
 """
 from __future__ import annotations
@@ -102,13 +103,11 @@ def cmd_demo(args):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["kernels"]:   # the GPU kernel benchmark keeps its own options
-        from .bench.kernels import main as bench_main
-        return bench_main(argv[1:])
+    if argv[:1] == ["kernels"]:
+        sys.exit("the CUDA kernel benchmark runs from a checkout of the repository: "
+                 "python -m research kernels")
     parser = argparse.ArgumentParser(prog="python -m dynamiq_mpi", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    # listed for --help only: "kernels" is dispatched above, with its own options
-    sub.add_parser("kernels", help="the GPU kernel benchmark (its options: kernels --help)")
     from .bench import doctor
     p = sub.add_parser("doctor", help="what the library found: kernels, CuPy, NCCL, torch, MPI, "
                                       "launcher, and what the default call would choose",

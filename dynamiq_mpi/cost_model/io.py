@@ -34,7 +34,7 @@ def add_arguments(p):
     g = p.add_argument_group("model")
     g.add_argument("--gpu", default="h100-final",
                    help="kernel rates: a set of kernel_rates.json (h100, h200, h100-final, "
-                        "h200-final) or a `python -m dynamiq_mpi kernels --json` file")
+                        "h200-final) or a `python -m research kernels --json` file")
     g.add_argument("--host", choices=HOST_MODES, default="fixed",
                    help="host time per call: exact (the plan's header read back, as measured "
                         "on 2026-11-24), fixed (no host read nor report: back-to-back calls "

@@ -99,7 +99,7 @@ def parse_time(text) -> float:
 # ------------------------------------------------------------------ kernel rates
 
 def _bench_rows(doc):
-    """Rows of a ``bench.kernels`` JSON, or of every round of an A/B file
+    """Rows of a kernel benchmark JSON, or of every round of an A/B file
     (``{"new_round1": {...}, ...}``: the ``new`` rounds), times averaged."""
     if "rows" in doc:
         runs = [doc]
@@ -115,7 +115,7 @@ def _bench_rows(doc):
 
 def rates_from_kernel_bench(doc, source="") -> dict:
     """The rates the model needs (nanoseconds per element, per size) from the
-    output of ``python -m dynamiq_mpi.bench.kernels --json``."""
+    output of ``python -m research kernels --json``."""
     head, rows = _bench_rows(doc)
     out = {"source": source, "device": head.get("device"), "measured": head.get("date"),
            "command": head.get("command"), "copy_gbps": {}, "ns_per_element": {}}
@@ -142,7 +142,7 @@ def rates_from_kernel_bench(doc, source="") -> dict:
 
 def load_rates(name_or_path="h100-final") -> dict:
     """A rate set of ``kernel_rates.json`` (with the file's shared fields), or
-    the rates of a ``bench.kernels`` JSON at a path."""
+    the rates of a kernel benchmark JSON at a path."""
     shared = json.loads(RATES_FILE.read_text())
     if name_or_path in shared["sets"]:
         rates = dict(shared["sets"][name_or_path], name=name_or_path)
@@ -150,7 +150,8 @@ def load_rates(name_or_path="h100-final") -> dict:
         p = Path(name_or_path)
         if not p.is_file():
             raise SystemExit(f"--gpu {name_or_path!r}: not a rate set ({', '.join(shared['sets'])}) "
-                             "nor a bench.kernels JSON file")
+                             "nor a kernel benchmark JSON file "
+                             "(python -m research kernels --json)")
         rates = dict(rates_from_kernel_bench(json.loads(p.read_text()), str(p)), name=p.name)
     for key in ("planner_us", "host_us", "launch_us", "default_widths", "in_call_factor"):
         rates[key] = shared[key]
