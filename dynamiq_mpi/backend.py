@@ -35,6 +35,11 @@ class Backend:
         return self.xp.asnumpy(array)
 
 
+def array_module(x):
+    """NumPy for a NumPy array, else CuPy."""
+    return np if isinstance(x, np.ndarray) else __import__("cupy")
+
+
 def _cpu_backend() -> Backend:
     from . import _cpu
     return Backend("cpu", np, _cpu)
@@ -81,7 +86,7 @@ def gpu_backend() -> Backend:
 
 def bf16_to_float32(x):
     """Exact BF16 -> float32 with integer ops (same on NumPy and CuPy)."""
-    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    xp = array_module(x)
     bits = x.view(xp.uint16).astype(xp.uint32) << 16
     return bits.view(xp.float32)
 
@@ -89,7 +94,7 @@ def bf16_to_float32(x):
 def float32_to_bf16(x):
     """float32 -> BF16, round to nearest even, with integer ops (same on NumPy
     and CuPy, and equal to ml_dtypes for every non-NaN value)."""
-    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    xp = array_module(x)
     u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
     rounded = (u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16
     nan = (u & xp.uint32(0x7F800000)) == xp.uint32(0x7F800000)

@@ -34,11 +34,6 @@ class CallKeys:
     # (uint32 value, perm; written before each replay), or 0
     device: int = 0
 
-    def as_array(self):
-        """(value, perm) as the two uint32 the device copy holds."""
-        import numpy as np
-        return np.array([self.value, self.perm], dtype=np.uint32)
-
 
 def call_keys(seed: int, counter: int) -> CallKeys:
     """32-bit keys of one all-reduce call."""

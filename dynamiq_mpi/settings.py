@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 
-_TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
 
 

@@ -1,13 +1,12 @@
-"""The native path's wire: the dtype the transport's own all-reduce sums in,
-and the casts into and out of it (NumPy, or CuPy kernels for BF16 bits).
-Used by the engine's native path and by steady native calls (native.py)."""
+"""The native path's wire: the dtype the transport's own all-reduce sums in
+(BF16 for the lossy codecs on NCCL, float32 on MPI, the input's own for
+``Exact``) and the casts into and out of it, dividing for a mean (NumPy, or
+one fused CuPy kernel per cast).  Used by the engine and native.py."""
 from __future__ import annotations
 
 import numpy as np
 
 from ..backend import BFLOAT16, dtype_name
-
-_F32_LIKE = ("float32", "float16", "bfloat16")
 
 
 def wire_dtype(codec, input_dtype: str, wires: tuple) -> str:
@@ -22,8 +21,7 @@ def wire_dtype(codec, input_dtype: str, wires: tuple) -> str:
 
 
 _KERNELS = {}
-# float bits u -> BF16 bits y: round to nearest even, NaN kept quiet (as
-# backend.float32_to_bf16); the tail of both rounding kernels below
+# float bits u -> BF16 bits y: the tail of both rounding kernels below
 _ROUND_TO_BF16 = """
     if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x7FFFFFu))
         y = (unsigned short)((u >> 16) | 0x40u);
@@ -57,9 +55,9 @@ def _bits(a):
 
 
 def to_wire(backend, flat, wire: str, result, workspace):
-    """(send, recv) buffers of the transport's all-reduce: the input straight
-    into ``result`` when the wire dtype is the input's (no copy), else a
-    workspace buffer of the wire dtype holding the cast input, in place."""
+    """(send, recv) buffers of the transport's all-reduce: the input into
+    ``result`` where the wire is its dtype, else a workspace buffer holding
+    the cast input, reduced in place."""
     xp = backend.xp
     if dtype_name(flat.dtype) == wire:
         return flat, result

@@ -1,17 +1,11 @@
-"""What the engine needs from a codec.
+"""What the engine needs from a codec (docs/design.md, "The parts").
 
-A :class:`Codec` is an immutable configuration.  Per call it may ask for a
-small statistics vector to be all-reduced exactly first (``local_stats``), then
-builds a :class:`Plan` from the reduced statistics: the per-call state that
-knows how the compressed stream is cut into ``n`` chunks of whole records and
-each chunk into tiles, and how to (re)compress, decode and accumulate a tile.
-Codecs know nothing about ranks, schedules or transports; the engine knows
-nothing about wire formats.
-
-The compressed stream of one call lives in one buffer (``wire``): tile ``t``
-occupies ``wire[offset[t] : offset[t] + nbytes[t]]``.  Compression writes a
-tile's slot, the all-gather receives into it, so the final compressed sum is
-forwarded and decoded from where it landed.
+A :class:`Codec` is an immutable configuration; per call it may ask for a
+statistics vector to be all-reduced exactly (``local_stats``), then builds a
+:class:`Plan`: the stream cut into ``n`` chunks of whole records, each chunk
+into tiles, and per tile (re)compress, decode and accumulate.  The stream
+lives in one buffer (``wire``), tile ``t`` at ``wire[offset[t]:][:nbytes[t]]``:
+the all-gather receives into the slot, so the final sum is decoded in place.
 """
 from __future__ import annotations
 
@@ -21,12 +15,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-# Default tile size (bytes of compressed stream per message).  Tiles let the
-# kernel of one tile overlap the transfer of the previous one; each costs
-# kernel launches, events and a message (~100 us of host time), and NCCL moves
-# large messages faster.  Measured on 2x H200 at 2^27 BF16 elements
-# (docs/benchmarks.md): 32 MiB beat 8 MiB by 1.2x on sockets and matched
-# 128 MiB on NVLink.
+# Bytes of compressed stream per message: a tile's kernel overlaps the previous
+# tile's transfer, but each tile costs ~100 us of host time.  On 2x H200 at 2^27
+# BF16 elements 32 MiB beat 8 MiB by 1.2x on sockets and matched 128 MiB on NVLink.
 DEFAULT_TILE_BYTES = 32 << 20
 
 
@@ -38,13 +29,10 @@ def signature_of(codec):
 
 class Codec:
     name = "codec"
-    # False: on device arrays the codec runs as CuPy array code, not fused
-    # kernels, so its GPU timings are not representative (benchmarks say so).
+    # False: on device arrays the codec is CuPy array code, not fused kernels
     fused_gpu = True
-    # The native path (the transport's own all-reduce, native.py): the dtype
-    # it sums in (None: the input's own), and whether path="auto" may take it
-    # where it measures faster (lossy codecs whose accuracy BF16 matches or
-    # beats; the baselines always run compressed unless asked).
+    # The native path: the dtype it sums in (None: the input's), and whether
+    # path="auto" may take it (lossy codecs whose accuracy BF16 matches)
     native_wire = "bfloat16"
     auto_path = False
 
@@ -53,8 +41,7 @@ class Codec:
         raise NotImplementedError
 
     def cached_signature(self) -> tuple:
-        """:meth:`signature`, computed once per codec object (codecs are
-        immutable; a steady call reads it on every call)."""
+        """:meth:`signature`, computed once per (immutable) codec object."""
         sig = self.__dict__.get("_cached_signature")
         if sig is None:
             sig = self.__dict__["_cached_signature"] = self.signature()
@@ -77,9 +64,8 @@ class Codec:
 
 
 class StreamLayout:
-    """Byte offsets of a stream of units (records) made of runs of equal-size
-    units: ``runs = [(count, unit_bytes), ...]``.  Cuts are computed from the
-    runs (O(number of runs)), never per unit."""
+    """Byte offsets of a stream of runs of equal-size units (records),
+    ``runs = [(count, unit_bytes), ...]``; cuts cost O(runs), never per unit."""
 
     def __init__(self, runs):
         self.runs = [(int(c), int(b)) for c, b in runs]
@@ -130,8 +116,7 @@ class Tiling:
     offsets: list       # tile -> byte offset of its slot in the wire buffer (aligned)
     nbytes: list        # tile -> bytes
     wire_bytes: int     # size of the wire buffer (slots plus alignment padding)
-    # what codecs derive from this tiling alone (tile_stream hands the same
-    # Tiling to every call with the same runs, so it is computed once)
+    # what codecs derive from this tiling alone (shared by calls of the same runs)
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -141,11 +126,18 @@ class Tiling:
 
 _TILINGS: dict = {}
 
-# The number of chunks a plan cuts its stream into, when the engine asks for
-# another than the world size (the reduce-scatter plans each caller-fixed
-# coordinate range as a stream of its own: one chunk, see engine_rs.py).  A
-# plan still gets the world size as ``n`` (events of correlated rounding, MX
-# headroom, THC's integer width), so codecs need not know.
+
+def _cached_tiling(key, make) -> Tiling:
+    tiling = _TILINGS.get(key)
+    if tiling is None:
+        if len(_TILINGS) > 256:
+            _TILINGS.clear()
+        tiling = _TILINGS[key] = make()
+    return tiling
+
+
+# Chunks per plan where the engine asks for another count than the world size
+# (engine_rs.py: each block is a stream of one chunk); ``n`` stays the world size.
 _CHUNKS: contextvars.ContextVar = contextvars.ContextVar("dynamiq_chunks", default=None)
 
 
@@ -159,13 +151,9 @@ def plan_chunks(chunks: int):
         _CHUNKS.reset(token)
 
 
-# The layout of the call's compressed stream (docs/design.md, "Sync-free
-# calls"): "exact" cuts it on the host from the plan's class counts (one
-# device-to-host read of the plan per call, messages of exactly the payload);
-# "fixed" cuts it on the device into tiles of a capacity known from the
-# budget alone, so the host enqueues the whole call without reading the plan
-# (the padding travels and is counted).  Codecs whose plans have no
-# data-dependent sizes ignore it.  Set by the engine around planning.
+# The stream's layout, set by the engine around planning (docs/design.md,
+# "Sync-free calls"): "exact" is cut on the host from the plan (one read back),
+# "fixed" on the device into slots sized from the budget alone (no read back).
 LAYOUTS = ("exact", "fixed")
 _LAYOUT: contextvars.ContextVar = contextvars.ContextVar("dynamiq_layout", default="exact")
 
@@ -189,20 +177,12 @@ def current_layout() -> str:
 def tile_stream(layout: StreamLayout, n: int, tile_bytes: int) -> Tiling:
     """Cut the stream into ``n`` chunks of (nearly) equal bytes - a ring step
     lasts as long as its largest message - and every chunk into the same
-    number of tiles of at most about ``tile_bytes``, so that the tiles of one
-    step pair up send for receive.  A pure function of its arguments, kept
-    for the next call with the same runs (a Tiling is never modified).
-    Inside :func:`plan_chunks` the stream is cut into that many chunks."""
-    chunks = _CHUNKS.get()
-    if chunks is not None:
-        n = chunks
-    key = (tuple(layout.runs), int(n), int(tile_bytes))
-    tiling = _TILINGS.get(key)
-    if tiling is None:
-        if len(_TILINGS) > 256:
-            _TILINGS.clear()
-        tiling = _TILINGS[key] = _tile_stream(layout, n, tile_bytes)
-    return tiling
+    number of tiles of at most about ``tile_bytes``, so the tiles of one step
+    pair up send for receive (inside :func:`plan_chunks`: that many chunks).
+    Cached: a Tiling is never modified."""
+    n = planned_chunks(n)
+    return _cached_tiling((tuple(layout.runs), int(n), int(tile_bytes)),
+                          lambda: _tile_stream(layout, n, tile_bytes))
 
 
 def _tile_stream(layout: StreamLayout, n: int, tile_bytes: int) -> Tiling:
@@ -235,22 +215,14 @@ def fixed_tiling(n: int, tiles_per_chunk: int, slot_bytes: int) -> Tiling:
     """The tiling of the fixed layout: ``n`` chunks of ``tiles_per_chunk``
     slots of ``slot_bytes`` each (a multiple of SLOT_ALIGN); which records a
     tile holds is known on the device only (``units`` is empty)."""
-    key = ("fixed", int(n), int(tiles_per_chunk), int(slot_bytes))
-    tiling = _TILINGS.get(key)
-    if tiling is None:
-        if len(_TILINGS) > 256:
-            _TILINGS.clear()
-        count = n * tiles_per_chunk
-        tiling = _TILINGS[key] = Tiling(
-            None, [], [list(range(c * tiles_per_chunk, (c + 1) * tiles_per_chunk))
-                       for c in range(n)], [], [t * slot_bytes for t in range(count)],
-            [slot_bytes] * count, count * slot_bytes)
-    return tiling
+    count = n * tiles_per_chunk
+    return _cached_tiling(("fixed", int(n), int(tiles_per_chunk), int(slot_bytes)), lambda: Tiling(
+        None, [], [list(range(c * tiles_per_chunk, (c + 1) * tiles_per_chunk)) for c in range(n)],
+        [], [t * slot_bytes for t in range(count)], [slot_bytes] * count, count * slot_bytes))
 
 
-# Tile slots in the wire buffer (and receive slots) start at multiples of this:
-# NCCL moves unaligned buffers several times slower (measured), and the codec
-# records (82, 146, 274 bytes) would otherwise leave most tiles unaligned.
+# Slots start at multiples of this: NCCL moves unaligned buffers several times
+# slower (measured), and records of 82, 146, 274 bytes would leave most unaligned.
 SLOT_ALIGN = 256
 
 
@@ -276,8 +248,8 @@ class Plan:
         return self.tiling.nbytes[tile]
 
     def sub(self, array, a: int, b: int):
-        """``array[a:b]`` of one of this plan's workspace buffers (the same view
-        object call after call where the plan has a workspace: ``Workspace.sub``)."""
+        """``array[a:b]`` of a workspace buffer (the same view object call
+        after call where the plan has a workspace: ``Workspace.sub``)."""
         ws = getattr(self, "ws", None)
         return array[a:b] if ws is None else ws.sub(array, a, b)
 
@@ -313,9 +285,8 @@ class Plan:
 
     def bind_output(self, out, divisor: float) -> bool:
         """Offer the final buffer before the data phases: a plan that accepts
-        (True) may decode straight into ``out`` (which may be the input itself:
-        every read of the local values precedes every decode in stream order)
-        and ``finish`` then completes what decoding left.  Default: no."""
+        (True) decodes straight into ``out`` (may be the input: every read of
+        the local values precedes every decode) and ``finish`` completes it."""
         return False
 
     def report(self, detailed: bool = True) -> dict:

@@ -58,14 +58,10 @@ class MPIPlane(ControlPlane):
 
     def dup(self) -> "MPIPlane":
         # a private duplicate: our traffic never matches the caller's messages
-        plane = MPIPlane(self.mpi_comm.Dup())
-        plane._owned = True
-        return plane
+        return _owned(self.mpi_comm.Dup())
 
     def split(self, color: int, key: int) -> "MPIPlane":
-        plane = MPIPlane(self.mpi_comm.Split(int(color), int(key)))
-        plane._owned = True
-        return plane
+        return _owned(self.mpi_comm.Split(int(color), int(key)))
 
     def shared_memory_leader(self) -> int:
         """The lowest rank of this plane on this rank's node, by
@@ -83,9 +79,8 @@ class MPIPlane(ControlPlane):
             self.mpi_comm = None
 
 
-def world_plane() -> MPIPlane:
-    from mpi4py import MPI
-    return MPIPlane(MPI.COMM_WORLD)
-
-
-__all__ = ["MPIPlane", "world_plane"]
+def _owned(comm) -> MPIPlane:
+    """A plane that frees ``comm`` with it."""
+    plane = MPIPlane(comm)
+    plane._owned = True
+    return plane

@@ -1,8 +1,5 @@
-"""``python -m dynamiq_mpi model``: the cost model's command (predictions
-and sweeps).  The model is ``model.py``, its arguments and output ``io.py``;
-this module only dispatches, so none imports another's caller.  The model's
-check against the recorded measurements is a study:
-``python -m research model-check`` (research/model_check.py)."""
+"""``python -m dynamiq_mpi model``: the cost model's command (predictions and
+sweeps), dispatching to ``model.py`` and ``io.py`` (arguments and output)."""
 from __future__ import annotations
 
 import sys

@@ -1,6 +1,5 @@
-"""The command line of the cost model (``python -m dynamiq_mpi model``; the
-model itself is ``model.py``): its arguments, the cluster, call and
-kernel rates they name, and what it prints and writes (the table, the JSON)."""
+"""The cost model command's arguments, the cluster, call and rates they name,
+and what it prints and writes (the table, the JSON)."""
 from __future__ import annotations
 
 import json

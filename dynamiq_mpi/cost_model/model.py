@@ -4,31 +4,18 @@
         --inter 50GB/s --nics-per-node 8 --elements 2^28 --bits 5
     python -m dynamiq_mpi model ... --json -                   # the same as JSON
     python -m dynamiq_mpi model ... --sweep inter=3GB/s,12.5GB/s,50GB/s --plot sweep.png
-    python -m dynamiq_mpi model --check                        # against docs/results
-    python -m dynamiq_mpi model --map docs/results/cost_model_map.png
 
-Three calls are predicted (docs/cost-model.md):
-
-* **NCCL's BF16 all-reduce**: one ring over all ``n = N K`` ranks whose
-  channels enter and leave every node through different NICs, so the node's
-  network share is all its NICs: ``2(n-1) alpha + 2(n-1)/n S / min(intra,
-  NICs x NIC)`` (the ring is pipelined: its slowest link sets the rate).
-* **Our flat compressed all-reduce** (ring or butterfly over ``n`` ranks,
-  every hop compressed). A point-to-point message between consecutive ranks
-  of two nodes crosses through one NIC; a butterfly step at distance ``d``
-  sends ``min(d, K)`` flows out of every node, sharing its NICs.
-* **Our hierarchical all-reduce**: NCCL's reduce-scatter in the
-  node, K rails (one per local rank, each a compressed all-reduce of 1/K of
-  the input over the N nodes, sharing the node's NICs), NCCL's all-gather.
-
-A compressed call is the engine's own schedule replayed for one rank (every
-rank does the same, shifted): per tile the kernel (compress, decompress-
-accumulate, fused step, decode: measured rates, ``kernel_rates.json``) on
-one compute stream, per message ``alpha + bytes / beta`` on one outgoing
-link, a tile sent as soon as its kernel is done and decoded once it arrived,
-so compression of one tile overlaps the transfer of another as the engine
-does; plus the statistics pass and its exact all-reduce, the planner, and
-the host's own time per call (``--host``).
+Three calls are predicted (docs/cost-model.md): NCCL's BF16 all-reduce (one
+pipelined ring over all ``n = N K`` ranks, every NIC of a node busy); our
+flat compressed all-reduce (ring or butterfly, a step at distance ``d``
+sending ``min(d, K)`` flows out of every node); our hierarchical one (NCCL's
+in-node reduce-scatter and all-gather around K compressed rails sharing the
+node's NICs).  A compressed call replays the engine's schedule for one rank:
+per tile a kernel at measured rates (``kernel_rates.json``) on one stream,
+per message ``alpha + bytes / beta`` on one link, a tile sent once its
+kernel is done; plus the statistics, the planner and the host's time
+(``--host``).  The check against measured runs: ``python -m research
+model-check``.
 """
 from __future__ import annotations
 
@@ -159,8 +146,8 @@ def load_rates(name_or_path="h100-final") -> dict:
 
 
 def wire_only(rates):
-    """The rates with every kernel, launch, planner and host cost at zero: the
-    plain alpha-beta model of the issue."""
+    """The rates with every kernel, launch, planner and host cost at zero: a
+    plain alpha-beta model."""
     return dict(rates, host_us={k: 0.0 for k in rates["host_us"]}, launch_us=0.0,
                 copy_gbps={"28": float("inf")}, planner_us={"20": 0.0, "28": 0.0},
                 ns_per_element={k: dict.fromkeys(v, 0.0)
@@ -208,8 +195,7 @@ def codec_cost(codec, bits, rates, tile_elements, widths=None, correlated=True,
     default the benchmark data's mix at 5 bits, kept for other budgets."""
     f_call = rates.get("in_call_factor", 1.0)
     ns = lambda key: kernel_ns(rates, key, tile_elements) * 1e-9 * f_call   # noqa: E731
-    copy = rates["copy_gbps"][max(rates["copy_gbps"], key=int)] * 1e9   # bytes/s, read + write
-    mem = lambda nbytes: nbytes / copy * f_call                         # noqa: E731
+    mem = lambda nbytes: nbytes / copy_rate(rates) * f_call             # noqa: E731
     bf16_cast = ns("bf16_cast") / 6        # s per byte moved by our BF16 kernels
     bf16_add = ns("bf16_add") / 6
     if codec == "dynamiq":
@@ -236,8 +222,8 @@ def codec_cost(codec, bits, rates, tile_elements, widths=None, correlated=True,
                          mem(12), mem(4 + in_bytes))
     mx = {"mxfp8": 8.25, "mxfp6": 6.25, "mxfp4": 4.25}
     if codec in mx:
-        # no measured MX rates: assumed memory-bound at our BF16 add's share of the
-        # copy rate; their statistics are one byte of block maxima per 32 values
+        # no measured MX rates: memory-bound at our BF16 add's rate; statistics:
+        # a byte per 32 values
         b = mx[codec] / 8
         return CodecCost(codec, mx[codec], 1 / 32, False, (in_bytes + b) * bf16_add,
                          (2 * b + in_bytes) * bf16_add, mem(b + 8), mem(b + in_bytes))
@@ -265,15 +251,12 @@ def _steps(topology, n):
 
 def data_phase(n, topology, chunk_elements, cost: CodecCost, link_for, tile_bytes,
                launch, start=0.0, host=None) -> dict:
-    """Device time of the reduce-scatter and all-gather of one compressed call
-    (phases.run_schedule, replayed for rank 0; by symmetry a message arrives
-    when this rank's own message of the same step and tile has crossed).
-    ``link_for(distance)`` gives the flow of a step.  ``start``: when the
-    device may begin.  ``host``: ``(t0, per_message)``: an eager host that
-    issues the messages one after another from ``t0``, ``per_message``
-    seconds each (its exchange and the launch of the kernel that feeds it);
-    neither the kernel nor the message runs before its issue.  ``None``: all
-    issued at once (a replayed graph)."""
+    """Device time of the data phases of one compressed call (run_schedule
+    replayed for rank 0; by symmetry a message arrives when this rank's own
+    of the same step and tile has crossed).  ``link_for(distance)``: a
+    step's flow; ``start``: when the device may begin; ``host``: ``(t0,
+    per_message)``, an eager host issuing each message and its kernel in
+    turn from ``t0`` (None: all issued at once, a replayed graph)."""
     chunk_bytes = chunk_elements * cost.wire_bits / 8
     tiles = max(1, math.ceil(chunk_bytes / tile_bytes))
     tb, te = chunk_bytes / tiles, chunk_elements / tiles
@@ -401,14 +384,9 @@ def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
     host_total = h["agree"] + h["data_base"] + h_plan + (per_hop * hops if n > 1 else 0.0)
     if host == "graph":                  # one replay: the work is all on the device
         total = max(h["graph_call"], device)
-    elif host == "fixed":
-        # no host read and no report: back-to-back calls overlap one call's host
-        # with another's device
+    elif host == "fixed":                # back-to-back calls overlap host and device
         total = max(host_total, device)
-    else:
-        # exact, eager: the call's end is waited for (its report read), so one call's
-        # host cannot hide behind another's device; the device runs each message
-        # once the host has issued it
+    else:                                # exact, eager: each call's end is waited for
         total = max(gated["end"] + d["finish"], gated["host_end"])
     return {"seconds": total, "device": device, "host": host_total,
             "topology": ran, "tiles": data["tiles"], "hops": hops, "codec": cost.name,

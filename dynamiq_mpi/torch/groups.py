@@ -37,8 +37,7 @@ def _group_ranks(comm) -> list:
 
 def _adopt_group(state, group, who, what="the group given"):
     """Give a state without a communicator ``group`` (a group of the whole
-    job leaves it the launcher's default: MPI's world under mpiexec, so the
-    MPI route stays as it was); raise when it has one of other ranks."""
+    job leaves it the launcher's default); raise when it has other ranks."""
     if state._comm is None:
         if _group_ranks(group) != list(range(torch.distributed.get_world_size())):
             state.comm = group

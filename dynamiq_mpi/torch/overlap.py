@@ -1,19 +1,13 @@
 """The DDP hook's overlap: compressed bucket calls run on a worker thread, so
-the hook returns its future at once and the backward pass goes on.
+the hook returns its future at once and the backward pass goes on (a call's
+host wait would stop autograd from enqueueing the rest of the backward pass).
 
-A compressed call waits on the host once (the plan's device-to-host read,
-after the statistics exchange); run from the hook, that wait stops autograd
-from enqueueing the rest of the backward pass until the GPU has caught up with
-every kernel before the bucket, once per bucket.  The worker takes that wait
-instead: the hook records an event on the current stream, queues the bucket
-and returns; the worker runs the buckets in the order they came (the same on
-every rank, as DDP launches them) on its own stream, which waits for that
-event on the device, and completes each future on that stream: DDP's consumer
-waits for the result on the device, not on the host.  An error of a call (a
-disagreement, NaN with ``nonfinite="raise"``) is set on its future and kept:
-the hook of the iteration's last bucket waits for the worker and raises it,
-so every rank raises it from ``backward()`` as before, with its own type
-(DDP's C++ side would only see a future it cannot read).
+The hook records an event on the current stream and queues the bucket; the
+worker runs the buckets in order (alike on every rank, as DDP launches
+them) on its own stream, which waits for that event, and completes each
+future on that stream.  A call's error is set on its future and kept: the
+iteration's last bucket's hook waits for the worker and raises it from
+``backward()`` with its own type (DDP's C++ side could not read it).
 """
 from __future__ import annotations
 
@@ -55,9 +49,8 @@ class BucketWorker:
         self._thread.start()
 
     def submit(self, bufs, run, futures=None) -> list:
-        """Futures of ``bufs`` (a list of tensors) after ``run(bufs)`` has
-        reduced them in place; ``futures``: pending ones to complete instead
-        of new ones (the hook made them when each bucket arrived)."""
+        """Futures of ``bufs`` (tensors) once ``run(bufs)`` reduced them in
+        place; ``futures``: pending ones to complete instead of new ones."""
         ready = None
         if self.stream is not None:
             ready = torch.cuda.Event()

@@ -1,32 +1,17 @@
-"""Transports move packed byte buffers between ranks.
+"""Transports move packed byte buffers between ranks, answering the requests
+(``ops.py``) of the engine's per-rank generators (``base.Transport``;
+docs/design.md's table): ``mpi`` (``mpi_host``: host-staged, always works),
+``nccl`` and ``mpi-cuda`` (device arrays only), ``simulate`` (all ranks in
+one process).
 
-The engine is written once, as one generator per rank that yields the
-communication it needs (:mod:`dynamiq_mpi.transports.ops`); a transport
-answers it:
-
-* ``mpi`` (``mpi_host``): mpi4py, one rank per process; device buffers staged
-  through pinned host memory.  Always works.
-* ``nccl`` (``nccl``): NCCL point-to-point through CuPy's bindings, on a
-  private stream, overlapping with the caller's kernels.  Device arrays only.
-* ``mpi-cuda`` (``mpi_cuda``): a CUDA-aware MPI through mpi4py, device
-  buffers handed over as they are.  Device arrays only, and only where every
-  rank's MPI says it is CUDA-aware (``cuda_aware``).
-* ``simulate`` (``simulate``): all ranks in one process.
-
-Each answers the engine's requests as a :class:`base.Transport`; the
-agreement they share lives in ``control/agreement.py``.
-
-``auto`` picks ``nccl`` when every rank passes a device array and NCCL is
-usable on every rank, else ``mpi-cuda`` when every rank's MPI is CUDA-aware,
-else ``mpi``.  The choice is a pure function of the agreed per-rank records,
-so every rank makes it alike (an environment override set on some ranks only
-counts as "not CUDA-aware" everywhere), and a transport asked for but not
-usable is the same error on every rank before any data byte moves.
+``auto`` picks ``nccl`` when every rank passes device arrays and NCCL works
+on every rank, else ``mpi-cuda`` when every rank's MPI is CUDA-aware, else
+``mpi``: a pure function of the agreed records, so every rank chooses alike
+and a transport asked for but unusable is the same error on every rank.
 """
 from __future__ import annotations
 
 from ..errors import InvalidInputError
-
 
 
 def _nccl():
@@ -44,10 +29,8 @@ def _host():
     return HostTransport
 
 
-# The transports a call may name, each a subclass of base.Transport, imported
-# on first use (NCCL's needs CuPy); "auto" chooses among them from every
-# rank's record (explain_transport).  The simulated transport drives all ranks
-# of simulate_allreduce at once and is not a call's choice.
+# The transports a call may name, imported on first use (NCCL's needs CuPy);
+# the simulated one drives all ranks of simulate_allreduce, not a call's choice.
 REGISTRY = {"nccl": _nccl, "mpi-cuda": _mpi_cuda, "mpi": _host}
 TRANSPORTS = ("auto",) + tuple(REGISTRY)
 
@@ -56,9 +39,9 @@ def transport_class(name: str):
     """The class of the transport called ``name`` (a key of REGISTRY)."""
     return REGISTRY[name]()
 
-# The transports with an all-reduce of their own (the "native" path of a
-# call), per array backend, and the wire dtypes it sums: NCCL on device
-# arrays, MPI on host arrays (MPI has no bfloat16 sum).
+
+# The wire dtypes of the transports' own all-reduce (the native path) per
+# array backend (MPI has no bfloat16 sum).
 _NATIVE_WIRES = {("nccl", "gpu"): ("bfloat16", "float16", "float32", "float64"),
                  ("mpi", "cpu"): ("float32", "float64")}
 
@@ -73,11 +56,9 @@ _CAPABILITIES: dict = {}
 
 
 def transport_capabilities(backend) -> dict:
-    """What this rank could use for its input (part of the agreement record).
-    CUDA-awareness is recorded for host arrays too, so that asking for
-    ``mpi-cuda`` on an MPI without it says so whatever the arrays.  Kept per
-    backend and environment override: the answers do not change while the
-    process lives (a copy is handed out)."""
+    """What this rank could use for its input (part of the agreement record;
+    CUDA-awareness for host arrays too, so ``mpi-cuda`` refuses alike).
+    Kept per backend and override; a copy is handed out."""
     from ..settings import env_text
     from .cuda_aware import ENV, _mpi_running
     name = None if backend is None else backend.name
@@ -160,9 +141,8 @@ _CHOSEN: dict = {}
 
 
 def choose_transport(requested: str, metas: list) -> str:
-    """The transport of a call, from every rank's agreement record.  When the
-    agreement handed back one record for all ranks (digests matched), the
-    answer depends on that record's backend and capabilities alone: kept."""
+    """The transport of a call, from every rank's agreement record (kept
+    where the digests matched: then one record decides)."""
     first = metas[0]
     if not all(m is first for m in metas):
         return explain_transport(requested, metas)[0]

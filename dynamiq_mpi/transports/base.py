@@ -24,11 +24,9 @@ class Timeline:
 
 
 class Transport:
-    """What every transport does with the engine's requests: data requests go
-    to its own ``_exchange``, ``_claim`` and ``_mark`` (and ``_native_allreduce``
-    where it has an all-reduce of its own); agreement always goes over the
-    control plane (the transport's ``agreement``).  A transport has a
-    ``name`` (its key in ``transports.REGISTRY``) and a ``free()``."""
+    """Answers the engine's requests: data requests to its ``_exchange``,
+    ``_claim``, ``_mark`` (and ``_native_allreduce``), agreement over the
+    control plane (``agreement``).  It has a ``name`` and a ``free()``."""
 
     profile = None
     agreement = None

@@ -1,11 +1,8 @@
-"""The host transport ("mpi") over a control plane.
-
-Payload moves by the control plane's own point-to-point: MPI's over an
-mpi4py communicator, the private gloo group's over a torch.distributed one
-(control/).  NumPy buffers go as they are.  Device (CuPy) buffers are staged
-through pinned host buffers that are reused across calls (see ``staging``);
-the CUDA stream is synchronised before a buffer leaves.  Every exchange
-completes before the answer, so a :class:`Claim` returns at once.
+"""The host transport ("mpi"): payload by the control plane's own
+point-to-point (MPI's, or the private gloo group's under torch).  Device
+buffers are staged through reused pinned host buffers (``staging``), the
+stream synchronised first.  Every exchange completes before its answer, so
+a :class:`Claim` returns at once.
 """
 from __future__ import annotations
 
@@ -24,8 +21,7 @@ class HostTransport(Transport):
 
     def __init__(self, comm):
         """``comm``: a control plane, mpi4py communicator or torch process
-        group; duplicated here (collective), so our traffic never matches the
-        caller's messages."""
+        group; duplicated here (collective)."""
         self.plane = self.agreement = as_plane(comm).dup()
         self.rank, self.size = self.plane.rank, self.plane.size
         self._stager = None

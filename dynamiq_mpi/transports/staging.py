@@ -1,9 +1,6 @@
-"""Pinned host buffers that stage device payloads through a host MPI.
-
-Grown on demand and reused across calls (never allocated per message).  The
-current CUDA stream is synchronised before a buffer is handed to MPI, and
-again after the copy back so the buffer can be reused.
-"""
+"""Pinned host buffers that stage device payloads through a host MPI, grown
+on demand and reused; the stream is synchronised before a buffer is handed
+to MPI and after the copy back."""
 from __future__ import annotations
 
 import numpy as np
