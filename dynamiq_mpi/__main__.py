@@ -121,13 +121,13 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="also write the table as JSON")
     p.add_argument("--gpu", action="store_true", help="all-reduce CuPy arrays (rank r on GPU r % count)")
     p.set_defaults(func=cmd_demo, mpi=True)
-    from .cost_model import cli as cost_model_cli, model as cost_model
+    from .cost_model import io as cost_model_io, model as cost_model
     p = sub.add_parser("model", help="predicted time of NCCL's, our flat and our hierarchical "
                                      "all-reduce on a cluster (CPU only)",
                        description=cost_model.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    cost_model_cli.add_arguments(p)
-    p.set_defaults(func=cost_model_cli.run, mpi=False)
+    cost_model_io.add_arguments(p)
+    p.set_defaults(func=cost_model_io.run, mpi=False)
     p = sub.add_parser("bench", help="nccl-tests-style benchmark against the uncompressed "
                                      "all-reduce (mpiexec)")
     from .bench import add_arguments, run as bench_run

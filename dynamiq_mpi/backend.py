@@ -1,7 +1,5 @@
-"""Array backends: which array module and which compiled kernels a call uses.
-
-NumPy arrays run on the CPU codec (``dynamiq_mpi._cpu``); CuPy arrays on the
-CUDA kernels (``dynamiq_mpi._gpu``), when they were built.
+"""Array backends: NumPy arrays run on the CPU codec (``dynamiq_mpi._cpu``),
+CuPy arrays on the CUDA kernels (``dynamiq_mpi._gpu``) when they were built.
 """
 from __future__ import annotations
 
@@ -73,8 +71,7 @@ _GPU_BACKEND = None
 
 
 def gpu_backend() -> Backend:
-    """The CUDA backend; a clear error (why) if the kernels or a GPU are missing
-    (asked again on every call until it works; kept once it does)."""
+    """The CUDA backend (kept once it works); an error saying why without it."""
     global _GPU_BACKEND
     if _GPU_BACKEND is None:
         from .cuda import gpu_module

@@ -1,10 +1,6 @@
-"""Is the CUDA path available here?
-
-``has_cuda()`` is True when the kernels were built (``dynamiq_mpi._gpu``
-imports), CuPy imports, and a CUDA device is usable.  It never raises and the
-answer is cached (the first call pays for the imports and the driver query).
-``gpu_module()`` returns the kernel module or raises a clear error saying why
-there is none.
+"""Is the CUDA path available here?  ``has_cuda()`` (never raises, cached):
+the kernels were built, CuPy imports and a device is usable;
+``gpu_module()``: the kernel module, or an error saying why there is none.
 """
 from __future__ import annotations
 

@@ -1,15 +1,9 @@
 """The reduce-scatter: one rank's program, its table over the phase skeleton
-the all-reduce runs on (docs/design.md, "Reduce-scatter").
-
-Rank r gets coordinates ``[r m, (r + 1) m)`` of the sum.  These blocks are
-fixed by the caller, so each is planned as a stream of its own (one chunk:
-``plan_chunks``, its own keys and workspace names, the world size as ``n``);
-their statistics are reduced as one vector.  DynamiQ thus gets a threshold
-per block (``budget="global"``: one threshold, kept for the study).  The
-schedule is the all-reduce's reduce-scatter half, chunk c being block
-``(c - 1) mod n``, so rank r ends as the sink of its own block.  Blocks may
-have different tile counts: beyond the shorter list sends and receives are
-posted apart (transports match messages per pair in posting order).
+(docs/design.md, "Reduce-scatter").  Rank r's block ``[r m, (r + 1) m)`` is
+fixed by the caller, so each block is planned as a stream of one chunk (a
+threshold per block; ``budget="global"``: one, for the study), the
+statistics reduced as one vector; schedule chunk c is block ``(c - 1) mod
+n``, so rank r is the sink of its own block.
 """
 from __future__ import annotations
 
@@ -59,7 +53,8 @@ def block_keys(keys: CallKeys, block: int) -> CallKeys:
 def run_reduce_scatter(plans, schedule, rank):
     """Generator: the reduce-scatter half of ``schedule``, ``plans[c]`` the
     plan of schedule chunk c; this rank's chunk ends decoded in its plan.
-    Returns the bytes this rank sent."""
+    Blocks may differ in tiles: beyond the shorter list sends and receives go
+    apart (matched per pair in posting order).  Returns the bytes sent."""
     n = schedule.size
     steps = [s for s in schedule.steps[rank] if s.phase == schedules.REDUCE]
     need = defaultdict(int)

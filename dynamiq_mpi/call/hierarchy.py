@@ -1,16 +1,9 @@
-"""The hierarchical all-reduce (docs/design.md, "Nodes and levels"):
-uncompressed inside a node, compressed across nodes, one rail per local rank.
-
-For ``n = N x K`` ranks in N nodes of K: an in-node reduce-scatter hands
-local rank ``l`` the node's sum of its rail's shard; local rank ``l`` of
-every node runs the flat compressed all-reduce of that shard (K rails at
-once, sharing one bit allocation with ``rail_budget="joint"``:
-rail_budget.py); an in-node all-gather assembles the result (``op="mean"``
-divides the float32 value by n once).  Shards interleave 256-element
-blocks (rail ``l`` holds blocks ``l, l + K, ...``), so every rail samples
-the whole vector and carries nearly the same bytes.  The butterfly on a
-node count that is not a power of two runs the ring; nodes of unequal size
-are refused.  ``research/scale_levels.py`` simulates the same definition.
+"""The hierarchical all-reduce (docs/design.md, "Nodes and levels"): an
+uncompressed in-node reduce-scatter hands local rank ``l`` the node's sum of
+its rail's shard (blocks ``l, l + K, ...`` of 256 elements), local rank
+``l`` of every node all-reduces it compressed (one rail per local rank), an
+in-node all-gather assembles the result.  ``research/scale_levels.py``
+simulates the same definition.
 """
 from __future__ import annotations
 

@@ -1,14 +1,8 @@
 """The cost model's prediction that seeds ``hierarchy="auto"``
-(docs/cost-model.md, "Seeding").
-
-For a class of calls the model predicts the flat and the hierarchical call
-from the agreed node layout and links, alike on every rank.  The choice
-measures the predicted winner first; where the links were given (``links=``
-or ``$DYNAMIQ_LINKS``) and the loser is predicted ``MARGIN`` times slower,
-the loser is not measured.  Without given links the model's defaults only
-order the measurement.  Device arrays use the default kernel rates
-(``KERNELS``), host arrays the links alone (``wire_only``).  The model is
-imported on first use (``import dynamiq_mpi`` does not load it).
+(docs/cost-model.md, "Seeding"): the flat and the hierarchical call from the
+agreed node layout and links, alike on every rank; the predicted winner is
+measured first, and with given links a loser ``MARGIN`` times slower is not
+measured.  The model is imported on first use.
 """
 from __future__ import annotations
 

@@ -1,23 +1,11 @@
 """One bit allocation over a node's rails (``rail_budget="joint"``;
-docs/design.md, "Nodes and levels").  Planned apart (``"even"``), a rail
-that drew several of the largest super-groups leaves its mid-sized ones at
-2 bits while another has bits to spare.  Jointly:
-
-1. every rail reduces its statistics over the nodes, as a flat call does;
-2. each rank summarises its rail's reduced norms on a threshold grid
-   (``DynamiQ.share_summary``: a few thousand integers), and the node's
-   ranks all-gather the summaries;
-3. every rank computes the same shares (``DynamiQ.shares_on_grid``), no
-   rail above ``RAIL_SHARE_CAP`` times its even share; each rail plans its
-   share exactly.
-
-The rails' reductions are exact, so every node computes the same shares.
-A rail without statistics (native path, below ``small_input``, fixed
-widths) joins the exchange with nothing after its call and keeps its own
-budget: every rank of a node reaches the exchange once per call, and none
-waits for one waiting for it.  The cost: ~2 ms a rail at 2^28 elements in
-8 rails, a device call's wait for its statistics on the host, and rails
-whose bytes differ by up to the cap.
+docs/design.md, "Nodes and levels", item 3): each rank summarises its rail's
+reduced norms on a threshold grid (``DynamiQ.share_summary``), the node's
+ranks all-gather the summaries, and every rank computes the same shares
+(``DynamiQ.shares_on_grid``).  A rail without statistics (native path,
+below ``small_input``, fixed widths) joins the exchange with nothing after
+its call and keeps its own budget: every rank of a node reaches the exchange
+once per call, and none waits for one waiting for it.
 """
 from __future__ import annotations
 

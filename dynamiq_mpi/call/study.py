@@ -1,18 +1,10 @@
-"""The study interface: what the simulators beside the package (``research/``)
-run of the call machinery, so that a simulated rank runs the library's own
-code rather than a copy of it.  These names stay put for them; the rest of
-``call/`` and ``transports/`` may change without notice
-(``tests/test_layers.py`` keeps the studies to this module, the public API
-and the declared interfaces of docs/design.md).
-
-* the engine's per-rank program of one call (``rank_program`` over a
-  ``CallSpec``, fresh buffers: ``FRESH``) and the transport that drives all
-  ranks of it in one process (``SimulatedTransport``);
-* the rails of the hierarchical call: how a node's shard is cut into rails
-  (``rail_blocks``, ``rail_index``, ``rail_length``, ``rail_scatter``,
-  ``rail_gather``, blocks of ``BLOCK`` elements), their topology
-  (``rail_topology``) and how the rails share the bit budget
-  (``RAIL_BUDGETS``, ``applies``, ``rail_shares``).
+"""The study interface: what the simulators in ``research/`` run of the call
+machinery, so a simulated rank runs the library's own code; these names
+stay put, the rest of ``call/`` may change (``tests/test_layers.py``).  The
+engine's per-rank program (``rank_program`` over a ``CallSpec``, buffers
+``FRESH``) and the transport driving all ranks in one process; the rails of
+the hierarchical call: the shard's cut (blocks of ``BLOCK``), the rails'
+topology and how they share the bit budget.
 """
 from ..transports.simulate import SimulatedTransport
 from .engine import rank_program

@@ -1,15 +1,10 @@
 """MX baselines (OCP Microscaling v1.0 element formats) in a multi-hop
-all-reduce, as the paper adapts them (docs/design.md, "Baselines").
-
-Blocks of 32 elements share a power-of-two scale; elements are rounded to
-nearest even and saturated.  The statistics phase reduces by MAX one byte
-per block, ``floor(log2 max|x|) + 127`` (0: all zero, 255: NaN/Inf), so every
-rank derives the shared exponent ``X_j = E_j + 1 + ceil(log2 n) - emax``
-under which no partial sum of n ranks overflows, and the scales never
-travel.  Every hop decodes, adds in float32 and re-casts with ``X_j``.  A
-message is the packed codes (6-bit: four to three bytes, 4-bit: two to a
-byte, low bits first).  The NumPy code is the CPU path and the reference of
-the GPU's fused kernels (src_cuda/mx_kernels.cu), bit for bit.
+all-reduce, as the paper adapts them (docs/design.md, "Baselines"): a byte
+per block of 32, ``floor(log2 max|x|) + 127`` (0: all zero, 255: NaN/Inf),
+reduced by MAX gives every rank the shared exponent ``X_j = E_j + 1 +
+ceil(log2 n) - emax`` (no partial sum overflows; the scales never travel).
+Codes are packed low bits first.  The NumPy code is the CPU path and the
+reference of the fused GPU kernels (src_cuda/mx_kernels.cu), bit for bit.
 """
 from __future__ import annotations
 

@@ -1,16 +1,10 @@
 """OmniReduce baseline (Fei et al., SIGCOMM'21) in a multi-hop all-reduce, as
-the paper adapts it: every rank keeps its top-k 256-entry blocks by l2 norm,
-the union of the kept blocks is all-reduced densely in BF16 (float32 sums at
-every hop), every other block is zero.
-
-``density`` is the union's target fraction of blocks (the paper's global K).
-The paper adapts the local k across rounds; a call here has no state, so it
-takes the converged state at once: per block one byte ``254 - floor(254 rank
-/ blocks)`` (rank: its place in this rank's descending-norm order; 255:
-NaN/Inf), reduced by MAX, so {blocks with byte >= t} is the union of the
-ranks' top-k(t) sets; every rank picks the smallest t whose union holds at
-most ``density x blocks`` (at least the top level).  The wire carries the
-union's blocks in order, 256 BF16 values each.  Array code (NumPy or CuPy).
+the paper adapts it (docs/design.md, "Baselines"), array code: the union of
+the ranks' top-k 256-entry blocks by l2 norm is all-reduced densely in BF16,
+every other block is zero.  A call has no state across calls, so it takes
+the paper's converged k at once: per block a priority byte ``254 -
+floor(254 rank / blocks)`` (255: NaN/Inf) reduced by MAX, and the smallest
+threshold whose union holds at most ``density`` of the blocks.
 """
 from __future__ import annotations
 

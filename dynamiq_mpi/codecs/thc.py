@@ -1,26 +1,16 @@
 """THC baseline (Li et al., NSDI'24) in a multi-hop all-reduce, as the paper
-adapts it: every rank's values quantized once to 16 levels on a shared
-range, exact integer sums carried hop to hop, never re-quantized.
+adapts it (docs/design.md, "Baselines"), array code (NumPy or CuPy):
 
-1. Rotation (``local_stats``: the range must bound the rotated values).  The
-   input, zero-padded to a multiple of 256, is cut into power-of-two
-   Hadamard blocks (blocks of ``2**max_block_log2``, then the binary
-   expansion of the rest); a block of 2^k becomes ``H D x * 2^-floor(k/2)``
-   (inverse ``D H y * 2^-ceil(k/2)``), the signs D a hash of the coordinate
-   under the call's keys and ``rotation_seed``: a fresh rotation per call.
-2. Range agreement: one byte per block, the exponent of the smallest power
-   of two R >= max|y| (0: all zero; 255: NaN/Inf), reduced by MAX: nothing
-   is clamped, so the quantization is unbiased.
-3. Quantization: ``v = (y / R + 1) (L - 1) / 2`` rounded stochastically with
-   a 24-bit uniform hashed from (value key, coordinate, event).
-4. Aggregation: every hop adds its codes to the received sums, packed at
-   ``ceil(log2((L - 1) n + 1))`` bits (or ``agg_bits``); exact integers, so
-   the result depends on neither topology nor tiling.
-5. Decoding: ``(2 S - (L - 1) n) R / (L - 1)``, then the inverse rotation.
-
-The paper clamps at 3.297 standard deviations (biased, tighter); this range
-is the block maximum rounded up to a power of two (unbiased, up to 2x
-coarser).  Array code (NumPy or CuPy), no fused kernels.
+1. rotation (``local_stats``): power-of-two Hadamard blocks of the padded
+   input, ``H D x * 2^-floor(k/2)`` (inverse ``D H y * 2^-ceil(k/2)``), the
+   signs D hashed from the coordinate under the call's keys;
+2. range: per block the exponent of the smallest power of two R >= max|y|
+   (0: all zero, 255: NaN/Inf), reduced by MAX: nothing clamped, unbiased
+   (the paper clamps at 3.297 deviations: biased, tighter);
+3. ``v = (y / R + 1) (L - 1) / 2`` rounded stochastically, 24-bit uniforms
+   hashed from (value key, coordinate, event);
+4. exact integer sums at ``ceil(log2((L - 1) n + 1))`` bits hop to hop;
+5. decoding ``(2 S - (L - 1) n) R / (L - 1)``, then the inverse rotation.
 """
 from __future__ import annotations
 
@@ -61,9 +51,8 @@ def _mix32(h):
 
 
 def coordinate_hash(xp, key: int, start: int, count: int):
-    """32 random bits for each coordinate start .. start + count - 1 under a
-    64-bit ``key``: a pure function of (key, coordinate), the same on every
-    rank and backend."""
+    """32 random bits for each coordinate start .. start + count - 1, a pure
+    function of (64-bit ``key``, coordinate) on every rank and backend."""
     lo, hi = np.uint32(key & _MASK32), np.uint32(key >> 32)
     c = xp.arange(start, start + count, dtype=np.int64).astype(np.uint32)
     return _mix32(_mix32(c * _GOLDEN32 + lo) ^ hi)

@@ -1,12 +1,8 @@
-"""Shared-memory slots for a torch plane on one host: all-gathers of a few
-bytes (the digests) as MPI moves them there, a store and a poll.
-
-Per rank two slots (the call's parity) of a sequence number and ``SLOT``
-bytes: an all-gather writes its bytes, then the number, then polls until
-every rank's number of that parity reached the call's (no rank can lap
-another).  Store-then-flag relies on x86's total store order; elsewhere the
-socket ring serves.  Rank 0 creates the segment and removes its name once
-every member attached, so nothing is left in /dev/shm.
+"""Shared-memory slots for a torch plane on one host (docs/design.md,
+"Control planes"): all-gathers of a few bytes as a store and a poll.  Per
+rank two slots (the call's parity) of a sequence number and ``SLOT`` bytes;
+store-then-flag relies on x86's total store order.  Rank 0 removes the
+segment's name once every member attached: nothing is left in /dev/shm.
 """
 from __future__ import annotations
 

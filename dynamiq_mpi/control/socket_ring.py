@@ -1,9 +1,7 @@
-"""A TCP ring of a torch plane's members for its small fixed-size exchanges
-(the per-call digests), on the calling thread: gloo takes about 0.3 ms for
-an 8-byte all-gather (a worker thread and an event loop), MPI 5-7 us.  Each
-rank connects to its successor (TCP_NODELAY, addresses through the job's
-store); an all-gather of k bytes is n - 1 steps of send-k / receive-k.  The
-members agree over gloo that every rank connected: all use the ring or none.
+"""A TCP ring of a torch plane's members for its small fixed-size exchanges,
+on the calling thread (gloo takes 0.3 ms for 8 bytes; docs/design.md,
+"Control planes"): each rank connects to its successor, an all-gather of k
+bytes is n - 1 steps of send-k / receive-k; all members use it or none.
 ``DYNAMIQ_SOCKET_RING=0`` turns it and shm_slots.py off.
 """
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Transports move packed byte buffers between ranks, answering the requests
-(``ops.py``) of the engine's per-rank generators (``base.Transport``;
-docs/design.md's table): ``mpi`` (``mpi_host``: host-staged, always works),
-``nccl`` and ``mpi-cuda`` (device arrays only), ``simulate`` (all ranks in
-one process).
-
-``auto`` picks ``nccl`` when every rank passes device arrays and NCCL works
-on every rank, else ``mpi-cuda`` when every rank's MPI is CUDA-aware, else
-``mpi``: a pure function of the agreed records, so every rank chooses alike
-and a transport asked for but unusable is the same error on every rank.
+(``ops.py``) of the engine's per-rank generators (docs/design.md's table).
+``auto`` picks NCCL, else a CUDA-aware MPI, else host staging, from the
+agreed records: every rank chooses alike, and a transport asked for but
+unusable is the same error on every rank.
 """
 from __future__ import annotations
 

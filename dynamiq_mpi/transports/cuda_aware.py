@@ -1,15 +1,10 @@
 """Is the MPI that mpi4py loaded CUDA-aware?  Asked, never guessed: a wrong
-"yes" makes MPI read device pointers as host memory, so only an explicit
-answer counts (docs/cuda_aware_mpi.md).  In order: ``DYNAMIQ_CUDA_AWARE_MPI``
-(0 or 1); the MPI 4.1 info key ``mpi_memory_alloc_kinds`` listing ``cuda``
-(a list without it is no "no": Open MPI lists only kinds requested); the
-vendor query through ctypes, ``MPIX_GPU_query_support(CUDA)`` where it
-exists (MPICH < 4's ``MPIX_Query_cuda_support`` may assert), else
-``MPIX_Query_cuda_support()``.  No answer is a "no" saying how to override.
-
-:func:`detect` takes every source injectable (for the tests);
-:func:`cuda_aware_mpi` reads the environment on every call and probes MPI
-once per process, never where MPI is not initialised.
+"yes" makes MPI read device pointers as host memory (docs/cuda_aware_mpi.md
+gives the order: ``DYNAMIQ_CUDA_AWARE_MPI``, the ``mpi_memory_alloc_kinds``
+info key, the vendor query through ctypes; no answer is a "no" saying how
+to override).  :func:`detect` takes every source injectable;
+:func:`cuda_aware_mpi` probes MPI once per process, never where MPI is not
+initialised.
 """
 from __future__ import annotations
 

@@ -1,19 +1,10 @@
 """CUDA-aware MPI transport: device (CuPy) buffers handed to mpi4py as they
-are.  MPI knows no streams, so the host orders the two worlds:
-
-* the compute stream is synchronised before an exchange that sends a
-  computed payload, and before a call's first receive (a kernel of the
-  previous call may still read that buffer); a forwarded payload was written
-  by MPI: its receive is completed instead;
-* receives are posted at once and completed by a :class:`~.ops.Claim` right
-  before a kernel reads them, so one tile's transfer overlaps the next's
-  kernel (the host waits where NCCL would make the stream wait);
-* a receive never lands on a send still in flight (MPI forbids touching a
-  send buffer before it completes): overlapping sends are completed first.
-
-Every request is complete when the call ends (the ``done`` mark, or
-:meth:`MPICudaTransport.end_call` after a failure).  ``xp`` and
-``synchronize`` are injectable: the CPU tests run this class on NumPy arrays.
+are; MPI knows no streams, so the host orders the two (docs/cuda_aware_mpi.md):
+the compute stream is synchronised before a computed payload is sent and
+before a call's first receive; a :class:`~.ops.Claim` completes a receive
+right before a kernel reads it; a receive never lands on a send in flight.
+Nothing is in flight between calls.  ``xp`` and ``synchronize`` are
+injectable (the CPU tests run this class on NumPy arrays).
 """
 from __future__ import annotations
 

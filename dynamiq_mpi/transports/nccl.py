@@ -1,11 +1,8 @@
-"""NCCL point-to-point transport through CuPy's NCCL bindings; stream
-ordered, the host never waits.  The caller's current stream computes;
-messages go on private *lane* streams, one NCCL communicator each (a message
-above ``lane_bytes`` is split over lanes).  A computed payload makes the
-lanes wait on an event of the compute stream (a forwarded one is already
-ordered on its lane); a :class:`~.ops.Claim` makes the compute stream wait
-on the receive's events, so one tile's kernel overlaps another's transfer.
-The unique ids go over the control plane; communicators are made once per
+"""NCCL point-to-point transport through CuPy (docs/design.md's table):
+stream ordered, the host never waits.  The caller's stream computes; private
+*lane* streams, one communicator each, carry the messages (one above
+``lane_bytes`` split over lanes); a :class:`~.ops.Claim` makes the compute
+stream wait on the receive's events.  Communicators are made once per
 Collective and device.
 """
 from __future__ import annotations

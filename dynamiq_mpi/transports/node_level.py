@@ -1,11 +1,8 @@
-"""The in-node level of the hierarchical call: an uncompressed reduce-scatter
-and all-gather among a node's ranks.  Every local rank passes ``(K,
-segment)`` rows, row ``l`` its part for local rank ``l``; the reduce-scatter
-returns the node's sum of row ``local``, the all-gather stacks every rank's
-segment.  :class:`StagedNodeLevel` (host arrays) sums left to right in
-local-rank order over the control plane, so a reference gets the same bits;
-:class:`NCCLNodeLevel` (device arrays, one GPU per rank) is NCCL's own, in
-its own order.  :func:`node_level_for` decides, alike on every rank.
+"""The in-node level of the hierarchical call (docs/design.md): every local
+rank passes ``(K, segment)`` rows, row ``l`` its part for local rank ``l``;
+the reduce-scatter returns the node's sum of row ``local``, the all-gather
+stacks every rank's segment.  :func:`node_level_for` picks NCCL's own or the
+control plane's (a left-to-right sum), alike on every rank.
 """
 from __future__ import annotations
 
