@@ -99,13 +99,3 @@ def build(topology: str, size: int) -> Schedule:
     reduce = _ring_reduce_steps if topology == "ring" else _butterfly_reduce_steps
     steps = tuple(tuple(reduce(r, n) + _all_gather_steps(r, n)) for r in range(n))
     return Schedule(topology, n, steps)
-
-
-def describe(schedule: Schedule) -> str:
-    """Human-readable table of a schedule (one line per step and rank)."""
-    lines = [f"{schedule.topology} schedule, n={schedule.size}"]
-    for r, steps in enumerate(schedule.steps):
-        for i, s in enumerate(steps):
-            lines.append(f"rank {r} step {i:2d} {s.phase:6s} send chunk {s.send_chunk} -> "
-                         f"{s.dest}, recv chunk {s.recv_chunk} <- {s.source}")
-    return "\n".join(lines)

@@ -7,8 +7,18 @@ import argparse
 import sys
 
 
+def describe(schedule) -> str:
+    """Human-readable table of a schedule (one line per step and rank)."""
+    lines = [f"{schedule.topology} schedule, n={schedule.size}"]
+    for r, steps in enumerate(schedule.steps):
+        for i, s in enumerate(steps):
+            lines.append(f"rank {r} step {i:2d} {s.phase:6s} send chunk {s.send_chunk} -> "
+                         f"{s.dest}, recv chunk {s.recv_chunk} <- {s.source}")
+    return "\n".join(lines)
+
+
 def cmd_schedule(args):
-    from dynamiq_mpi.schedules import build, describe
+    from dynamiq_mpi.schedules import build
     print(describe(build(args.topology, args.n)))
 
 

@@ -22,8 +22,9 @@ HIERARCHIES = ("flat", "nodes", "auto")
 
 
 # ----------------------------------------------------------------- shards
-def _rail_counts(length: int, node_size: int, rail: int, block: int):
-    """(full blocks of the vector, blocks of rail ``rail``, its elements)."""
+def rail_length(length: int, node_size: int, rail: int, block: int = BLOCK) -> int:
+    """The elements of rail ``rail``'s shard, blocks ``rail, rail + K, ...``
+    (0: the rail is skipped); the rails' lengths differ by at most ``block``."""
     if node_size < 1 or not 0 <= rail < node_size:
         raise ValueError(f"rail {rail} of {node_size}")
     if block < 1 or length < 0:
@@ -33,57 +34,7 @@ def _rail_counts(length: int, node_size: int, rail: int, block: int):
     elems = count * block
     if count and (nb - 1) % node_size == rail:         # this rail holds the last block
         elems -= nb * block - length
-    return length // block, count, elems
-
-
-def rail_blocks(length: int, node_size: int, block: int = BLOCK):
-    """For each rail ``l`` the increasing numbers ``j`` of its blocks
-    (``j % node_size == l``; int64 arrays), block ``j`` being the elements
-    ``[j * block, min(length, (j + 1) * block))``."""
-    nb = -(-length // block) if length else 0
-    return [np.arange(l, nb, node_size, dtype=np.int64) for l in range(node_size)]
-
-
-def rail_length(length: int, node_size: int, rail: int, block: int = BLOCK) -> int:
-    """The elements of rail ``rail``'s shard (0: the rail is skipped); the
-    rails' lengths differ by at most ``block``."""
-    return _rail_counts(length, node_size, rail, block)[2]
-
-
-def rail_index(length: int, node_size: int, rail: int, block: int = BLOCK):
-    """The element positions of rail ``rail``'s shard, in shard order (int64):
-    ``x[rail_index(...)]`` is :func:`rail_gather`'s shard."""
-    j = rail_blocks(length, node_size, block)[rail]
-    idx = (j[:, None] * block + np.arange(block, dtype=np.int64)).reshape(-1)
-    return idx[idx < length]
-
-
-def rail_gather(x, node_size: int, rail: int, block: int = BLOCK):
-    """Rail ``rail``'s shard of the vector ``x`` (NumPy or CuPy, 1-D): its
-    blocks concatenated in order; a new array, except for ``node_size == 1``."""
-    length = x.shape[0]
-    full, count, elems = _rail_counts(length, node_size, rail, block)
-    if node_size == 1:
-        return x
-    body = x[:full * block].reshape(full, block)[rail::node_size].reshape(-1)
-    tail = x[full * block:full * block + elems - body.shape[0]]   # the partial last block
-    return array_module(x).concatenate([body, tail])
-
-
-def rail_scatter(out, shard, node_size: int, rail: int, block: int = BLOCK):
-    """The inverse of :func:`rail_gather`: write ``shard`` (rail ``rail``'s
-    elements in shard order) into its blocks of ``out``, in place."""
-    length = out.shape[0]
-    full, count, elems = _rail_counts(length, node_size, rail, block)
-    if shard.shape[0] != elems:
-        raise ValueError(f"rail {rail} of {node_size} holds {elems} elements, "
-                         f"{shard.shape[0]} given")
-    nbody = -(-(full - rail) // node_size) if full > rail else 0     # its whole blocks
-    out[:full * block].reshape(full, block)[rail::node_size] = \
-        shard[:nbody * block].reshape(nbody, block)
-    if elems > nbody * block:
-        out[full * block:] = shard[nbody * block:]
-    return out
+    return elems
 
 
 # ----------------------------------------------------------------- nodes

@@ -64,9 +64,6 @@ class ControlPlane:
     def free(self) -> None:
         pass
 
-    def describe(self) -> str:
-        return f"{self.name} plane, rank {self.rank} of {self.size}"
-
 
 def is_torch_group(obj) -> bool:
     """A torch.distributed ProcessGroup (checked without importing torch)."""

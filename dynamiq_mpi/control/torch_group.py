@@ -246,11 +246,6 @@ class TorchPlane(ControlPlane):
             self._slots = None
         self._pg = None         # gloo closes its pairs when the group is collected
 
-    def describe(self) -> str:
-        return (f"torch plane (a gloo group of global ranks "
-                f"{self.ranks if self.size <= 8 else str(self.ranks[:8])[:-1] + ', ...]'}), "
-                f"rank {self.rank} of {self.size}")
-
 
 def _writable(a):
     """torch.from_numpy refuses read-only arrays: copy those only."""
