@@ -1,10 +1,7 @@
-"""Command line: ``python -m dynamiq_mpi {doctor,demo,bench,model}``.
-
-Run under ``mpiexec -n N`` for the MPI commands.  The studies (the error
-study, the training simulator, the schedules) and the CUDA kernel benchmark
-are not installed: they run from a checkout, ``python -m research
-{vnmse,train-sim,schedule,kernels}``.  An exception on any rank
-prints its traceback and aborts the whole job (no rank is left hanging).
+"""Command line: ``python -m dynamiq_mpi {doctor,demo,bench,model}`` (the MPI
+commands under ``mpiexec -n N``; an exception on any rank aborts the job).
+The studies and the CUDA kernel benchmark run from a checkout:
+``python -m research {vnmse,train-sim,schedule,kernels,...}``.
 """
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ def _world():
 
 def _codec_rows(n):
     from . import BF16, DynamiQ, Exact
-    # small_input=0: the demo's inputs (2^20 by default) are below DynamiQ's
-    # default threshold, under which a call goes as BF16
+    # small_input=0: the demo's 2^20 elements would go as BF16
     rows = [("exact", Exact()), ("bf16", BF16())] + [
         (f"dynamiq b={b:g}", DynamiQ(bits=b, small_input=0)) for b in (3, 5, 8.25)]
     return rows

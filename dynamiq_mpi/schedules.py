@@ -1,9 +1,7 @@
 """All-reduce schedules as plain data: per rank and step, which chunk goes to
-whom and comes from whom (no codecs).  In both topologies the rank whose
-*role* for chunk ``c`` is ``v = (rank - c) mod n`` quantizes it once, as
-event ``v`` (correlated rounding's stratum), and the sink of chunk ``c`` is
-role ``n - 1``, rank ``c - 1``; the all-gather is the same ring for both,
-the sink's bytes forwarded unchanged.
+whom and comes from whom.  The rank of *role* ``v = (rank - c) mod n`` for
+chunk ``c`` quantizes it once, as event ``v``; the sink is role ``n - 1``;
+the all-gather is one ring forwarding the sink's bytes unchanged.
 """
 from __future__ import annotations
 

@@ -4,18 +4,14 @@ uncompressed one, in the style of nccl-tests.
     mpiexec -n 2 python -m dynamiq_mpi bench -b 1M -e 1G -f 2 \\
         --codec dynamiq:5,bf16 --topology ring --transport nccl --json out.json
 
-Sizes are bytes of gradient-like data in its dtype (``-b``/``-e``/``-f`` as
-nccl-tests).  Per size a reference row (NCCL's own all-reduce for device
-arrays, MPI's in float32 for host arrays), then a row per codec and
-topology: wire bits per coordinate (metadata included), time per call (mean
-of ``-n`` calls after ``-w`` warm-up, slowest rank), algbw and busbw on the
-gradient bytes, vNMSE against the float64 sum, #wrong (ranks whose result
-differs from rank 0's), speed-up.  ``--breakdown`` adds one profiled call
-per row (phases serialised): time per phase; kernel, wire and idle time.
+Per size (bytes of gradient-like data) a reference row (NCCL's own
+all-reduce, or MPI's in float32 for host arrays), then a row per codec and
+topology: wire bits per coordinate, time per call (mean of ``-n`` calls,
+slowest rank), algbw, busbw, vNMSE against the float64 sum, #wrong (ranks
+differing from rank 0), speed-up; ``--breakdown``: a profiled call per row.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import platform

@@ -1,10 +1,7 @@
-"""``python -m dynamiq_mpi doctor``: what the library found on this machine.
-
-The version, the kernels (and the GPU architectures they carry), NumPy,
-CuPy, NCCL, torch, mpi4py with the MPI library (CUDA-aware or not), the
-launcher, and what a call with the defaults would choose.  It measures
-nothing and starts no collective (alone, MPI starts as a world of one, not
-under torchrun); under ``mpiexec -n N`` rank 0 lists every rank's host and GPUs.
+"""``python -m dynamiq_mpi doctor``: what the library found on this machine
+(the kernels and their GPU architectures, NumPy, CuPy, NCCL, torch, mpi4py
+and its MPI, the launcher) and what a default call would choose.  It starts
+no collective; under ``mpiexec -n N`` rank 0 lists every rank's host and GPUs.
 """
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
-"""The engine: one rank's all-reduce, the all-reduce's table over the phase
-skeleton (:func:`~.phases.run_collective`), a generator of the requests of
-transports/ops.py (docs/design.md, "One all-reduce, step by step").
-
-One plan cuts the whole input into n chunks.  The engine makes no choice of
-path: it runs the one the planner's answer to ``Route`` names, compressed or
-the transport's own all-reduce (``NativeAllreduce``).  It posts every
-exchange as soon as its payload is computed and claims a received buffer
-right before a kernel reads it, so an asynchronous transport overlaps one
-tile's kernel with another's transfer; it never waits.
+"""The engine: one rank's all-reduce, its table over the phase skeleton
+(docs/design.md, "One all-reduce, step by step"): one plan of the whole
+input in n chunks, or the path the planner's ``Route`` answer names.  Every
+exchange is posted once its payload is computed and a received buffer
+claimed right before a kernel reads it; the engine never waits.
 """
 from __future__ import annotations
 

@@ -71,9 +71,8 @@ def default_node_size(value=None):
 
 
 def find_nodes(plane, node_size=None) -> NodeLayout:
-    """Which ranks share a node, alike on every rank (collective): nodes of
-    ``node_size`` consecutive ranks, else ``MPI_Comm_split_type(SHARED)`` on
-    the MPI plane, host names on the torch plane.  Unequal nodes raise."""
+    """Which ranks share a node, alike on every rank (collective): ``node_size``
+    consecutive ranks, else shared memory (MPI) or host names (torch)."""
     n = plane.size
     if node_size is not None:
         if n % node_size:
@@ -115,9 +114,8 @@ def rail_topology(topology: str, nodes: int) -> str:
 
 # ----------------------------------------------------------------- the call
 def rails_rows(x, node_size: int, block: int = BLOCK):
-    """The vector ``x`` (1-D) as ``(node_size, segment)`` rows, row ``l``
-    rail ``l``'s shard zero-padded to equal length, so an in-node
-    reduce-scatter hands local rank ``l`` its rail's sums."""
+    """``x`` (1-D) as ``(node_size, segment)`` rows, row ``l`` rail ``l``'s
+    shard zero-padded, for the in-node reduce-scatter."""
     xp, length = array_module(x), x.shape[0]
     per_rail = -(-(-(-length // block)) // node_size)
     total = per_rail * node_size * block
@@ -147,7 +145,7 @@ def _mean(a, n: int):
 
 
 def _seconds_since(t0, xp, measured):
-    """Seconds of an in-node phase (``measured``: device work is waited for)."""
+    """Seconds of an in-node phase (``measured``: device work waited for)."""
     if measured and xp is not np:
         xp.cuda.get_current_stream().synchronize()
     return time.perf_counter() - t0
@@ -168,9 +166,8 @@ def _deliver(result, flat_out, out, backend, on_device):
 
 def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, transport,
                tile_bytes, path, nonfinite):
-    """The first exchange of a hierarchical call, before the node and rail
-    planes (a rank making a flat call meets it too and every rank raises).
-    Returns (flat input, flat out or None, backend)."""
+    """The first exchange of a hierarchical call, which a rank making a flat
+    call meets too (then every rank raises); (flat input, flat out, backend)."""
     from .. import schedules
     from .phases import CallSpec, agreement_record, check_agreement, check_local, check_scatter
     from ..control.agreement import agree
@@ -199,8 +196,7 @@ def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, 
 
 
 class Levels:
-    """The node and rail planes of one Collective and node layout, the
-    rail's call runner (made once, collectively) and the in-node levels."""
+    """The node and rail planes, the rail's call runner and the in-node levels."""
 
     def __init__(self, plane, layout: NodeLayout, make_rail):
         from ..transports.node_level import StagedNodeLevel
@@ -223,7 +219,7 @@ class Levels:
 
     def _chunk_order(self, xp):
         """The reduce-scatter's chunk order, row l the chunks of the ranks of
-        local index l in node order (made once per array module)."""
+        local index l in node order (one per array module)."""
         if xp not in self._orders:
             lay = self.layout
             self._orders[xp] = xp.asarray([lay.rank_of(j, l) for l in range(lay.node_size)
@@ -242,10 +238,8 @@ class Levels:
         return self._device_levels[device]
 
     def _start(self, coll, agreed, nonfinite, topology):
-        """After the agreement: NaN/Inf with nonfinite="raise" (every rank
-        raises), then (flat, flat out, backend, on the device?, in-node
-        level, why, the input where that level works, its array module,
-        length, dtype, ranks n, node size k, the rails' topology)."""
+        """After the agreement: NaN/Inf with nonfinite="raise" raises on every
+        rank; else the call's facts, the in-node level and its input."""
         from .phases import holds_nonfinite
         from ..control.agreement import agree
         flat, flat_out, backend = agreed
@@ -263,10 +257,9 @@ class Levels:
                 lay.node_size, rail_topology(topology, lay.nodes))
 
     def _rail_call(self, method, shard, stage, call, hook=None):
-        """The rail level's flat ``method`` on the node sums' shard with the
-        call's arguments; ``stage``: the shard was staged to the host, so it
-        goes back to the device for the rail; ``hook``: the joint budget
-        (rail_budget.py), finished after the call.  (result, report, seconds)."""
+        """(result, report, seconds) of the rail's flat ``method`` on the node
+        sums' shard; ``stage``: the shard goes back to the device for it;
+        ``hook``: the joint budget, finished after the call."""
         t1 = time.perf_counter()
         rail_in = shard
         if stage:
@@ -335,12 +328,12 @@ class Levels:
                         wire_bytes_total=wire,
                         stats_bytes_total=rail_rep.stats_bytes_total,
                         bytes_sent=rail_rep.bytes_sent + node_bytes,
-                        seconds=time.perf_counter() - t0, codec_info=rail_rep.codec_info)
-        report.hierarchy = "nodes"
-        report.control_plane = coll.control_plane
-        report.transport_reason = rail_rep.transport_reason
-        report.bits_override = (wire * 8.0 / (2.0 * (lay.nodes - 1) * length)
-                                if lay.nodes > 1 and length else 0.0)
+                        seconds=time.perf_counter() - t0,
+                        codec_info=dict(rail_rep.codec_info, nodes=lay.describe()),
+                        hierarchy="nodes", control_plane=coll.control_plane,
+                        transport_reason=rail_rep.transport_reason,
+                        bits_override=(wire * 8.0 / (2.0 * (lay.nodes - 1) * length)
+                                       if lay.nodes > 1 and length else 0.0))
         node = {"path": "uncompressed", "codec": dtype_name(dtype), "ranks": k,
                 "transport": level.name, "transport_reason": level_why,
                 "bytes_sent": node_bytes // 2}
@@ -359,15 +352,13 @@ class Levels:
         if rail_topo != topology:
             report.levels[1]["note"] = (f"butterfly needs a power-of-two node count "
                                         f"({lay.nodes}): the rails ran the ring")
-        report.codec_info = dict(rail_rep.codec_info, nodes=lay.describe())
         return shaped, report
 
     def reduce_scatter(self, coll, x, out, agreed, *, codec, topology, op, seed, counter,
                        transport, tile_bytes, nonfinite, return_report):
-        """Hierarchical reduce-scatter: local rank l's rail shard is the chunks
-        of the ranks of local index l in node order; the in-node
-        reduce-scatter sums it, the rail's reduce-scatter hands node j the
-        chunk of its rank of local index l."""
+        """Hierarchical reduce-scatter: local rank l's shard is the chunks of
+        the ranks of local index l, summed in the node; the rail's
+        reduce-scatter hands node j its rank's chunk."""
         from ..report import Report
         t0 = time.perf_counter()
         lay = self.layout
@@ -396,10 +387,10 @@ class Levels:
                         wire_bytes_total=wire, stats_bytes_total=rail_rep.stats_bytes_total,
                         bytes_sent=rail_rep.bytes_sent, seconds=time.perf_counter() - t0,
                         codec_info=dict(rail_rep.codec_info, nodes=lay.describe()),
-                        collective="reduce_scatter")
-        report.hierarchy, report.control_plane = "nodes", coll.control_plane
-        report.bits_override = (wire * 8.0 / ((lay.nodes - 1) * length)
-                                if lay.nodes > 1 and length else 0.0)
+                        collective="reduce_scatter", hierarchy="nodes",
+                        control_plane=coll.control_plane,
+                        bits_override=(wire * 8.0 / ((lay.nodes - 1) * length)
+                                       if lay.nodes > 1 and length else 0.0))
         report.levels = [
             {"level": "node reduce-scatter", "path": "uncompressed", "codec": dtype_name(dtype),
              "ranks": k, "transport": level.name, "transport_reason": level_why,
@@ -411,9 +402,8 @@ class Levels:
 
 
 class NodeCalls:
-    """The hierarchy route of a call runner: its node layout and
-    :class:`Levels`, made on first use; ``make_rail(plane)``: a rail's flat
-    runner."""
+    """A call runner's hierarchy route, its :class:`Levels` made on first use;
+    ``make_rail(plane)``: a rail's flat runner."""
 
     def __init__(self, runtime, layout, node_size, rail_budget, links, make_rail):
         self.plane, self.size, self.control_plane = runtime.plane, runtime.size, runtime.plane.name
@@ -424,10 +414,9 @@ class NodeCalls:
         self._auto = None               # whether "auto" may use nodes (decided once)
 
     def auto_layout(self):
-        """(nodes, node size) that hierarchy="auto" may use, or None where
-        levels cannot help (one node, nodes of one rank, unequal nodes).
-        Found once, collectively: the ranks agree on asking, ``node_size``
-        and the links, then (without ``node_size``) find the nodes."""
+        """(nodes, node size) that hierarchy="auto" may use, or None where levels
+        cannot help; found once, the ranks agreeing on asking, ``node_size``
+        and the links."""
         if self._auto is not None:
             return self._auto or None
         k, n = self.node_size, self.size

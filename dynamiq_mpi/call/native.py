@@ -1,9 +1,7 @@
 """Steady native calls: the transport's own all-reduce (wire.py) of a call
-whose arguments the ranks agreed on once, without the engine.  It keeps the
-agreement record and its digest, so a call costs one 8-byte all-gather of
-digests (the counter folded in), the casts and the all-reduce.  A rank whose
-call differs sends another digest; then every rank exchanges the full
-records and raises the engine's error, so none is left waiting.
+agreed once, without the engine: one 8-byte digest all-gather (the counter
+folded in), the casts and the all-reduce.  A rank whose call differs sends
+another digest; then every rank raises the engine's error.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""The phases of a call and the one skeleton that runs them for every flat
-collective (:func:`run_collective`); the all-reduce (engine.py) and the
-reduce-scatter (engine_rs.py) are tables over it that say what differs.
-The hierarchical call (hierarchy.py) shares the checks and the agreement.
-The generators here yield the requests of transports/ops.py."""
+"""The phases of a call and the one skeleton running them for every flat
+collective (:func:`run_collective`), over which the all-reduce (engine.py)
+and the reduce-scatter (engine_rs.py) are tables; hierarchy.py shares the
+checks and the agreement.  The generators yield transports/ops.py's requests."""
 from __future__ import annotations
 
 import time
@@ -89,9 +88,8 @@ def check_local(x, out, spec: CallSpec, n: int):
 
 
 def check_scatter(x, out, flat, backend, n: int):
-    """A reduce-scatter's checks after :func:`check_local` of ``x`` alone: a
-    length divisible by n and ``out`` of ``len(x) / n`` elements.  The flat
-    view of ``out`` (or None), or raises."""
+    """A reduce-scatter's checks after :func:`check_local` of ``x`` alone (a
+    length divisible by n, ``out`` of ``len(x) / n``): the flat ``out`` or None."""
     if flat.shape[0] % n:
         raise ValueError(f"reduce_scatter needs a length divisible by the {n} ranks, got "
                          f"{flat.shape[0]} (pad it, as FSDP does)")
@@ -105,7 +103,7 @@ def check_scatter(x, out, flat, backend, n: int):
 
 
 def check_out_buffer(out, x, backend, size_ok: bool, expected: str) -> None:
-    """The checks of every ``out=``: x's array type, dtype and device, the size
+    """Every ``out=``'s checks: x's type, dtype and device, its size
     (``size_ok``; ``expected``: what was wanted and got), C-contiguous."""
     if type(out) is not type(x):
         raise TypeError(f"out must be a {type(x).__name__} like the input, "
@@ -128,8 +126,8 @@ _FLAT_DEFAULTS = {"collective": "allreduce", "hierarchy": "flat"}
 
 
 def check_agreement(metas: list, what: str = "all-reduce") -> None:
-    """Raise on every rank alike where a rank reported an error (``what``:
-    the collective, named in the message) or the records differ."""
+    """Raise on every rank alike where a rank reported an error or the records
+    differ (``what``: the collective, for the message)."""
     first = metas[0]
     if not first.get("error") and all(m is first for m in metas):
         return      # the agreement matched digests and handed back one record
@@ -155,12 +153,10 @@ def check_agreed(values: list, what: str) -> None:
 
 def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
                    detailed_report: bool):
-    """Generator: one rank's call of the collective ``table`` describes
-    (engine.AllReduce, engine_rs.ReduceScatter), returning (output, Report):
-    the local checks (``table.check`` sets ``flat``, ``flat_out``,
-    ``backend``), the local statistics (``table.start``: a device computes
-    while the host agrees), the agreement, ``Route``, then the native path
-    (``table.native``) or the compressed phases."""
+    """Generator: one rank's call of the collective ``table`` describes,
+    returning (output, Report): the local checks (``table.check``), the local
+    statistics (``table.start``: a device computes while the host agrees),
+    the agreement, ``Route``, then the native or the compressed phases."""
     t0 = time.perf_counter()
     error = None
     try:
@@ -202,8 +198,7 @@ def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
 def compressed_phases(table, rank, n, flat, result, spec: CallSpec, backend, workspace, report,
                       detailed_report):
     """Generator: the statistics reduced exactly, the plans (``table.plan``
-    sets ``codec``, ``plans``, ``own``), the hops, the finish into
-    ``result``, the report (``table.info``: the collective's entries)."""
+    sets ``codec``, ``plans``, ``own``), the hops, the finish, the report."""
     xp = backend.xp
     divisor = n if spec.op == "mean" else 1
     stats = table.statistics(flat, spec, backend, workspace)
@@ -267,9 +262,8 @@ def reduce_tile(plan, tile, received, event):
 
 def _finish_and_send(plan, schedule, rank, step, pending, held):
     """Generator: the sink's last fused step of every tile of its chunk, each
-    posted to the first all-gather step right after it (no kernel waits for
-    the wire), then decoded; the received tiles are claimed and decoded
-    after the last one.  Returns bytes sent."""
+    sent on at once (no kernel waits for the wire), then the decodes.
+    Returns bytes sent."""
     own = schedule.owned_chunk(rank)
     assert step.phase == schedules.GATHER and step.send_chunk == own, step
     event = schedule.event(rank, own)
@@ -329,9 +323,8 @@ def run_schedule(plan, schedule, rank):
 
 
 def reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
-    """Generator: every rank's statistics reduced bit-identically: the exact
-    float32 sum, or the maximum of uint8 vectors.  Returns (reduced, bytes
-    sent, bytes sent by all ranks)."""
+    """Generator: the statistics' exact float32 sum (uint8: maximum), alike on
+    every rank.  Returns (reduced, bytes sent, bytes sent by all ranks)."""
     xp = backend.xp
     by_max = stats.dtype == np.uint8
     if n == 2:

@@ -1,10 +1,7 @@
-"""The study interface: what the simulators in ``research/`` run of the call
-machinery, so a simulated rank runs the library's own code; these names
-stay put, the rest of ``call/`` may change (``tests/test_layers.py``).  The
-engine's per-rank program (``rank_program`` over a ``CallSpec``, buffers
-``FRESH``) and the transport driving all ranks in one process; the rails of
-the hierarchical call: their lengths (blocks of ``BLOCK``), topology and
-how they share the bit budget.
+"""The study interface: what ``research/``'s simulators run of the call
+machinery (the engine's per-rank program and the simulated transport; the
+rails' lengths, topology and shared budget), so a simulated rank runs the
+library's own code.  These names stay put; the rest of ``call/`` may change.
 """
 from ..transports.simulate import SimulatedTransport
 from .engine import rank_program

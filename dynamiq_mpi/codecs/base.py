@@ -1,11 +1,8 @@
-"""What the engine needs from a codec (docs/design.md, "The parts").
-
-A :class:`Codec` is an immutable configuration; per call it may ask for a
-statistics vector to be all-reduced exactly (``local_stats``), then builds a
-:class:`Plan`: the stream cut into ``n`` chunks of whole records, each chunk
-into tiles, and per tile (re)compress, decode and accumulate.  The stream
-lives in one buffer (``wire``), tile ``t`` at ``wire[offset[t]:][:nbytes[t]]``:
-the all-gather receives into the slot, so the final sum is decoded in place.
+"""What the engine needs from a codec (docs/design.md, "The parts"): an
+immutable :class:`Codec` may ask for statistics reduced exactly
+(``local_stats``), then builds a per-call :class:`Plan` cutting the stream
+into ``n`` chunks of whole records and tiles, one buffer (``wire``) holding
+every tile's slot: the all-gather receives into it, decoded in place.
 """
 from __future__ import annotations
 
@@ -13,11 +10,9 @@ import contextlib
 import contextvars
 from dataclasses import dataclass, field
 
-import numpy as np
-
-# Bytes of compressed stream per message: a tile's kernel overlaps the previous
-# tile's transfer, but each tile costs ~100 us of host time.  On 2x H200 at 2^27
-# BF16 elements 32 MiB beat 8 MiB by 1.2x on sockets and matched 128 MiB on NVLink.
+# Bytes per message: a tile's kernel overlaps the previous tile's transfer but
+# costs ~100 us of host time; on 2x H200 at 2^27 BF16 elements 32 MiB beat 8 MiB
+# by 1.2x on sockets and matched 128 MiB on NVLink.
 DEFAULT_TILE_BYTES = 32 << 20
 
 
@@ -29,12 +24,9 @@ def signature_of(codec):
 
 class Codec:
     name = "codec"
-    # False: on device arrays the codec is CuPy array code, not fused kernels
-    fused_gpu = True
-    # The native path: the dtype it sums in (None: the input's), and whether
-    # path="auto" may take it (lossy codecs whose accuracy BF16 matches)
-    native_wire = "bfloat16"
-    auto_path = False
+    fused_gpu = True                # False: CuPy array code on device arrays
+    native_wire = "bfloat16"        # the native path's sum dtype (None: the input's)
+    auto_path = False               # path="auto" may go native (BF16 is as accurate)
 
     def signature(self) -> tuple:
         """Hashable description every rank must agree on before any byte moves."""
@@ -54,8 +46,7 @@ class Codec:
 
     def local_stats(self, x, backend, workspace, keys=None):
         """(local statistics to all-reduce exactly before planning, or None;
-        local state handed to ``plan``).  ``keys``: the call's generator keys
-        (rng.CallKeys), for statistics that depend on shared randomness."""
+        local state handed to ``plan``); ``keys``: the call's rng.CallKeys."""
         return None, None
 
     def plan(self, x, reduced_stats, n, keys, backend, local_state, workspace,
@@ -85,8 +76,7 @@ class StreamLayout:
         return self.nbytes
 
     def cut(self, t: int) -> int:
-        """The smallest unit index s with offset(s) >= t: the boundary after
-        the unit whose end first reaches byte t."""
+        """The smallest unit index s with offset(s) >= t."""
         if t <= 0:
             return 0
         for k, (c, b) in enumerate(self.runs):
@@ -175,10 +165,9 @@ def current_layout() -> str:
 
 
 def tile_stream(layout: StreamLayout, n: int, tile_bytes: int) -> Tiling:
-    """Cut the stream into ``n`` chunks of (nearly) equal bytes - a ring step
-    lasts as long as its largest message - and every chunk into the same
-    number of tiles of at most about ``tile_bytes``, so the tiles of one step
-    pair up send for receive (inside :func:`plan_chunks`: that many chunks).
+    """Cut the stream into ``n`` chunks of (nearly) equal bytes (a ring step
+    lasts as long as its largest message), every chunk into as many tiles of
+    about ``tile_bytes`` at most, so a step's tiles pair up send for receive.
     Cached: a Tiling is never modified."""
     n = planned_chunks(n)
     return _cached_tiling((tuple(layout.runs), int(n), int(tile_bytes)),
@@ -205,16 +194,14 @@ def _tile_stream(layout: StreamLayout, n: int, tile_bytes: int) -> Tiling:
 
 
 def planned_chunks(n: int) -> int:
-    """The number of chunks a plan cuts its stream into: n, or the engine's
-    :func:`plan_chunks`."""
+    """The chunks a plan cuts its stream into: n, or :func:`plan_chunks`'s."""
     chunks = _CHUNKS.get()
     return int(n) if chunks is None else chunks
 
 
 def fixed_tiling(n: int, tiles_per_chunk: int, slot_bytes: int) -> Tiling:
-    """The tiling of the fixed layout: ``n`` chunks of ``tiles_per_chunk``
-    slots of ``slot_bytes`` each (a multiple of SLOT_ALIGN); which records a
-    tile holds is known on the device only (``units`` is empty)."""
+    """The fixed layout's tiling: ``n`` chunks of ``tiles_per_chunk`` slots of
+    ``slot_bytes``; a tile's records are known on the device only."""
     count = n * tiles_per_chunk
     return _cached_tiling(("fixed", int(n), int(tiles_per_chunk), int(slot_bytes)), lambda: Tiling(
         None, [], [list(range(c * tiles_per_chunk, (c + 1) * tiles_per_chunk)) for c in range(n)],
@@ -248,8 +235,7 @@ class Plan:
         return self.tiling.nbytes[tile]
 
     def sub(self, array, a: int, b: int):
-        """``array[a:b]`` of a workspace buffer (the same view object call
-        after call where the plan has a workspace: ``Workspace.sub``)."""
+        """``array[a:b]`` of a workspace buffer (``Workspace.sub``'s cached view)."""
         ws = getattr(self, "ws", None)
         return array[a:b] if ws is None else ws.sub(array, a, b)
 
@@ -270,8 +256,7 @@ class Plan:
         raise NotImplementedError
 
     def dar(self, tile: int, payload, acc, event: int):
-        """compress(decode(payload) + (acc or the local values)) into the
-        tile's wire slot, fused."""
+        """compress(decode(payload) + (acc or the local values)), fused."""
         raise NotImplementedError
 
     def decode(self, tile: int, payload) -> None:
@@ -279,8 +264,7 @@ class Plan:
         raise NotImplementedError
 
     def finish(self, divisor: float, out):
-        """Write the result, divided by ``divisor``, into ``out`` (flat, the
-        caller's dtype) and return it."""
+        """The result / ``divisor`` into ``out`` (flat, caller's dtype), returned."""
         raise NotImplementedError
 
     def bind_output(self, out, divisor: float) -> bool:

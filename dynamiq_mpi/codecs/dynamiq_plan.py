@@ -1,10 +1,7 @@
-"""The DynamiQ codec's per-call plan (the codec: codecs/dynamiq.py).
-
-The compiled planner gives every super-group its width (0, 2, 4, 8 or 16
-bits), the stable reorder into width-homogeneous runs and the class counts,
-on the device for device inputs.  The exact layout reads the counts back and
-cuts the stream on the host; the fixed layout cuts it on the device into
-slots sized from the budget alone (``layout_budget``), reading nothing back.
+"""The DynamiQ codec's per-call plan: the compiled planner's widths, stable
+reorder and class counts (on the device for device inputs), cut on the host
+(exact layout) or on the device into slots sized from the budget alone
+(fixed layout: ``layout_budget``, nothing read back; docs/design.md).
 """
 from __future__ import annotations
 
@@ -23,8 +20,8 @@ from .base import (Plan, StreamLayout, align_up, current_layout, fixed_tiling, p
 
 SUPER = 256
 FLT_MAX = np.float32(np.finfo(np.float32).max)
-# Largest sum over ranks of max |x| accepted: decoded partial sums may exceed
-# their exact value by a scale step, so keep a margin below FLT_MAX.
+# Largest sum over ranks of max |x| accepted: a margin for partial sums that
+# exceed their exact value by a scale step.
 PARTIAL_SUM_LIMIT = np.float32(0.98) * FLT_MAX
 
 # DqParams.scale_rule of each DynamiQ(scale_code=...)
@@ -66,10 +63,8 @@ LAYOUT_RESERVE_BITS = 0.03
 
 
 def _slots(data_max: int, chunks: int, widest: int, tile_bytes: int) -> tuple:
-    """(tiles per chunk, slot bytes) of the fixed layout for at most
-    ``data_max`` payload bytes: a cut lands within one record after its target,
-    so a chunk holds at most ceil(data / chunks) + widest - 1 bytes, a tile
-    at most ceil(chunk / T) + widest - 1."""
+    """(tiles per chunk, slot bytes) of the fixed layout for ``data_max``
+    payload bytes: a cut lands within one record after its target."""
     per_chunk = -(-data_max // chunks) + widest - 1
     tiles = max(1, -(-per_chunk // max(1, int(tile_bytes))))
     return tiles, align_up(per_chunk if tiles == 1 else -(-per_chunk // tiles) + widest - 1)
@@ -83,14 +78,11 @@ def stream_classes(codec, bf16_class: bool) -> list:
 @functools.lru_cache(maxsize=256)
 def layout_budget(codec, nsg: int, length: int, chunks: int, tile_bytes: int, stats_bits: int,
                   bf16_class: bool, reserve: bool = True) -> tuple:
-    """(the budget the planner spends, bits; the fixed layout's tiles per
-    chunk; its slot bytes; the widest present record's bytes).
-
-    Both layouts plan with ``bits x length`` less the slots' worst padding,
-    so they send the same values and the fixed layout stays within budget;
-    no reserve where it would cost over LAYOUT_RESERVE_BITS per coordinate,
-    tip the planner into the padded budget, or drop a whole width (one width
-    for all): then the padding goes beyond the budget (docs/design.md,
+    """(the planner's budget, bits; the fixed layout's tiles per chunk, slot
+    bytes; the widest present record's bytes).  Both layouts plan with the
+    budget less the slots' worst padding (the same values), except where that
+    reserve would cost over LAYOUT_RESERVE_BITS per coordinate, tip the
+    planner into the padded budget or drop a width (docs/design.md,
     "Sync-free calls")."""
     rb = {w: record_bits(w, codec.hierarchical) // 8 for w in WIDTHS + (BF16_WIDTH,)}
     widest = max(rb[w] for w in stream_classes(codec, bf16_class))
@@ -219,7 +211,6 @@ class _DynamiQPlan(Plan):
         classes = WIDTHS + (BF16_WIDTH,)
         record_bytes = [record_bits(w, codec.hierarchical) // 8 for w in classes]
         present = stream_classes(codec, bf16_class)
-        # the most super-groups of each class one tile can hold: its launch's grid
         self.slot_caps = [min(slot // rb, self.nsg) if w in present else 0
                           for w, rb in zip(classes, record_bytes)]
         self.range_cap = min(slot // min(record_bytes), self.nsg)
@@ -262,9 +253,8 @@ class _DynamiQPlan(Plan):
         return ""
 
     def refuse_with(self, flags, absmax):
-        """Refuse on the device when any given block's reduced tail flags
-        non-finite input or an overflowing sum of max |x| (a fixed-layout
-        reduce-scatter: every rank's chunk turns NaN, as in the exact layout)."""
+        """Refuse on the device where any block's reduced tail flags non-finite
+        input or overflow (a fixed-layout reduce-scatter's NaN on every rank)."""
         xp = self.xp
         bad = xp.logical_or(flags > 0, xp.logical_not(absmax <= PARTIAL_SUM_LIMIT)).any()
         self.header[12:13] = bad.astype(np.float64)
@@ -290,8 +280,8 @@ class _DynamiQPlan(Plan):
 
     @property
     def result(self):
-        """The decoded stream (float32), when the plan does not decode into
-        the caller's buffer (fixed layout: a row for every super-group)."""
+        """The decoded float32 stream where the plan does not decode into the
+        caller's buffer."""
         if self._result is None:
             rows = self.nsg if self.fixed else self.order.shape[0]
             self._result = self.ws.take(self.xp, "dq.result", rows * SUPER, np.float32)
@@ -372,8 +362,7 @@ class _DynamiQPlan(Plan):
         return out
 
     def bind_output(self, out, divisor):
-        """Decode straight into the caller's layout: one pass instead of a
-        float32 stream plus a scatter, the same bits
+        """Decode straight into the caller's layout, one pass, the same bits
         (``DYNAMIQ_DECODE_INTO_OUTPUT=0`` keeps two passes, for A/B runs)."""
         if env_text("DYNAMIQ_DECODE_INTO_OUTPUT") == "0":
             return False
@@ -422,7 +411,6 @@ class _DynamiQPlan(Plan):
                 "widths": {w: c[w] for w in (0,) + self.widths},
                 "threshold_u": theta_to_u(self.theta) if variable else float("nan"),
                 "threshold_theta": self.theta, "budget_bits": self.budget_bits,
-                # what the planner spent: the budget less the fixed layout's padding
                 "planned_budget_bits": self.planned_bits,
                 "budget_binds": sum(c[w] for w in self.widths[:-1]) > 0,
                 "budget_exceeded": self.exceeded}
@@ -430,7 +418,6 @@ class _DynamiQPlan(Plan):
             table = self.backend.to_host(self.table).reshape(-1, self.k.TILE_INTS)
             payload = int(table[:, 19].sum())
             info.update({"slot_bytes": self.tiling.nbytes[0], "payload_bytes": payload,
-                         # bytes of the slots that travel beyond the payload (zeros)
                          "padding_bytes": self.tiling.wire_bytes - payload})
         if not detailed:
             return info
@@ -443,8 +430,7 @@ class _DynamiQPlan(Plan):
         positive = norm2[norm2 > 0]
         assert a.counts() == info["widths"] and a.binds == info["budget_binds"]
         info.update({"supergroup_widths": a.widths,
-                     # the reduced statistics that decided the allocation, for checks
-                     "stats_digest": digest,
+                     "stats_digest": digest,           # of the reduced statistics planned
                      "norm2_min_positive": float(positive.min()) if positive.size else 0.0,
                      "norm2_max": float(norm2.max()) if norm2.size else 0.0})
         return info

@@ -1,10 +1,7 @@
-"""Control planes: rank and size, the agreement, NCCL unique ids, path
-decisions, errors raised on every rank, and for host arrays the payload,
-over an mpi4py communicator (:class:`~.mpi.MPIPlane`) or a torch.distributed
-group (:class:`~.torch_group.TorchPlane`: a private gloo group of the same
-ranks); docs/design.md, "Control planes".  :func:`as_plane` takes what a user
-passes as ``comm=``.  mpi4py is imported only for the MPI plane (a torchrun
-job never calls ``MPI_Init``), torch only for the torch plane.
+"""Control planes (docs/design.md, "Control planes"): everything of a call
+but device payload, over an mpi4py communicator (:class:`~.mpi.MPIPlane`) or
+a torch.distributed group (:class:`~.torch_group.TorchPlane`).  mpi4py is
+imported only for the MPI plane, torch only for the torch plane.
 """
 from __future__ import annotations
 

@@ -5,17 +5,12 @@
     python -m dynamiq_mpi model ... --json -                   # the same as JSON
     python -m dynamiq_mpi model ... --sweep inter=3GB/s,12.5GB/s,50GB/s --plot sweep.png
 
-Three calls are predicted (docs/cost-model.md): NCCL's BF16 all-reduce (one
-pipelined ring over all ``n = N K`` ranks, every NIC of a node busy); our
-flat compressed all-reduce (ring or butterfly, a step at distance ``d``
-sending ``min(d, K)`` flows out of every node); our hierarchical one (NCCL's
-in-node reduce-scatter and all-gather around K compressed rails sharing the
-node's NICs).  A compressed call replays the engine's schedule for one rank:
-per tile a kernel at measured rates (``kernel_rates.json``) on one stream,
-per message ``alpha + bytes / beta`` on one link, a tile sent once its
-kernel is done; plus the statistics, the planner and the host's time
-(``--host``).  The check against measured runs: ``python -m research
-model-check``.
+Predicted (docs/cost-model.md): NCCL's BF16 ring over all ``n = N K`` ranks,
+our flat compressed all-reduce and our hierarchical one (NCCL in the node, K
+compressed rails sharing the node's NICs).  A compressed call replays the
+engine's schedule for one rank: per tile a kernel at measured rates
+(``kernel_rates.json``), per message ``alpha + bytes / beta``; plus the
+statistics, the planner and the host's time (``--host``).
 """
 from __future__ import annotations
 
@@ -36,14 +31,12 @@ WIDTHS = (2, 4, 8)
 HOST_MODES = ("exact", "fixed", "eager", "graph")
 
 # ------------------------------------------------------------------ units
-
 _SI = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
        "Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40}
 
 
 def parse_bandwidth(text) -> float:
-    """Bytes per second from '400GB/s', '200Gb/s', '25GBps', '100Gbps', '12.5GiB/s';
-    a bare number is GB/s."""
+    """Bytes/s from '400GB/s', '200Gb/s', '25GBps', '12.5GiB/s'; a bare number: GB/s."""
     if isinstance(text, (int, float)):
         return float(text) * 1e9
     m = re.fullmatch(r"\s*([0-9.]+(?:[eE][-+]?\d+)?)\s*([kKMGT]i?)?\s*(B|b)?\s*(/s|ps)?\s*",
@@ -84,7 +77,6 @@ def parse_time(text) -> float:
 
 
 # ------------------------------------------------------------------ kernel rates
-
 def _bench_rows(doc):
     """Rows of a kernel benchmark JSON, or of every round of an A/B file
     (``{"new_round1": {...}, ...}``: the ``new`` rounds), times averaged."""
@@ -101,8 +93,7 @@ def _bench_rows(doc):
 
 
 def rates_from_kernel_bench(doc, source="") -> dict:
-    """The rates the model needs (nanoseconds per element, per size) from the
-    output of ``python -m research kernels --json``."""
+    """The model's rates (ns per element, per size) from a kernel benchmark JSON."""
     head, rows = _bench_rows(doc)
     out = {"source": source, "device": head.get("device"), "measured": head.get("date"),
            "command": head.get("command"), "copy_gbps": {}, "ns_per_element": {}}
@@ -128,8 +119,7 @@ def rates_from_kernel_bench(doc, source="") -> dict:
 
 
 def load_rates(name_or_path="h100-final") -> dict:
-    """A rate set of ``kernel_rates.json`` (with the file's shared fields), or
-    the rates of a kernel benchmark JSON at a path."""
+    """A rate set of ``kernel_rates.json``, or a kernel benchmark JSON's at a path."""
     shared = json.loads(RATES_FILE.read_text())
     if name_or_path in shared["sets"]:
         rates = dict(shared["sets"][name_or_path], name=name_or_path)
@@ -146,8 +136,7 @@ def load_rates(name_or_path="h100-final") -> dict:
 
 
 def wire_only(rates):
-    """The rates with every kernel, launch, planner and host cost at zero: a
-    plain alpha-beta model."""
+    """The rates with every kernel, planner and host cost at zero: alpha-beta only."""
     return dict(rates, host_us={k: 0.0 for k in rates["host_us"]}, launch_us=0.0,
                 copy_gbps={"28": float("inf")}, planner_us={"20": 0.0, "28": 0.0},
                 ns_per_element={k: dict.fromkeys(v, 0.0)
@@ -155,8 +144,8 @@ def wire_only(rates):
 
 
 def kernel_ns(rates, key, elements):
-    """ns per element of a kernel at this size (log-linear between the measured
-    sizes, clamped: a tile below the smallest runs at the smallest's rate)."""
+    """ns per element of a kernel at this size, log-linear between the measured
+    sizes, clamped at both ends."""
     table = rates["ns_per_element"]
     sizes = sorted(int(k) for k in table if key in table[k])
     x = math.log2(max(elements, 1))
@@ -173,7 +162,6 @@ def kernel_ns(rates, key, elements):
 
 
 # ------------------------------------------------------------------ codecs
-
 @dataclass(frozen=True)
 class CodecCost:
     """Per-element kernel seconds of one codec at one tile size, and its wire."""
@@ -190,9 +178,8 @@ class CodecCost:
 
 def codec_cost(codec, bits, rates, tile_elements, widths=None, correlated=True,
                in_bytes=2) -> CodecCost:
-    """``codec``: dynamiq, bf16, exact, mxfp8, mxfp6, mxfp4. ``widths``: DynamiQ's
-    super-groups per width ({0,2,4,8,16} -> count), e.g. a measured call's;
-    default the benchmark data's mix at 5 bits, kept for other budgets."""
+    """``codec``: dynamiq, bf16, exact, mxfp8, mxfp6, mxfp4; ``widths``: DynamiQ's
+    super-groups per width ({0,2,4,8,16} -> count), default the 5-bit mix."""
     f_call = rates.get("in_call_factor", 1.0)
     ns = lambda key: kernel_ns(rates, key, tile_elements) * 1e-9 * f_call   # noqa: E731
     mem = lambda nbytes: nbytes / copy_rate(rates) * f_call             # noqa: E731
@@ -222,8 +209,7 @@ def codec_cost(codec, bits, rates, tile_elements, widths=None, correlated=True,
                          mem(12), mem(4 + in_bytes))
     mx = {"mxfp8": 8.25, "mxfp6": 6.25, "mxfp4": 4.25}
     if codec in mx:
-        # no measured MX rates: memory-bound at our BF16 add's rate; statistics:
-        # a byte per 32 values
+        # no measured MX rates: memory-bound at our BF16 add's rate
         b = mx[codec] / 8
         return CodecCost(codec, mx[codec], 1 / 32, False, (in_bytes + b) * bf16_add,
                          (2 * b + in_bytes) * bf16_add, mem(b + 8), mem(b + in_bytes))
@@ -231,7 +217,6 @@ def codec_cost(codec, bits, rates, tile_elements, widths=None, correlated=True,
 
 
 # ------------------------------------------------------------------ links and the pipeline
-
 @dataclass(frozen=True)
 class Link:
     """One flow's alpha-beta: seconds per message, bytes per second per direction."""
@@ -318,8 +303,7 @@ def data_phase(n, topology, chunk_elements, cost: CodecCost, link_for, tile_byte
 
 
 def planner_seconds(rates, elements):
-    """The device planner (a dozen dependent kernels, launch-bound when small):
-    log-linear between its measured sizes."""
+    """The device planner's time, log-linear between its measured sizes."""
     pts = sorted((int(k), v) for k, v in rates["planner_us"].items() if k.isdigit())
     x = math.log2(max(elements, 2))
     if x <= pts[0][0]:
@@ -333,8 +317,8 @@ def planner_seconds(rates, elements):
 
 def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
                          host="fixed", tile_bytes=DEFAULT_TILE_BYTES, in_bytes=2) -> dict:
-    """Predicted seconds of one compressed call of ``elements`` per rank over
-    ``n`` ranks, and its parts. ``cost_at(tile_elements) -> CodecCost``."""
+    """Seconds of one compressed call of ``elements`` per rank over ``n`` ranks,
+    and its parts; ``cost_at(tile_elements) -> CodecCost``."""
     if host not in HOST_MODES:
         raise ValueError(f"host {host!r}: one of {HOST_MODES}")
     ran = topology
@@ -367,11 +351,10 @@ def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
     per_hop = h["per_hop"]
     h_plan = h["plan"] if cost.planner else 0.0
     prologue = d["stats_local"] + d["stats_exchange"] + d["plan"]
-    # the host: the agreement, the engine's own work, the statistics' messages ...
+    # the host: the agreement, the engine's work, the statistics' messages,
     host_pre = h["agree"] + h["data_base"] + per_hop * stats_messages
     if host == "exact" and cost.planner:
-        # ... then it waits for the plan's header (the device's prologue and the copy)
-        # and runs the plan's Python before it issues the first data message
+        # then the plan's header read back and the plan's Python
         h0 = max(host_pre, h["agree"] + prologue) + h["d2h"] + h_plan
     else:                                # fixed: no host read, the plan's Python at once
         h0 = host_pre + h_plan
@@ -400,13 +383,11 @@ def copy_rate(rates):
 
 
 # ------------------------------------------------------------------ the cluster
-
 @dataclass(frozen=True)
 class Cluster:
-    """N nodes of K GPUs. ``intra``: one GPU's NVLink (NCCL's bus bandwidth);
-    ``nic``: one NIC, per direction; ``launch``: a collective's fixed cost;
-    ``p2p_efficiency``: our point-to-point over the network against the
-    collective's rate on the same link (1: NCCL's net transport at line rate)."""
+    """N nodes of K GPUs: ``intra`` one GPU's NVLink, ``nic`` one NIC per
+    direction, ``launch`` a collective's fixed cost, ``p2p_efficiency`` our
+    point-to-point's share of the collective's network rate."""
     nodes: int
     gpus_per_node: int
     intra: Link
@@ -425,8 +406,8 @@ class Cluster:
         return Link(self.nic.alpha, self.nic.beta * share * self.p2p_efficiency)
 
     def flat_flow(self, distance):
-        """The slowest flow of a flat step at this rank distance (consecutive
-        ranks per node: ``min(d, K)`` ranks of every node cross to another)."""
+        """The slowest flow of a flat step at rank distance ``d`` (``min(d, K)``
+        ranks of every node cross to another)."""
         k = self.gpus_per_node
         if self.nodes == 1:
             return self.intra
@@ -435,9 +416,8 @@ class Cluster:
 
 
 def nccl_allreduce(c: Cluster, nbytes) -> float:
-    """NCCL's ring: every NIC of a node busy, so the node boundary moves
-    2(n-1)/n S at NICs x NIC while the NVLink hops move the same per GPU;
-    pipelined, the slower of the two sets the rate."""
+    """NCCL's pipelined ring: the node boundary (all NICs) and the NVLink hops
+    each move 2(n-1)/n S; the slower sets the rate."""
     n = c.ranks
     if n == 1:
         return c.launch

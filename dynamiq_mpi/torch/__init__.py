@@ -1,6 +1,5 @@
-"""PyTorch adapter (docs/training.md): a DDP communication hook and a gradient
-all-reduce for hand-written loops (``ddp``), FSDP2's reduce-scatter
-(``fsdp``), HSDP's compressed replicate all-reduce (``hsdp``).
+"""PyTorch adapter (docs/training.md): the DDP hook and a gradient all-reduce
+(``ddp``), FSDP2's reduce-scatter (``fsdp``), HSDP (``hsdp``).
 
     import dynamiq_mpi as dq
     import dynamiq_mpi.torch as dqt

@@ -1,24 +1,13 @@
-"""HSDP with a compressed replicate all-reduce (docs/training.md): FSDP2
-shards parameters inside a shard group (a node, its reduce-scatter
-uncompressed), and the gradient shards are all-reduced across the replicas,
-compressed, over the replicate group.
+"""HSDP with a compressed replicate all-reduce (docs/training.md, which has
+the example): FSDP2 shards parameters inside a shard group (a node, its
+reduce-scatter uncompressed); FSDP2's all-reduce hook then replaces each
+gradient shard's mean over the shard group, in place, by its mean over the
+replicate group, compressed, so every gradient is the mean over all ranks.
+Replicas must start from the same parameters, as with HSDP's own.
 
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    import dynamiq_mpi.torch as dqt
-
-    mesh = init_device_mesh("cuda", (nodes, gpus_per_node),
-                            mesh_dim_names=("replicate", "shard"))
-    hsdp = dqt.HSDP(mesh, codec=dq.DynamiQ(bits=5))
-    for layer in model.layers:
-        fully_shard(layer, mesh=hsdp.shard_mesh)
-    fully_shard(model, mesh=hsdp.shard_mesh)
-    hsdp.attach(model)                    # every FSDP module's all-reduce hook
-
-FSDP2 calls the all-reduce hook with each shard's mean over the shard
-group; the hook replaces it in place by its mean over the replicate group,
-so every gradient is the mean over all ranks.  Replicas must start from the
-same parameters, as with HSDP's own.
+    hsdp = dqt.HSDP(mesh, codec=dq.DynamiQ(bits=5))   # mesh: (replicate, shard)
+    fully_shard(model, mesh=hsdp.shard_mesh)           # and its layers
+    hsdp.attach(model)
 """
 from __future__ import annotations
 

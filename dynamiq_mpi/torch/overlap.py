@@ -1,13 +1,8 @@
-"""The DDP hook's overlap: compressed bucket calls run on a worker thread, so
-the hook returns its future at once and the backward pass goes on (a call's
-host wait would stop autograd from enqueueing the rest of the backward pass).
-
-The hook records an event on the current stream and queues the bucket; the
-worker runs the buckets in order (alike on every rank, as DDP launches
-them) on its own stream, which waits for that event, and completes each
-future on that stream.  A call's error is set on its future and kept: the
-iteration's last bucket's hook waits for the worker and raises it from
-``backward()`` with its own type (DDP's C++ side could not read it).
+"""The DDP hook's overlap (docs/design.md, "The parts"): compressed bucket
+calls run in order on a worker thread and stream, which waits for the
+hook's event, so the hook returns its future at once (a call's host wait
+would stall autograd).  A call's error is set on its future and kept; the
+iteration's last bucket's hook raises it from ``backward()`` with its type.
 """
 from __future__ import annotations
 

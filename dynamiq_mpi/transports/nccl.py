@@ -1,9 +1,7 @@
-"""NCCL point-to-point transport through CuPy (docs/design.md's table):
-stream ordered, the host never waits.  The caller's stream computes; private
-*lane* streams, one communicator each, carry the messages (one above
-``lane_bytes`` split over lanes); a :class:`~.ops.Claim` makes the compute
-stream wait on the receive's events.  Communicators are made once per
-Collective and device.
+"""NCCL point-to-point transport through CuPy (docs/design.md's table): the
+caller's stream computes, private *lane* streams (a communicator each) carry
+the messages, a :class:`~.ops.Claim` makes the compute stream wait on the
+receive's events; the host never waits.
 """
 from __future__ import annotations
 
@@ -17,15 +15,12 @@ from .ops import Received, payload_array
 _status_lock = threading.Lock()
 _status = None
 
-# Smallest slice worth a lane of its own.
-MIN_LANE_BYTES = 1 << 20
-# Lane slices start at multiples of this (the wire slots' alignment).
-LANE_ALIGN = 256
+MIN_LANE_BYTES = 1 << 20     # the smallest slice worth a lane of its own
+LANE_ALIGN = 256             # lane slices start at multiples of this
 # lanes="auto" on a shared-memory link (2x H200, docs/benchmarks.md): 4 lanes
 # took 2^26-2^28 from 1.9-2.3x to 2.1-2.6x NCCL's all-reduce; slicing the 2.6 MB
 # messages of 2^23 cost a third, so slices of at least 4 MiB.
 SHM_LANES, SHM_LANE_BYTES = 4, 4 << 20
-# The NCCL data type of each input dtype its own collectives sum.
 NCCL_TYPES = {"bfloat16": "NCCL_BFLOAT16", "float16": "NCCL_FLOAT16",
               "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64"}
 _TYPES: dict = {}
@@ -52,8 +47,7 @@ def _env_on(value) -> bool:
 
 
 def link_record(environ=None) -> dict:
-    """What this rank knows of the link NCCL will use for it (gathered by
-    every rank to choose the lanes alike)."""
+    """What this rank knows of its NCCL link (gathered to choose lanes alike)."""
     import socket
 
     from ..settings import environment
@@ -64,9 +58,8 @@ def link_record(environ=None) -> dict:
 
 def auto_lanes(records) -> tuple:
     """(lanes, lane_bytes, why) for ``lanes="auto"`` from every rank's
-    :func:`link_record`: more lanes only over shared memory (one host,
-    point-to-point disabled), where NCCL gives a peer 2 channels and more
-    communicators win the link back; one lane elsewhere (measured slower)."""
+    :func:`link_record`: more lanes only over shared memory, where NCCL gives
+    a peer 2 channels; one lane elsewhere (measured slower with more)."""
     one_host = len({r["host"] for r in records}) == 1
     if (len(records) > 1 and one_host and all(r["p2p_disabled"] for r in records)
             and not any(r["shm_disabled"] for r in records)):
@@ -93,8 +86,7 @@ def nccl_status():
 
 
 def describe_sharing(keys) -> str:
-    """'' when the per-rank GPU keys (host, PCI bus id) are all distinct, else
-    which ranks share a GPU."""
+    """Which ranks share a GPU by their (host, PCI bus id) keys ('' if none)."""
     groups = {}
     for rank, key in enumerate(keys):
         groups.setdefault(tuple(key), []).append(rank)
@@ -135,9 +127,8 @@ class _Profile:
         return self.cupy.cuda.get_elapsed_time(self.ref, event)
 
     def summary(self):
-        """Seconds, inside the data phases (from the reduce-scatter mark on):
-        kernel time (compute-stream intervals that hold no wait), wire time
-        (union of the lanes' message intervals), and the union of both."""
+        """Seconds inside the data phases: kernels (compute-stream intervals
+        holding no wait), wire (the lanes' messages) and their union."""
         times = [(kind, self.ms(e)) for kind, e in self.compute]
         start = next((t for kind, t in times if kind == "mark:reduce-scatter"), 0.0)
         kernels, busy = 0.0, []
@@ -186,14 +177,11 @@ class NCCLTransport(Transport):
 
     def __init__(self, plane, device_id: int, lanes=1, lane_bytes: int | None = None,
                  modules=None, pair_allgather=None):
-        """``plane``: the control plane that bootstraps the communicators and
-        carries the agreement (or an mpi4py communicator).  ``modules``:
-        (cupy, cupy.cuda.nccl) or the CPU tests' stand-ins.
+        """``plane``: the control plane (or an mpi4py communicator);
+        ``modules``: (cupy, cupy.cuda.nccl) or the CPU tests' stand-ins;
         ``pair_allgather`` (two ranks, off by default): an exchange as one
-        NCCL all-gather of both messages, for the collective's channels
-        (slower on NVLink and shared memory, host-dependent on sockets; kept
-        for other fabrics).  ``lanes="auto"``: :func:`auto_lanes`, which
-        also sets ``lane_bytes`` unless given."""
+        NCCL all-gather (slower on NVLink and shared memory; for other
+        fabrics); ``lanes="auto"``: :func:`auto_lanes`."""
         if modules is None:
             import cupy
             from cupy.cuda import nccl
@@ -224,11 +212,10 @@ class NCCLTransport(Transport):
         self._native = None      # the communicator of the native all-reduce (made on first use)
         self._join_events = None
 
-    # -- requests --------------------------------------------------------------
     def _slices(self, nbytes):
-        """Byte ranges of a message per lane, a pure function of its size (so
-        both ends cut alike; kept per size).  One lane with the pair
-        all-gather: a forwarded buffer stays on the lane that received it."""
+        """Byte ranges of a message per lane, a function of its size (both ends
+        cut alike); one lane with the pair all-gather (a forwarded buffer
+        stays on the lane that received it)."""
         cut = self._cuts.get(nbytes)
         if cut is None:
             if len(self._cuts) > 256:
@@ -239,8 +226,7 @@ class NCCLTransport(Transport):
     def _cut(self, nbytes):
         lanes = 1 if self.pair_allgather else self.lanes
         k = min(lanes, max(1, nbytes // self.lane_bytes))
-        # cuts at multiples of 256 bytes: a slice off a 16-byte boundary takes
-        # NCCL's slow copy path
+        # a slice off a 16-byte boundary takes NCCL's slow copy path
         cuts = [0] + [(i * nbytes // k) // LANE_ALIGN * LANE_ALIGN for i in range(1, k)] + [nbytes]
         return list(zip(cuts[:-1], cuts[1:]))
 
@@ -318,9 +304,8 @@ class NCCLTransport(Transport):
         return Received(req.recv, done)
 
     def _native_allreduce(self, send, recv):
-        """NCCL's own all-reduce (sum) on the caller's stream, on a
-        communicator of its own (never shared with the lanes' streams), made
-        by the first native call (agreed, so alike on every rank)."""
+        """NCCL's own all-reduce on the caller's stream and a communicator of its
+        own, made by the first native call (agreed: alike on every rank)."""
         nccl = self.nccl
         if self._native is None:
             uid = self.plane.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
@@ -332,10 +317,9 @@ class NCCLTransport(Transport):
         return recv
 
     def join(self, fresh=False):
-        """The caller's stream waits for every lane's last work: a send no
-        claim waited for must end before the next call rewrites its buffer,
-        and a captured graph must join every stream it forked (``fresh``:
-        new events, for a capture)."""
+        """The caller's stream waits for every lane's last work: an unclaimed
+        send must end before its buffer is rewritten, a capture must join
+        every stream it forked (``fresh``: new events, for a capture)."""
         compute = self.cupy.cuda.get_current_stream()
         if fresh or self._join_events is None:
             events = [self.cupy.cuda.Event(block=False, disable_timing=True) for _ in self.streams]

@@ -1,18 +1,10 @@
-"""The requests a rank program (one generator per rank) yields; a transport
-answers each:
-
-* :class:`Agree` - every rank's small picklable value, the list of all back;
-* :class:`Exchange` - post a send and a receive; the answer is a
-  :class:`Received` handle (a transport may still be moving the bytes);
-* :class:`Claim` - about to read a received buffer; the answer is the buffer,
-  valid in the caller's stream order;
-* :class:`Route` - after agreement: the driver (call/planner.py) answers a
-  :class:`Routed`, the transport and path chosen from the agreed records;
-* :class:`Mark` - a phase boundary, for profiling;
-* :class:`NativeAllreduce` - the transport's own all-reduce (the native path).
-
-A :class:`Received` payload is forwarded unchanged: it waits for its own
-receive only, not for the computation.
+"""The requests a rank program (one generator per rank) yields and a transport
+answers (docs/design.md, "The parts"): :class:`Agree` (every rank's small
+value, all of them back), :class:`Exchange` (post a send and a receive: a
+:class:`Received` handle back; forwarded as such, it waits for its receive
+only), :class:`Claim` (the received buffer, valid in stream order),
+:class:`Route` (answered by the planner with a :class:`Routed`),
+:class:`Mark` (a phase boundary) and :class:`NativeAllreduce`.
 """
 from __future__ import annotations
 
