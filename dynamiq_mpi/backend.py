@@ -10,8 +10,7 @@ import ml_dtypes
 import numpy as np
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-# The codecs read float32 and bfloat16 directly; float16 and float64 inputs are
-# converted to float32 first and the result comes back in the caller's dtype.
+# float16 and float64 inputs are read as float32, the result cast back.
 SUPPORTED_DTYPES = (np.dtype(np.float32), BFLOAT16, np.dtype(np.float16), np.dtype(np.float64))
 
 

@@ -49,8 +49,7 @@ def why_not() -> str:
 
 
 def gpu_module():
-    """The compiled kernel module ``dynamiq_mpi._gpu``; RuntimeError (saying why)
-    when the CUDA path is not available."""
+    """The kernel module ``dynamiq_mpi._gpu``, or RuntimeError saying why there is none."""
     ok, reason = _cached()
     if not ok:
         raise RuntimeError(f"the CUDA kernels are not available: {reason}")

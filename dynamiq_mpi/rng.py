@@ -9,8 +9,7 @@ from dataclasses import dataclass
 
 _MASK64 = (1 << 64) - 1
 
-# Separate key domains: value rounding and the correlated-rounding permutation
-# never share uniforms.
+# Key domains: value rounding and correlated rounding never share uniforms.
 DOMAIN_VALUE = 1
 DOMAIN_PERM = 2
 
@@ -27,8 +26,7 @@ def splitmix64(x: int) -> int:
 class CallKeys:
     value: int
     perm: int
-    # the device address where a call replayed as a CUDA graph finds them
-    # (uint32 value, perm; written before each replay), or 0
+    # where a call replayed as a CUDA graph finds them on the device (uint32 x 2), or 0
     device: int = 0
 
 

@@ -1,5 +1,5 @@
 """``python -m dynamiq_mpi bench``: the compressed all-reduce against the
-uncompressed one, in the style of nccl-tests.
+uncompressed one, in the style of nccl-tests:
 
     mpiexec -n 2 python -m dynamiq_mpi bench -b 1M -e 1G -f 2 \\
         --codec dynamiq:5,bf16 --topology ring --transport nccl --json out.json
@@ -53,8 +53,7 @@ def sizes_from(args) -> list:
 
 
 class _Device:
-    """The array side of the benchmark: CuPy with an NCCL reference, or NumPy
-    with an MPI reference."""
+    """The benchmark's arrays: CuPy with an NCCL reference, or NumPy with an MPI one."""
 
     def __init__(self, comm, use_gpu: bool):
         self.comm = comm

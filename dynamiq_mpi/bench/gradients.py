@@ -45,9 +45,8 @@ def gradient_like(length: int, rank: int, seed: int = 0, dtype=np.float32,
 
 def gradient_like_xp(xp, length: int, rank: int, seed: int = 0, dtype=np.float32,
                      with_embedding: bool = True):
-    """A fast gradient-like array made by ``xp`` (NumPy or CuPy) for benchmarks
-    up to 2^28 elements: :func:`gradient_like`'s layout, normal entries times
-    a log-normal scale per super-group (not bit-equal across NumPy and CuPy)."""
+    """A fast gradient-like array made by ``xp`` (NumPy or CuPy; not bit-equal):
+    :func:`gradient_like`'s layout, normal entries, log-normal scales."""
     emb, active_rows, bounds, scales = layer_layout(length)
     nsg = -(-length // SUPER)
     host = np.random.default_rng([seed, rank, 1])

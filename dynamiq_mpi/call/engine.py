@@ -28,9 +28,8 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
 
 
 class AllReduce:
-    """The all-reduce's table for :func:`~.phases.run_collective`: one plan
-    of the whole input, cut into n chunks; both halves of the schedule; the
-    output in the input's shape."""
+    """The all-reduce's table for :func:`~.phases.run_collective`: one plan in
+    n chunks, both halves of the schedule, the output in the input's shape."""
 
     name, collective, halves = "all-reduce", "allreduce", 2
     record = {}                 # the agreement record's own fields: none
@@ -72,8 +71,7 @@ class AllReduce:
 
     def plan(self, reduced, rank, n, spec, backend, workspace):
         values, codec, keys, (stats, local_state) = self.early
-        # a rail's plan hook only re-budgets ``codec`` (the fallback test
-        # compares the codec before the hook)
+        # a rail's plan hook only re-budgets ``codec`` (the fallback test sees it before)
         planned = codec
         if spec.plan_hook is not None and stats is not None:
             planned = spec.plan_hook(codec, reduced, backend)
@@ -98,8 +96,7 @@ class AllReduce:
 
     def native(self, n, flat, result, spec, routed, backend, workspace, report,
                detailed_report):
-        """Generator: the transport's own all-reduce of ``flat`` in
-        ``routed.wire``, into ``result``; fills the report."""
+        """Generator: the transport's own all-reduce of ``flat`` into ``result``, and the report."""
         xp = backend.xp
         divisor = n if spec.op == "mean" else 1
         wire = routed.wire

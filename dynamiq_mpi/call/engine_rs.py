@@ -1,9 +1,7 @@
-"""The reduce-scatter: one rank's program, its table over the phase skeleton
-(docs/design.md, "Reduce-scatter").  Rank r's block ``[r m, (r + 1) m)`` is
-fixed by the caller, so each block is planned as a stream of one chunk (a
-threshold per block; ``budget="global"``: one, for the study), the
-statistics reduced as one vector; schedule chunk c is block ``(c - 1) mod
-n``, so rank r is the sink of its own block.
+"""The reduce-scatter's table over the phase skeleton (docs/design.md,
+"Reduce-scatter"): rank r's block is fixed by the caller, so each block is a
+stream of one chunk (a threshold per block; ``budget="global"``: one), and
+schedule chunk c is block ``(c - 1) mod n``: rank r sinks its own block.
 """
 from __future__ import annotations
 
@@ -51,10 +49,9 @@ def block_keys(keys: CallKeys, block: int) -> CallKeys:
 
 
 def run_reduce_scatter(plans, schedule, rank):
-    """Generator: the reduce-scatter half of ``schedule``, ``plans[c]`` the
-    plan of schedule chunk c; this rank's chunk ends decoded in its plan.
-    Blocks may differ in tiles: beyond the shorter list sends and receives go
-    apart (matched per pair in posting order).  Returns the bytes sent."""
+    """Generator: the reduce-scatter half of ``schedule``, ``plans[c]`` chunk
+    c's; blocks may differ in tiles (beyond the shorter list sends and
+    receives go apart).  Returns the bytes sent."""
     n = schedule.size
     steps = [s for s in schedule.steps[rank] if s.phase == schedules.REDUCE]
     need = defaultdict(int)

@@ -105,8 +105,7 @@ def find_nodes(plane, node_size=None) -> NodeLayout:
 
 
 def rail_topology(topology: str, nodes: int) -> str:
-    """The rails' topology: the ring where the butterfly lacks a power-of-two
-    node count (never an error)."""
+    """The rails' topology: the ring where the butterfly lacks a power-of-two node count."""
     from .. import schedules
     schedules.check_topology(topology, 1)          # the name only
     return "ring" if topology == "butterfly" and nodes & (nodes - 1) else topology
@@ -114,8 +113,7 @@ def rail_topology(topology: str, nodes: int) -> str:
 
 # ----------------------------------------------------------------- the call
 def rails_rows(x, node_size: int, block: int = BLOCK):
-    """``x`` (1-D) as ``(node_size, segment)`` rows, row ``l`` rail ``l``'s
-    shard zero-padded, for the in-node reduce-scatter."""
+    """``x`` (1-D) as ``(node_size, segment)`` rows, row ``l`` rail ``l``'s shard, padded."""
     xp, length = array_module(x), x.shape[0]
     per_rail = -(-(-(-length // block)) // node_size)
     total = per_rail * node_size * block
@@ -152,8 +150,7 @@ def _seconds_since(t0, xp, measured):
 
 
 def _deliver(result, flat_out, out, backend, on_device):
-    """The result into the caller's ``out`` (returned), or as a new flat
-    array of the input's kind."""
+    """The result into the caller's ``out`` (returned), or a new flat array of x's kind."""
     staged = on_device and isinstance(result, np.ndarray)
     if flat_out is not None:
         if staged:
@@ -218,8 +215,7 @@ class Levels:
         self.node.free()
 
     def _chunk_order(self, xp):
-        """The reduce-scatter's chunk order, row l the chunks of the ranks of
-        local index l in node order (one per array module)."""
+        """The reduce-scatter's chunk order: row l the chunks of local index l's ranks, by node."""
         if xp not in self._orders:
             lay = self.layout
             self._orders[xp] = xp.asarray([lay.rank_of(j, l) for l in range(lay.node_size)
@@ -402,8 +398,7 @@ class Levels:
 
 
 class NodeCalls:
-    """A call runner's hierarchy route, its :class:`Levels` made on first use;
-    ``make_rail(plane)``: a rail's flat runner."""
+    """A call runner's hierarchy route; ``make_rail(plane)`` makes a rail's flat runner."""
 
     def __init__(self, runtime, layout, node_size, rail_budget, links, make_rail):
         self.plane, self.size, self.control_plane = runtime.plane, runtime.size, runtime.plane.name
@@ -447,8 +442,7 @@ class NodeCalls:
         return self._auto or None
 
     def run(self, collective, x, out, **call):
-        """A hierarchical call: agreed over the whole plane, then run on the
-        node and rail planes."""
+        """A hierarchical call, agreed over the whole plane, run on the node and rail planes."""
         from .phases import check_nonfinite
         check_nonfinite(call["nonfinite"])
         return_report = call.pop("return_report")

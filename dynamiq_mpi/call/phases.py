@@ -126,8 +126,7 @@ _FLAT_DEFAULTS = {"collective": "allreduce", "hierarchy": "flat"}
 
 
 def check_agreement(metas: list, what: str = "all-reduce") -> None:
-    """Raise on every rank alike where a rank reported an error or the records
-    differ (``what``: the collective, for the message)."""
+    """Raise alike on every rank where one reported an error or the records differ."""
     first = metas[0]
     if not first.get("error") and all(m is first for m in metas):
         return      # the agreement matched digests and handed back one record
@@ -144,8 +143,7 @@ def check_agreement(metas: list, what: str = "all-reduce") -> None:
 
 
 def check_agreed(values: list, what: str) -> None:
-    """InputMismatchError naming every rank's value where ``values`` (one
-    per rank) differ."""
+    """InputMismatchError naming every rank's value where ``values`` (one per rank) differ."""
     if any(v != values[0] for v in values):
         per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
         raise InputMismatchError(f"ranks disagree on {what} ({per_rank})")
@@ -219,8 +217,7 @@ def compressed_phases(table, rank, n, flat, result, spec: CallSpec, backend, wor
         propagate_nonfinite(exc, spec, result, report, stats_total, sent)
         return
     codec = table.codec
-    # a small input sent uncompressed keeps the asked codec's contract: its
-    # sum is checked before anything reaches the caller's buffer
+    # a small input sent uncompressed keeps the codec's contract: its sum is checked
     raise_check = (codec is not spec.codec and getattr(spec.codec, "rejects_nonfinite", False)
                    and spec.nonfinite == "raise")
     if result.dtype in NATIVE_DTYPES:   # the plan may decode straight into the result
@@ -281,8 +278,7 @@ def _finish_and_send(plan, schedule, rank, step, pending, held):
 
 
 def run_schedule(plan, schedule, rank):
-    """Generator: reduce-scatter then all-gather of one plan, tile by tile.
-    Returns the bytes this rank sent."""
+    """Generator: one plan's reduce-scatter then all-gather, tile by tile; the bytes sent."""
     steps = schedule.steps[rank]
     reduce_recv = sum(align_up(plan.tile_nbytes(t)) for s in steps if s.phase == schedules.REDUCE
                       for t in plan.chunk_tiles[s.recv_chunk])
@@ -346,8 +342,7 @@ def reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
 
 
 def agreement_record(error, flat, backend, spec: CallSpec, **extra) -> dict:
-    """What a rank contributes to the agreement of a call (``extra``: fields
-    of other collectives)."""
+    """A rank's contribution to a call's agreement (``extra``: other collectives' fields)."""
     return {
         **extra, "error": error,
         "length": None if flat is None else int(flat.shape[0]),
@@ -363,8 +358,7 @@ def agreement_record(error, flat, backend, spec: CallSpec, **extra) -> dict:
 
 
 def propagate_nonfinite(exc, spec: CallSpec, result, report, stats_total, sent):
-    """A plan refused non-finite input (alike on every rank): re-raise it, or
-    NaN in the result and the report (NCCL's semantics)."""
+    """A plan refused non-finite input (alike everywhere): re-raise, or NaN (NCCL's semantics)."""
     if spec.nonfinite == "raise":
         raise exc
     result.fill(np.nan)
@@ -375,8 +369,7 @@ def propagate_nonfinite(exc, spec: CallSpec, result, report, stats_total, sent):
 
 
 def finish_into(plan, divisor, result, workspace, xp):
-    """The plan's result, divided, into ``result`` (through a float32 stage
-    for the dtypes the codecs do not write)."""
+    """The plan's result / divisor into ``result`` (via float32 for dtypes codecs don't write)."""
     if result.dtype in NATIVE_DTYPES:
         plan.finish(divisor, result)
         return
@@ -386,8 +379,7 @@ def finish_into(plan, divisor, result, workspace, xp):
 
 
 def report_plan(report, plan, fixed, had_stats, detailed, xp, result) -> dict:
-    """``report.nonfinite`` and the plan's codec_info (a fixed-layout refusal
-    costs a host read, made only for a detailed report)."""
+    """``report.nonfinite`` and codec_info (a fixed-layout refusal: read only when detailed)."""
     refusal = ""
     if fixed:
         if detailed:
@@ -420,8 +412,7 @@ def holds_nonfinite(xp, a) -> bool:
 
 
 def default_layout(value=None) -> str:
-    """``value``, else ``$DYNAMIQ_LAYOUT``, else "auto" (:func:`resolve_layout`;
-    "exact" / "fixed" force one, for A/B runs)."""
+    """``value``, else ``$DYNAMIQ_LAYOUT``, else "auto" (:func:`resolve_layout`)."""
     return env_choice(value, "DYNAMIQ_LAYOUT", LAYOUT_CHOICES, "layout")
 
 

@@ -1,8 +1,6 @@
-"""The cost model's prediction that seeds ``hierarchy="auto"``
-(docs/cost-model.md, "Seeding"): the flat and the hierarchical call from the
-agreed node layout and links, alike on every rank; the predicted winner is
-measured first, and with given links a loser ``MARGIN`` times slower is not
-measured.  The model is imported on first use.
+"""The cost model's prediction seeding ``hierarchy="auto"`` (docs/cost-model.md,
+"Seeding"), alike on every rank: the predicted winner is measured first; with
+given links a loser ``MARGIN`` times slower is not measured at all.
 """
 from __future__ import annotations
 
@@ -20,11 +18,10 @@ _MX = {"e4m3": "mxfp8", "e5m2": "mxfp8", "e3m2": "mxfp6", "e2m3": "mxfp6", "e2m1
 
 
 def default_links(value=None):
-    """The links a collective was given, ``(intra, inter, nics)`` (bytes/s per
-    direction of a rank's in-node link and of a NIC; NICs per node, 0: one
-    per rank), or None.  ``value``: ``{"intra": "400GB/s", "inter": "25GB/s",
-    "nics": 8}`` or ``"intra=400GB/s,inter=25GB/s,nics=8"`` (bandwidths as the
-    model command writes them); None: ``$DYNAMIQ_LINKS``, else none."""
+    """The links given, ``(intra, inter, nics)`` (bytes/s per direction of a
+    rank's in-node link and of a NIC; NICs per node, 0: one per rank) or None,
+    from ``{"intra": "400GB/s", "inter": "25GB/s", "nics": 8}``,
+    ``"intra=400GB/s,inter=25GB/s,nics=8"`` or ``$DYNAMIQ_LINKS``."""
     if value is None:
         value = env_text("DYNAMIQ_LINKS", "").strip() or None
         if value is None:
@@ -112,9 +109,8 @@ class Prediction:
 def predict_hierarchies(nodes: int, node_size: int, elements: int, itemsize: int, codec,
                         topology: str, links, on_device: bool):
     """The :class:`Prediction` of the flat and the hierarchical call of
-    ``elements`` per rank over ``nodes`` x ``node_size`` ranks, or None where
-    the model lacks the codec.  ``links``: :func:`default_links`' tuple, or
-    None (the model's defaults)."""
+    ``elements`` per rank, or None where the model lacks the codec; ``links``:
+    :func:`default_links`' tuple, or None (the model's defaults)."""
     flat_codec = model_codec(codec, elements)
     rail_codec = model_codec(codec, elements // node_size)
     if not flat_codec or not rail_codec or not flat_codec[0] or not rail_codec[0]:

@@ -1,11 +1,8 @@
 """One bit allocation over a node's rails (``rail_budget="joint"``;
-docs/design.md, "Nodes and levels", item 3): each rank summarises its rail's
-reduced norms on a threshold grid (``DynamiQ.share_summary``), the node's
-ranks all-gather the summaries, and every rank computes the same shares
-(``DynamiQ.shares_on_grid``).  A rail without statistics (native path,
-below ``small_input``, fixed widths) joins the exchange with nothing after
-its call and keeps its own budget: every rank of a node reaches the exchange
-once per call, and none waits for one waiting for it.
+docs/design.md, "Nodes and levels"): the node's ranks all-gather their
+rails' grid summaries and compute the same shares.  A rail without
+statistics joins the exchange with nothing after its call and keeps its
+budget, so every rank of a node reaches the exchange once per call.
 """
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ def applies(rail_budget: str, nodes: int, node_size: int, codec) -> bool:
 
 
 def rail_shares(codec, summaries) -> list:
-    """Each rail's codec from its summary (None: no statistics, ``codec``
-    kept): two or more rails with one share one allocation."""
+    """Each rail's codec from its summary (None: ``codec``): one allocation over the rest."""
     codecs = [codec] * len(summaries)
     joined = [i for i, s in enumerate(summaries) if s is not None]
     if len(joined) >= 2:

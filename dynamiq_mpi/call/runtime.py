@@ -33,10 +33,8 @@ class Runtime:
         self._capture_streams = {}  # device -> a private stream for graph captures
 
     def drive(self, program, x, profile, want_report, choose):
-        """Run one rank program over the transports: (result, report).
-        ``choose(route, records, x, explain)``: the planner's answer to the
-        ``Route`` request from every rank's agreement record, (``Routed``,
-        why; ``why`` only when ``explain``)."""
+        """Run one rank program: (result, report).  ``choose(route, records, x,
+        explain)``: the planner's (``Routed``, why) for the ``Route`` request."""
         on_device = type(x).__module__.startswith("cupy")
         if on_device:
             self.fence_stream()
@@ -80,8 +78,7 @@ class Runtime:
         return out, report
 
     def route(self, transport, x):
-        """The transport named ``transport`` for ``x`` (made on first use, by
-        every rank in the same call)."""
+        """The transport named ``transport`` for ``x``, made on first use by every rank alike."""
         if transport == "mpi-cuda":
             if self.plane.mpi_comm is None:  # the same on every rank: all raise
                 raise InvalidInputError(
@@ -117,9 +114,8 @@ class Runtime:
         self._last_stream = (stream.ptr, self._done_event)
 
     def capture_stream(self, stream):
-        """The stream a graph capture records on: the caller's, except CuPy's
-        legacy default stream, which CUDA refuses to capture: then a private
-        one (the graph is launched on the caller's stream either way)."""
+        """The stream a capture records on: the caller's, or a private one for
+        CuPy's legacy default stream, which CUDA refuses to capture."""
         if stream.ptr:
             return stream
         import cupy
@@ -152,8 +148,7 @@ def sync(x):
 
 
 def _phases(prof, t0) -> dict:
-    """Per-phase seconds from a profiled call's marks, plus kernel and wire
-    time where measured."""
+    """Per-phase seconds from a profiled call's marks, plus kernel and wire time where measured."""
     marks = [("agreement", t0)] + list(prof.marks)
     phases = {}
     for (name, a), (_, b) in zip(marks, marks[1:]):

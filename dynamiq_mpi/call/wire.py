@@ -10,8 +10,7 @@ from ..backend import BFLOAT16, dtype_name
 
 
 def wire_dtype(codec, input_dtype: str, wires: tuple) -> str:
-    """The dtype the transport sums in: the codec's ``native_wire`` (None:
-    the input's own), else the widest the transport takes."""
+    """The sum's dtype: the codec's ``native_wire`` (None: input's), else the widest taken."""
     want = getattr(codec, "native_wire", "bfloat16") or input_dtype
     if want in wires:
         return want
@@ -55,9 +54,8 @@ def _bits(a):
 
 
 def to_wire(backend, flat, wire: str, result, workspace):
-    """(send, recv) buffers of the transport's all-reduce: the input into
-    ``result`` where the wire is its dtype, else a workspace buffer holding
-    the cast input, reduced in place."""
+    """(send, recv) of the transport's all-reduce: the input into ``result``
+    where the wire is its dtype, else the cast input, reduced in place."""
     xp = backend.xp
     if dtype_name(flat.dtype) == wire:
         return flat, result
@@ -71,8 +69,7 @@ def to_wire(backend, flat, wire: str, result, workspace):
 
 
 def from_wire(backend, buf, divisor: int, result):
-    """``result`` = ``buf`` / ``divisor`` in the result's dtype (in place when
-    ``buf`` is ``result``)."""
+    """``result`` = ``buf`` / ``divisor`` in the result's dtype (``buf`` may be ``result``)."""
     xp = backend.xp
     scale = np.float32(1.0 / divisor) if divisor != 1 else None
     if buf is result:

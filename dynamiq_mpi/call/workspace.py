@@ -43,9 +43,7 @@ class Workspace:
         return view
 
     def constant(self, xp, name: str, count: int, dtype, fill: str):
-        """Like :meth:`take`, but holding ``fill`` ("zeros" or "arange"): written
-        on first use and again only when the buffer grows.  Nobody may write
-        into a constant."""
+        """:meth:`take` holding ``fill`` ("zeros", "arange"), written when new; never written to."""
         view = self.take(xp, name, count, dtype)
         key = (xp.__name__, _device_of(xp), name)
         held = self._filled.get(key)
@@ -55,9 +53,7 @@ class Workspace:
         return view
 
     def sub(self, array, a: int, b: int):
-        """``array[a:b]``, the same view object for the same array and range
-        (a device slice costs microseconds); only for this workspace's own
-        buffers."""
+        """``array[a:b]`` of one of this workspace's buffers, the same view object every time."""
         key = (id(array), a, b)
         hit = self._slices.get(key)
         if hit is not None and hit[0] is array:

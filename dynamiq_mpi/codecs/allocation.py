@@ -1,11 +1,8 @@
-"""Variable bit-width allocation (paper Appendix A) as a pure function of the
-reduced squared norms, so every rank computes the same one (docs/design.md,
-"One all-reduce, step by step", item 3): width >= 4 iff ``512 F_j >= theta``,
-8 iff ``17 F_j >= theta``, 16 iff ``S16 F_j >= theta``, ``theta`` the smallest
-candidate whose cost fits.  The compiled planner (src_cuda/dq_plan.h) runs it
-per call (tests/allocation_ref.py: the same as readable array code); this
-module holds the record sizes, the report's summary and the joint budgets
-of several parts.
+"""Variable bit-width allocation (paper Appendix A; docs/design.md, "One
+all-reduce, step by step", item 3): width >= 4 iff ``512 F_j >= theta``, 8
+iff ``17 F_j >= theta``, 16 iff ``S16 F_j >= theta``.  The compiled planner
+runs it per call (tests/allocation_ref.py: as readable array code); here
+the record sizes, the report's summary and joint budgets of several parts.
 """
 from __future__ import annotations
 
@@ -14,14 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-# The paper's 4 / log2(512/17) (not the artifact's 4 / (512/17)): consistent
-# with the threshold ratios.
-SLOPE = 4.0 / np.log2(512.0 / 17.0)
+SLOPE = 4.0 / np.log2(512.0 / 17.0)    # the paper's (not the artifact's 4 / (512/17))
 WIDTHS = (2, 4, 8)
 BF16_WIDTH = 16                 # the optional raw BF16 class
 S16 = 4369.0 / 131072.0         # 17 * 257 / 2^17: width 16 iff S16 * F >= theta
-# Column order of the class counts: widths in stream order, then the 0-bit
-# class (not in the stream); the 16-bit class is a fifth column.
+# The class counts' columns: widths in stream order, the 0-bit class (16 bits: 5th).
 CLASSES = (2, 4, 8, 0)
 
 
@@ -31,8 +25,7 @@ def widths_of(bf16_class: bool) -> tuple:
 
 
 def record_bits(width: int, hierarchical: bool) -> int:
-    """Wire bits of one super-group of ``width``-bit codes with its scales
-    (width 16: 256 raw BF16 values, no scales)."""
+    """Wire bits of one super-group of ``width``-bit codes and scales (16: raw BF16, no scales)."""
     if width == BF16_WIDTH:
         return 256 * 16
     scales = 16 * 8 + 16 if hierarchical else 16 * 16
@@ -74,15 +67,12 @@ def summarise(widths, theta: float, total_bits: int, budget_bits: float, exceede
 def joint_costs(norms, budget_bits: float, padded_budget_bits: float, stats_bits,
                 hierarchical: bool, zero_class: bool = True, bf16_class: bool = False,
                 caps=None) -> list:
-    """One allocation over several parts' super-groups (a hierarchical call's
-    rails, a reduce-scatter's blocks): one threshold under their whole budget.
-    ``norms``: each part's reduced squared norms, in a fixed order;
-    ``stats_bits``: each part's statistics bits; ``caps``: the most bits a
-    part may take (None: no limit; a capped part keeps the threshold its cap
-    allows); ``padded_budget_bits``: spent where every live super-group at 2
-    bits exceeds the budget (tiny inputs).  Returns each part's bits (ints):
-    planned alone with them, a part finds the same widths.  Host work:
-    binary searches over the candidate thresholds."""
+    """One threshold over several parts' super-groups (rails, a reduce-scatter's
+    blocks) under their whole budget.  ``norms``, ``stats_bits``: each part's,
+    in a fixed order; ``caps``: the most bits a part may take (None: no
+    limit); ``padded_budget_bits``: spent where every live super-group at 2
+    bits exceeds the budget.  Returns each part's bits (ints): planned alone
+    with them, a part finds the same widths."""
     rec, steps = _width_steps(hierarchical, bf16_class)
     parts = []
     for f, sb in zip(norms, stats_bits):
@@ -125,8 +115,7 @@ def joint_costs(norms, budget_bits: float, padded_budget_bits: float, stats_bits
     return [cost(i, max(theta, limit[i])) for i in range(k)]
 
 
-# The grid of joint_costs_on_grid: float64 values with the low 48 bits zero
-# (steps of at most 2^(1/16)), indexed by their bits >> 48.
+# The grid: float64 values with the low 48 bits zero (steps <= 2^(1/16)), by bits >> 48.
 GRID_SHIFT = 48
 GRID_SIZE = 1 << (63 - GRID_SHIFT)          # non-negative float64 keys; index GRID_SIZE: +inf
 
@@ -142,9 +131,8 @@ def _width_steps(hierarchical: bool, bf16_class: bool):
 
 
 def grid_summary(norm2, zero_class: bool = True, bf16_class: bool = False) -> tuple:
-    """One part's input to :func:`joint_costs_on_grid`, from its reduced
-    norms on the host: (live super-groups, per width step (first key, counts
-    of the keys of ``s F`` from it on)); a few KB whatever the length."""
+    """One part's input to :func:`joint_costs_on_grid` from its reduced norms
+    on the host: (live super-groups, per width step (first key, key counts))."""
     F = np.asarray(norm2).astype(np.float64)
     live = F[F > 0] if zero_class else np.abs(F)
     out = []
@@ -162,18 +150,14 @@ def joint_costs_on_grid(summaries, budget_bits: float, padded_budget_bits: float
                         hierarchical: bool, bf16_class: bool = False, caps=None,
                         weights=None) -> list:
     """:func:`joint_costs` with the threshold on a grid, from each part's
-    :func:`grid_summary` (a few thousand counts a part, not the norms): fast
-    enough for every hierarchical call.  The threshold is the smallest grid
-    value whose cost fits (a capped part: the smallest its cap allows); each
-    part's cost is exact, so planned alone it finds the same widths.  With
-    ``weights`` (the parts' lengths) the budget the grid leaves unspent (up
-    to one grid step) is shared by weight."""
+    :func:`grid_summary` (counts, not norms: fast enough for every call);
+    with ``weights`` (the parts' lengths) what the grid leaves unspent is
+    shared by weight."""
     rec, steps = _width_steps(hierarchical, bf16_class)
     k = len(summaries)
     if k == 0:
         return []
-    # only indices between the smallest and largest key change a count;
-    # index ``size`` stands for +inf
+    # only indices between the smallest and largest key change a count; ``size``: +inf
     spans = [(lo, lo + c.shape[0] - 1) for _, part in summaries for lo, c in part if c.shape[0]]
     lo = min((a for a, _ in spans), default=0)
     size = max((b for _, b in spans), default=0) - lo + 1

@@ -40,8 +40,7 @@ class Codec:
         return sig
 
     def for_length(self, length: int) -> "Codec":
-        """The codec that actually runs for an input of ``length`` elements
-        (a codec may hand tiny inputs to an uncompressed one)."""
+        """The codec that runs for ``length`` elements (tiny inputs may go uncompressed)."""
         return self
 
     def local_stats(self, x, backend, workspace, keys=None):
@@ -126,8 +125,7 @@ def _cached_tiling(key, make) -> Tiling:
     return tiling
 
 
-# Chunks per plan where the engine asks for another count than the world size
-# (engine_rs.py: each block is a stream of one chunk); ``n`` stays the world size.
+# Chunks per plan where the engine asks another count (engine_rs.py: one per block).
 _CHUNKS: contextvars.ContextVar = contextvars.ContextVar("dynamiq_chunks", default=None)
 
 
@@ -208,8 +206,7 @@ def fixed_tiling(n: int, tiles_per_chunk: int, slot_bytes: int) -> Tiling:
         [], [t * slot_bytes for t in range(count)], [slot_bytes] * count, count * slot_bytes))
 
 
-# Slots start at multiples of this: NCCL moves unaligned buffers several times
-# slower (measured), and records of 82, 146, 274 bytes would leave most unaligned.
+# Slots start at multiples of this: NCCL moves unaligned buffers several times slower.
 SLOT_ALIGN = 256
 
 

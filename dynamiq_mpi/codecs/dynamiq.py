@@ -1,5 +1,5 @@
-"""The DynamiQ codec: its configuration, level tables and statistics phase
-(the per-call plan: codecs/dynamiq_plan.py; docs/design.md)."""
+"""The DynamiQ codec: configuration, level tables, statistics (the per-call
+plan: dynamiq_plan.py)."""
 from __future__ import annotations
 
 import copy
@@ -15,8 +15,7 @@ from .dynamiq_plan import (FLT_MAX, LAYOUT_RESERVE_BITS, PARTIAL_SUM_LIMIT, SCAL
 from .levels import build_tables
 from .plain import BF16
 
-# Level spacing per width: the artifact's *simulation* values (behind the
-# paper's accuracy numbers); 2-bit codes have one magnitude, eps is moot there.
+# Level spacing per width: the artifact's *simulation* values (the paper's numbers)
 DEFAULT_EPS = {2: 0.27, 4: 0.20, 8: 0.08}
 
 # Shorter inputs go as BF16: per-call costs dominate there and the metadata eats
@@ -53,8 +52,7 @@ class DynamiQ(Codec):
     # group scale codes: "hybrid" (unbiased stochastic codes from 128 up, the
     # rounded-up code below: no scale ratchet on long rings) or "ceil" (all up)
     scale_code: str = "hybrid"
-    # outlier super-groups as raw BF16 records (widths {0, 2, 4, 8, 16}, as the
-    # paper's large-scale simulation); False: widths {0, 2, 4, 8}
+    # outliers as raw BF16 records (the paper's large-scale simulation); False: no 16
     bf16_class: bool = True
 
     name = "dynamiq"
@@ -94,11 +92,9 @@ class DynamiQ(Codec):
     def for_length(self, length):
         return _SMALL_INPUT_CODEC if length < self.small_input else self
 
-    # -- statistics phase ------------------------------------------------------
     def local_stats(self, x, backend, workspace, keys=None):
-        """This rank's statistics, one kernel pass: [means | norms | flag,
-        max|x|] (means only when centring); summed over ranks, max |x| bounds
-        every partial sum, so overflow is refused before any byte moves."""
+        """This rank's statistics in one kernel pass, [means | norms | flag,
+        max|x|]; summed, max |x| bounds every partial sum (overflow refused)."""
         xp = backend.xp
         nsg = -(-x.shape[0] // SUPER)
         head = 2 * nsg if self.centring else nsg
@@ -109,7 +105,6 @@ class DynamiQ(Codec):
         backend.kernels.stats_into(x, nsg, self.centring, mean, norm2, tail)
         return stats, mean
 
-    # -- one allocation over several parts of a call -------------------------
     @property
     def joins_budgets(self) -> bool:
         """Whether parts of one call (a hierarchical call's rails, a
@@ -127,18 +122,16 @@ class DynamiQ(Codec):
         return 32 * ((2 * nsg if self.centring else nsg) + 2)
 
     def _shared_budget(self, lengths, cap):
-        """(budget bits, padded budget bits, statistics bits per part, caps)
-        of one allocation over parts of ``lengths`` elements; ``cap``: no
-        part above ``cap`` times its own budget (None: no limit)."""
+        """(budget, padded budget, statistics bits per part, caps) of one
+        allocation over parts of ``lengths``; ``cap``: times a part's own."""
         stats = [self.stats_bits(m) for m in lengths]
         nsg = sum(-(-m // SUPER) for m in lengths)
         caps = None if cap is None else [cap * self.bits * m for m in lengths]
         return self.bits * sum(lengths), self.bits * nsg * SUPER + sum(stats), stats, caps
 
     def split_budget(self, norms, lengths) -> list:
-        """Codecs for parts of ``lengths`` elements (reduced norms on the host,
-        in a fixed order), each planned with exactly the bits one allocation
-        of the whole budget gives it (``allocation.joint_costs``)."""
+        """Codecs for parts of ``lengths`` (reduced norms on the host), each with
+        exactly the bits one allocation of the whole budget gives it."""
         lengths = [int(m) for m in lengths]
         budget, padded, stats, _ = self._shared_budget(lengths, None)
         costs = joint_costs(norms, budget, padded, stats, self.hierarchical, self.zero_class,
@@ -146,16 +139,14 @@ class DynamiQ(Codec):
         return [self.with_exact_bits(c, m) for c, m in zip(costs, lengths)]
 
     def share_summary(self, reduced, length: int) -> tuple:
-        """This part's summary for :meth:`shares_on_grid`: (length, the grid
-        summary of its reduced norms); small."""
+        """This part's (length, grid summary of its reduced norms) for :meth:`shares_on_grid`."""
         norms = self.reduced_norms(reduced, length)
         host = norms if isinstance(norms, np.ndarray) else norms.get()
         return int(length), grid_summary(host, self.zero_class, self.bf16_class)
 
     def shares_on_grid(self, summaries, cap=None) -> list:
-        """:meth:`split_budget` from the parts' summaries (:meth:`share_summary`)
-        with the threshold on a grid (``allocation.joint_costs_on_grid``), no
-        part above ``cap`` times its own budget: the joint rail budget."""
+        """:meth:`split_budget` on a grid from the parts' :meth:`share_summary`,
+        no part above ``cap`` times its own budget: the joint rail budget."""
         lengths = [m for m, _ in summaries]
         budget, padded, stats, caps = self._shared_budget(lengths, cap)
         costs = joint_costs_on_grid([g for _, g in summaries], budget, padded, stats,
@@ -177,5 +168,4 @@ class DynamiQ(Codec):
                             tile_bytes)
 
 
-# What DynamiQ hands inputs below ``small_input`` to.
-_SMALL_INPUT_CODEC = BF16()
+_SMALL_INPUT_CODEC = BF16()     # what DynamiQ hands inputs below ``small_input`` to

@@ -20,16 +20,14 @@ from .base import (Plan, StreamLayout, align_up, current_layout, fixed_tiling, p
 
 SUPER = 256
 FLT_MAX = np.float32(np.finfo(np.float32).max)
-# Largest sum over ranks of max |x| accepted: a margin for partial sums that
-# exceed their exact value by a scale step.
+# Largest sum of max |x| over ranks: a margin for partial sums a scale step high.
 PARTIAL_SUM_LIMIT = np.float32(0.98) * FLT_MAX
 
 # DqParams.scale_rule of each DynamiQ(scale_code=...)
 SCALE_CODES = {"ceil": 0, "hybrid": 1}
 
 
-# Kernel parameter blobs per (codec, events, correlated), keys left out: only
-# the keys (key_value, key_perm, and key_ptr for graph replays) change per call.
+# Kernel parameter blobs per (codec, events, correlated), without the per-call keys.
 _PARAMS_CACHE: dict = {}
 
 
@@ -223,8 +221,7 @@ class _DynamiQPlan(Plan):
         self.k.plan_pieces(self.header, chunks, tiles, record_bytes, slot, self.table, self.wire)
 
     def _read_header(self):
-        """The plan's header on the host, read once per call (on the GPU it
-        waits for the planner)."""
+        """The plan's header on the host, read once per call (on the GPU: after the planner)."""
         if self._host_header is None:
             h = self._host_header = self.backend.to_host(self.header)
             self.counts = {w: int(c) for w, c in zip(CLASSES, h[4:8])}
@@ -234,8 +231,7 @@ class _DynamiQPlan(Plan):
         return self._host_header
 
     def refusal(self):
-        """Why the call's result is NaN (fixed layout: read from the header,
-        a device-to-host copy), or '' when it is not."""
+        """Why the result is NaN ('' if not), from the header (a device-to-host copy)."""
         h = self._read_header()
         if h[0] > 0:
             return (f"NonFiniteInputError: input holds NaN or Inf on at least one rank "
@@ -280,8 +276,7 @@ class _DynamiQPlan(Plan):
 
     @property
     def result(self):
-        """The decoded float32 stream where the plan does not decode into the
-        caller's buffer."""
+        """The decoded float32 stream where the plan does not decode into the caller's buffer."""
         if self._result is None:
             rows = self.nsg if self.fixed else self.order.shape[0]
             self._result = self.ws.take(self.xp, "dq.result", rows * SUPER, np.float32)
@@ -307,8 +302,7 @@ class _DynamiQPlan(Plan):
         return acc
 
     def _stream_values(self, a, b):
-        """float32 copy of this rank's centred values of stream super-groups
-        [a, b) (zero beyond the input's end)."""
+        """float32 copy of this rank's centred values of stream super-groups [a, b), padded."""
         xp = self.xp
         if self.backend.name == "gpu":   # the kernels read the source as compress does
             out = xp.empty((b - a) * SUPER, dtype=np.float32)
@@ -324,8 +318,7 @@ class _DynamiQPlan(Plan):
             vals = vals - self.local_mean[rows][:, None]
         return np.ascontiguousarray(vals.reshape(-1), dtype=np.float32)
 
-    # the fixed layout's pieces come from the device table (*_table calls),
-    # the exact layout's from the host (*_pieces)
+    # fixed layout: pieces from the device table (*_table); exact: from the host
     def _encode(self, tile, src, event, out, payload=None):
         if self.fixed:
             self.k.encode_table(self.params, src, self.table, tile, self.slot_caps,

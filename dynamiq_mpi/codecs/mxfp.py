@@ -1,10 +1,8 @@
-"""MX baselines (OCP Microscaling v1.0 element formats) in a multi-hop
-all-reduce, as the paper adapts them (docs/design.md, "Baselines"): a byte
-per block of 32, ``floor(log2 max|x|) + 127`` (0: all zero, 255: NaN/Inf),
-reduced by MAX gives every rank the shared exponent ``X_j = E_j + 1 +
-ceil(log2 n) - emax`` (no partial sum overflows; the scales never travel).
-Codes are packed low bits first.  The NumPy code is the CPU path and the
-reference of the fused GPU kernels (src_cuda/mx_kernels.cu), bit for bit.
+"""MX baselines (OCP Microscaling v1.0) in a multi-hop all-reduce, as the
+paper adapts them (docs/design.md, "Baselines"): a byte per block of 32
+(``floor(log2 max|x|) + 127``) reduced by MAX gives the shared exponent
+``X_j = E_j + 1 + ceil(log2 n) - emax``.  The NumPy code is the CPU path and
+the fused GPU kernels' reference (src_cuda/mx_kernels.cu), bit for bit.
 """
 from __future__ import annotations
 
@@ -112,8 +110,7 @@ def unpack(xp, data, bits: int):
 
 @dataclass(frozen=True)
 class MXFP(Codec):
-    """OCP MX element format ``fmt`` (e4m3, e5m2, e3m2, e2m3, e2m1) in blocks of
-    32 with a shared power-of-two scale (see the module docstring)."""
+    """OCP MX element format ``fmt`` (e4m3, e5m2, e3m2, e2m3, e2m1), blocks of 32, shared scale."""
     fmt: str = "e4m3"
 
     name = "mxfp"

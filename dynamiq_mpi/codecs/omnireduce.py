@@ -1,10 +1,8 @@
 """OmniReduce baseline (Fei et al., SIGCOMM'21) in a multi-hop all-reduce, as
-the paper adapts it (docs/design.md, "Baselines"), array code: the union of
-the ranks' top-k 256-entry blocks by l2 norm is all-reduced densely in BF16,
-every other block is zero.  A call has no state across calls, so it takes
-the paper's converged k at once: per block a priority byte ``254 -
-floor(254 rank / blocks)`` (255: NaN/Inf) reduced by MAX, and the smallest
-threshold whose union holds at most ``density`` of the blocks.
+the paper adapts it (docs/design.md, "Baselines"), array code.  Stateless,
+a call takes the paper's converged k at once: a priority byte per block
+(``254 - floor(254 rank / blocks)``, 255: NaN/Inf) reduced by MAX, and the
+smallest threshold whose union holds at most ``density`` of the blocks.
 """
 from __future__ import annotations
 
@@ -23,8 +21,7 @@ NONFINITE = 255
 
 
 def priority_bytes(xp, blocks):
-    """uint8 priority of every row of ``blocks`` (float32, (m, 256)): 254 for
-    the largest l2 norm, falling to 1 for the smallest."""
+    """uint8 priority of each row of ``blocks`` ((m, 256)): 254 the largest l2 norm .. 1."""
     m = blocks.shape[0]
     norm2 = xp.sum(xp.square(blocks.astype(np.float64)), axis=1)
     order = xp.argsort(-norm2, kind="stable")

@@ -1,16 +1,10 @@
 """THC baseline (Li et al., NSDI'24) in a multi-hop all-reduce, as the paper
-adapts it (docs/design.md, "Baselines"), array code (NumPy or CuPy):
-
-1. rotation (``local_stats``): power-of-two Hadamard blocks of the padded
-   input, ``H D x * 2^-floor(k/2)`` (inverse ``D H y * 2^-ceil(k/2)``), the
-   signs D hashed from the coordinate under the call's keys;
-2. range: per block the exponent of the smallest power of two R >= max|y|
-   (0: all zero, 255: NaN/Inf), reduced by MAX: nothing clamped, unbiased
-   (the paper clamps at 3.297 deviations: biased, tighter);
-3. ``v = (y / R + 1) (L - 1) / 2`` rounded stochastically, 24-bit uniforms
-   hashed from (value key, coordinate, event);
-4. exact integer sums at ``ceil(log2((L - 1) n + 1))`` bits hop to hop;
-5. decoding ``(2 S - (L - 1) n) R / (L - 1)``, then the inverse rotation.
+adapts it (docs/design.md, "Baselines"), array code: a randomized Hadamard
+rotation per power-of-two block (``H D x * 2^-floor(k/2)``); per block the
+smallest power of two R >= max|y|, reduced by MAX (nothing clamped: unbiased,
+where the paper clamps at 3.297 deviations); ``v = (y / R + 1) (L - 1) / 2``
+rounded stochastically; exact integer sums at ``ceil(log2((L - 1) n + 1))``
+bits; decoded as ``(2 S - (L - 1) n) R / (L - 1)``, then rotated back.
 """
 from __future__ import annotations
 
@@ -94,8 +88,7 @@ def hadamard_blocks(padded: int, max_block_log2: int = MAX_BLOCK_LOG2) -> list:
 
 
 def fwht(rows):
-    """Unnormalised Walsh-Hadamard transform (Sylvester order) of every row of
-    a (m, 2^k) float32 array, into a new array."""
+    """Unnormalised Walsh-Hadamard transform (Sylvester order) of the rows of (m, 2^k)."""
     a = rows.copy()
     m, size = a.shape
     h = 1
@@ -109,17 +102,15 @@ def fwht(rows):
 
 
 def run_signs(xp, runs, key: int) -> list:
-    """The diagonal D of every run of ``runs``: [(count, size) float32 +-1],
-    computed once where many rows share the rotation."""
+    """The diagonal D of every run of ``runs``: [(count, size) float32 +-1]."""
     return [rotation_signs(xp, key, start, size * count).reshape(count, size)
             for start, size, count in runs]
 
 
 def rotate(xp, values, runs, key: int, inverse: bool = False, signs=None, out=None):
-    """The randomized Hadamard transform (``inverse``: its inverse) of every
-    block of ``values`` ((padded,) or (m, padded) float32) into ``out``
-    (default new; ``values`` itself works).  A row's bits depend on that row
-    alone.  ``signs``: :func:`run_signs` of (runs, key)."""
+    """The randomized Hadamard transform (or its inverse) of every block of
+    ``values`` ((padded,) or (m, padded) float32) into ``out`` (default new;
+    may be ``values``); ``signs``: :func:`run_signs` of (runs, key)."""
     if out is None:
         out = xp.empty_like(values)
     if signs is None:
@@ -140,10 +131,9 @@ def rotate(xp, values, runs, key: int, inverse: bool = False, signs=None, out=No
 
 
 def range_bytes(xp, rotated, finite, runs):
-    """One range byte per Hadamard block of ``rotated`` ((padded,) or (m,
-    padded)): the biased exponent of the smallest power of two >= the
-    block's max |y|; 0 all zero, 254 the rotation overflowed, 255 a row whose
-    input was not all finite (``finite``: () or (m,) bool)."""
+    """A range byte per Hadamard block of ``rotated``: the biased exponent of
+    the smallest power of two >= max |y|; 0 all zero, 254 the rotation
+    overflowed, 255 input not all finite (``finite``: () or (m,) bool)."""
     lead = rotated.shape[:-1]
     amax = xp.concatenate([xp.abs(rotated[..., s:s + b * c].reshape(*lead, c, b)).max(axis=-1)
                            for s, b, c in runs], axis=-1)
@@ -195,9 +185,8 @@ def unpack_codes(xp, data, bits: int):
 
 @dataclass(frozen=True)
 class THC(Codec):
-    """Randomized Hadamard transform, ``levels``-level unbiased quantization
-    on a range shared per block, integer sums at ``agg_bits`` (None: the
-    minimum) bits per coordinate (see the module docstring)."""
+    """Randomized Hadamard transform, ``levels``-level unbiased quantization per
+    block, exact integer sums at ``agg_bits`` (None: the minimum) bits."""
     levels: int = 16
     agg_bits: int | None = None
     max_block_log2: int = MAX_BLOCK_LOG2

@@ -12,13 +12,11 @@ from ..settings import environment
 
 
 class ControlPlane:
-    """What each plane provides: ``name`` ("mpi" or "torch"), ``rank``,
-    ``size``; :meth:`allgather` / :meth:`bcast` of small picklable values;
-    fixed-size NumPy :meth:`allgather_array`, :meth:`allreduce_max`; host
-    payload :meth:`sendrecv` (either side may be None), :meth:`allreduce_sum`;
-    :meth:`dup` (private, collective), :meth:`split`, :meth:`free`,
-    :meth:`node_name`.  ``thread_safe``: a worker thread may call it;
-    ``mpi_comm``: the mpi4py communicator, or None."""
+    """What each plane provides: ``name`` ("mpi" or "torch"), ``rank``, ``size``,
+    the methods below (objects: small picklable values; arrays: fixed-size
+    NumPy; payload: host arrays, either side may be None; ``dup``: a private
+    plane, collective); ``thread_safe``: a worker thread may call it;
+    ``mpi_comm``: the mpi4py communicator or None."""
 
     name = "?"
     rank = 0
@@ -72,8 +70,7 @@ def is_torch_group(obj) -> bool:
 
 
 def as_plane(comm=None) -> ControlPlane:
-    """The control plane of ``comm`` (not duplicated: the caller dups it when
-    it needs a private one)."""
+    """The control plane of ``comm``, not duplicated (the caller dups it where needed)."""
     if comm is None:
         comm = default_comm()
     if isinstance(comm, ControlPlane):
@@ -141,8 +138,7 @@ def default_comm(environ=None):
 
 
 def _mpi4py():
-    """mpi4py's MPI module, or an ImportError saying what to do (mpi4py is
-    optional: a torch.distributed job never needs it)."""
+    """mpi4py's MPI module, or an ImportError saying what to do (mpi4py is optional)."""
     try:
         from mpi4py import MPI
     except ImportError as exc:

@@ -26,9 +26,8 @@ def _frozen(value):
 
 
 def record_digest(value) -> int:
-    """64-bit digest of an agreement value: a hash of the value without its
-    ``counter`` (cached) plus the counter times an odd constant, so a steady
-    caller may keep the first part and add the counter itself."""
+    """64-bit digest of an agreement value: a (cached) hash of it without its
+    ``counter``, plus the counter times an odd constant."""
     counter = 0
     if isinstance(value, dict) and "counter" in value:
         counter = int(value["counter"])
@@ -73,8 +72,7 @@ class Digests:
 
 
 def agree(plane, value):
-    """Every rank's ``value`` (small, picklable) as a list; where all digests
-    match, nobody sends the values."""
+    """Every rank's small picklable ``value``; where all digests match, none is sent."""
     plane = as_plane(plane)
     if digests_match(plane, record_digest(value)):
         return [value] * plane.size

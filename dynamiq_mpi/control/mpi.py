@@ -64,8 +64,7 @@ class MPIPlane(ControlPlane):
         return _owned(self.mpi_comm.Split(int(color), int(key)))
 
     def shared_memory_leader(self) -> int:
-        """The lowest rank of this plane on this rank's node, by
-        ``MPI_Comm_split_type(SHARED)`` (collective)."""
+        """This node's lowest rank of the plane (``MPI_Comm_split_type(SHARED)``; collective)."""
         from mpi4py import MPI
         local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         try:

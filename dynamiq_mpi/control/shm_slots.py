@@ -63,8 +63,7 @@ class SharedSlots:
         return [self.data[r, p, :k].tobytes() for r in range(self.size)]
 
     def release_name(self):
-        """Once every member attached: remove the segment's name (the
-        mappings stay)."""
+        """Once every member attached: remove the segment's name (the mappings stay)."""
         if self._owner and self._shm is not None:
             try:
                 self._shm.unlink()

@@ -31,8 +31,7 @@ def _address(same_host: bool) -> str:
     return address
 
 
-# A receive polls this long (seconds) before it sleeps: waking a thread costs
-# tens of microseconds on a virtual machine, more than the message.
+# A receive polls this long (s) before it sleeps: a wake-up costs more (tens of us).
 SPIN_S = 200e-6
 
 
@@ -58,8 +57,7 @@ def _recv_exact(sock, n: int, spin_s: float = 0.0) -> bytes:
 
 
 class SocketRing:
-    """The ring of one plane (made collectively; ``ok``: this rank connected,
-    agreed on by the caller before any use)."""
+    """The ring of one plane (collective; ``ok``: connected, agreed on before any use)."""
 
     def __init__(self, store, rank: int, size: int, timeout_s: float, same_host: bool):
         self.rank, self.size = rank, size

@@ -144,8 +144,7 @@ def wire_only(rates):
 
 
 def kernel_ns(rates, key, elements):
-    """ns per element of a kernel at this size, log-linear between the measured
-    sizes, clamped at both ends."""
+    """ns per element of a kernel at this size: log-linear between measured sizes, clamped."""
     table = rates["ns_per_element"]
     sizes = sorted(int(k) for k in table if key in table[k])
     x = math.log2(max(elements, 1))
@@ -406,8 +405,7 @@ class Cluster:
         return Link(self.nic.alpha, self.nic.beta * share * self.p2p_efficiency)
 
     def flat_flow(self, distance):
-        """The slowest flow of a flat step at rank distance ``d`` (``min(d, K)``
-        ranks of every node cross to another)."""
+        """The slowest flow of a flat step at distance ``d`` (``min(d, K)`` ranks cross)."""
         k = self.gpus_per_node
         if self.nodes == 1:
             return self.intra
@@ -416,8 +414,7 @@ class Cluster:
 
 
 def nccl_allreduce(c: Cluster, nbytes) -> float:
-    """NCCL's pipelined ring: the node boundary (all NICs) and the NVLink hops
-    each move 2(n-1)/n S; the slower sets the rate."""
+    """NCCL's pipelined ring: the slower of the NICs and the NVLink hops sets the rate."""
     n = c.ranks
     if n == 1:
         return c.launch

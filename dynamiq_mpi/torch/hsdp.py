@@ -47,8 +47,7 @@ class HSDP(HookState):
         self.allreduce_(reduce_output)
 
     def attach(self, module) -> int:
-        """Register the hook on every FSDP module under ``module`` (itself
-        included); returns how many."""
+        """Register the hook on every FSDP module in ``module`` (itself included): how many."""
         count = 0
         for m in module.modules():
             if hasattr(m, "set_all_reduce_hook"):

@@ -21,16 +21,14 @@ def new_future(device: torch.device) -> torch.futures.Future:
 
 
 def complete(futures, bufs) -> None:
-    """Each future gets its own bucket's tensor (on CUDA: recorded on the
-    current stream)."""
+    """Each future gets its own bucket's tensor (on CUDA: recorded on the current stream)."""
     for fut, buf in zip(futures, bufs, strict=True):
         fut.set_result(buf)
 
 
 class BucketWorker:
-    """One thread running bucket calls in submission order; on CUDA on a
-    stream of its own.  A call may reduce several buckets at once (the
-    hook's fused groups): one job, one future per bucket."""
+    """One thread running bucket calls in order, on CUDA on its own stream; a
+    call may reduce several buckets (a fused group), one future each."""
 
     def __init__(self, device: torch.device):
         self.device = device

@@ -24,8 +24,7 @@ def _host():
     return HostTransport
 
 
-# The transports a call may name, imported on first use (NCCL's needs CuPy);
-# the simulated one drives all ranks of simulate_allreduce, not a call's choice.
+# The transports a call may name, imported on first use (NCCL's needs CuPy).
 REGISTRY = {"nccl": _nccl, "mpi-cuda": _mpi_cuda, "mpi": _host}
 TRANSPORTS = ("auto",) + tuple(REGISTRY)
 
@@ -35,8 +34,7 @@ def transport_class(name: str):
     return REGISTRY[name]()
 
 
-# The wire dtypes of the transports' own all-reduce (the native path) per
-# array backend (MPI has no bfloat16 sum).
+# The wire dtypes of the transports' own all-reduce per backend (MPI: no BF16 sum).
 _NATIVE_WIRES = {("nccl", "gpu"): ("bfloat16", "float16", "float32", "float64"),
                  ("mpi", "cpu"): ("float32", "float64")}
 
@@ -51,9 +49,8 @@ _CAPABILITIES: dict = {}
 
 
 def transport_capabilities(backend) -> dict:
-    """What this rank could use for its input (part of the agreement record;
-    CUDA-awareness for host arrays too, so ``mpi-cuda`` refuses alike).
-    Kept per backend and override; a copy is handed out."""
+    """What this rank could use (part of the agreement record; CUDA-awareness
+    for host arrays too, so ``mpi-cuda`` refuses alike); a copy of the kept."""
     from ..settings import env_text
     from .cuda_aware import ENV, _mpi_running
     name = None if backend is None else backend.name
@@ -90,9 +87,8 @@ def _by_reason(pairs) -> str:
 
 
 def explain_transport(requested: str, metas: list) -> tuple:
-    """(transport, why) of a call, from every rank's agreement record;
-    raises :class:`InvalidInputError` (on every rank alike) when the transport
-    asked for cannot run."""
+    """(transport, why) of a call from every rank's agreement record, or
+    :class:`InvalidInputError` (alike on every rank) where it cannot run."""
     if requested == "mpi":
         return "mpi", "requested"
     host = [r for r, m in enumerate(metas) if m["backend"] != "gpu"]
@@ -136,8 +132,7 @@ _CHOSEN: dict = {}
 
 
 def choose_transport(requested: str, metas: list) -> str:
-    """The transport of a call, from every rank's agreement record (kept
-    where the digests matched: then one record decides)."""
+    """The transport of a call from the agreement records (kept where one record decides)."""
     first = metas[0]
     if not all(m is first for m in metas):
         return explain_transport(requested, metas)[0]

@@ -24,9 +24,8 @@ class Timeline:
 
 
 class Transport:
-    """Answers the engine's requests: data requests to its ``_exchange``,
-    ``_claim``, ``_mark`` (and ``_native_allreduce``), agreement over the
-    control plane (``agreement``).  It has a ``name`` and a ``free()``."""
+    """Answers the engine's requests by ``_exchange``, ``_claim``, ``_mark``,
+    ``_native_allreduce`` and agreement over ``agreement``, the control plane."""
 
     profile = None
     agreement = None

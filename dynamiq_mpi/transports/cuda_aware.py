@@ -1,10 +1,7 @@
-"""Is the MPI that mpi4py loaded CUDA-aware?  Asked, never guessed: a wrong
-"yes" makes MPI read device pointers as host memory (docs/cuda_aware_mpi.md
-gives the order: ``DYNAMIQ_CUDA_AWARE_MPI``, the ``mpi_memory_alloc_kinds``
-info key, the vendor query through ctypes; no answer is a "no" saying how
-to override).  :func:`detect` takes every source injectable;
-:func:`cuda_aware_mpi` probes MPI once per process, never where MPI is not
-initialised.
+"""Is the MPI that mpi4py loaded CUDA-aware?  Asked, never guessed (a wrong
+"yes" makes MPI read device pointers as host memory): docs/cuda_aware_mpi.md
+gives the sources and their order.  :func:`detect` takes every source
+injectable; :func:`cuda_aware_mpi` probes MPI once, never uninitialised.
 """
 from __future__ import annotations
 
@@ -25,19 +22,18 @@ MPIX_GPU_SUPPORT_CUDA = 0     # MPICH's type id for CUDA in MPIX_GPU_query_suppo
 
 @dataclass(frozen=True)
 class CudaAwareness:
-    """``aware``: device buffers may go to MPI; ``source``: the deciding step
-    ("env", "info", "query", "none"); ``why``: one line for errors and reports."""
+    """``aware``: device buffers may go to MPI; ``source``: "env", "info",
+    "query" or "none"; ``why``: one line for errors and reports."""
     aware: bool
     source: str
     why: str
 
 
 def detect(environ=None, info=None, libraries=None) -> CudaAwareness:
-    """The detection procedure, each source touched only when the ones before
-    did not answer.  ``environ``: a mapping (default the environment);
-    ``info``: an ``MPI.Info``-like object or a callable returning one
-    (default ``MPI.COMM_WORLD``'s); ``libraries``: ``(name, library)`` pairs,
-    the library's attributes the C functions (default: the loaded libmpi)."""
+    """The detection, each source asked only if the ones before did not answer:
+    ``environ`` (a mapping), ``info`` (an ``MPI.Info``-like object or a
+    callable returning one), ``libraries`` (``(name, library)`` pairs whose
+    attributes are the C functions); defaults: this process's."""
     environ = environment() if environ is None else environ
     from_env = _from_env(environ.get(ENV, ""))
     if from_env is not None:
@@ -93,8 +89,7 @@ def _lists_cuda_device(kinds) -> bool:
 
 
 def _query(libraries):
-    """(aware, call, library name) from the first library that exports a
-    query, or None."""
+    """(aware, call, library name) from the first library that exports a query, or None."""
     for name, lib in libraries:
         gpu = _symbol(lib, GPU_QUERY)
         if gpu is not None:
@@ -128,9 +123,8 @@ def _symbol(lib, name):
 
 
 def loaded_mpi_library_paths() -> list:
-    """Files of the MPI library mapped into this process (``/proc/self/maps``),
-    ``libmpi.so*`` first, then mpi4py's extension module (its dependencies
-    are the MPI it was built for)."""
+    """The MPI library files mapped into this process, ``libmpi.so*`` first,
+    then mpi4py's extension module (its dependencies are its MPI)."""
     paths = []
     try:
         with open("/proc/self/maps") as maps:
@@ -164,8 +158,7 @@ _probed = None
 
 
 def cuda_aware_mpi() -> CudaAwareness:
-    """This process's answer: the environment override, else the MPI probes
-    (made once per process)."""
+    """This process's answer: the environment override, else the MPI probes (made once)."""
     from_env = _from_env(env_text(ENV, ""))
     if from_env is not None:
         return from_env

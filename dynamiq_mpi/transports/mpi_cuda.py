@@ -1,10 +1,7 @@
-"""CUDA-aware MPI transport: device (CuPy) buffers handed to mpi4py as they
-are; MPI knows no streams, so the host orders the two (docs/cuda_aware_mpi.md):
-the compute stream is synchronised before a computed payload is sent and
-before a call's first receive; a :class:`~.ops.Claim` completes a receive
-right before a kernel reads it; a receive never lands on a send in flight.
-Nothing is in flight between calls.  ``xp`` and ``synchronize`` are
-injectable (the CPU tests run this class on NumPy arrays).
+"""CUDA-aware MPI transport: device buffers handed to mpi4py as they are, the
+host ordering MPI and the streams (docs/cuda_aware_mpi.md); nothing is in
+flight between calls.  ``xp`` and ``synchronize`` are injectable (the CPU
+tests run it on NumPy arrays).
 """
 from __future__ import annotations
 
@@ -133,10 +130,9 @@ class MPICudaTransport(Transport):
             self.profile.mark(name)
 
     def end_call(self, failed: bool = False, patience: float = 30.0):
-        """When a call ends (normally the ``done`` mark drained it).  After a
-        failure the requests still posted are completed if the peers complete
-        them within ``patience`` seconds, else dropped with a warning rather
-        than hiding the error behind a hang."""
+        """When a call ends; after a failure the requests still posted are
+        completed within ``patience`` seconds, else dropped with a warning
+        rather than hiding the error behind a hang."""
         if not self._sends and not self._recvs:
             self._fresh = True
             return

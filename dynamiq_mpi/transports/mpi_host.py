@@ -1,8 +1,6 @@
-"""The host transport ("mpi"): payload by the control plane's own
-point-to-point (MPI's, or the private gloo group's under torch).  Device
-buffers are staged through reused pinned host buffers (:class:`HostStager`),
-the stream synchronised first.  Every exchange completes before its answer, so
-a :class:`Claim` returns at once.
+"""The host transport ("mpi"): payload by the control plane's point-to-point,
+device buffers staged through reused pinned host buffers (:class:`HostStager`).
+Every exchange completes before its answer, so a :class:`Claim` returns at once.
 """
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ class HostTransport(Transport):
     name = "mpi"
 
     def __init__(self, comm):
-        """``comm``: a control plane, mpi4py communicator or torch process
-        group; duplicated here (collective)."""
+        """``comm``: a control plane, mpi4py communicator or torch group (duplicated)."""
         self.plane = self.agreement = as_plane(comm).dup()
         self.rank, self.size = self.plane.rank, self.plane.size
         self._stager = None

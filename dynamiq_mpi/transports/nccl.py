@@ -233,8 +233,7 @@ class NCCLTransport(Transport):
     def _buffer(self, name, nbytes):
         buf = self._scratch.get(name)
         if buf is None or buf.nbytes < nbytes:
-            # every use is on lane 0, in stream order; a replaced buffer is
-            # kept, as work already enqueued may still read it
+            # used on lane 0 only; a replaced buffer is kept (enqueued work may read it)
             if buf is not None:
                 self._retired.append(buf)
             self._scratch[name] = buf = _Scratch(self.cupy, max(nbytes, 1 << 20), self.device_id)

@@ -38,8 +38,7 @@ class StagedNodeLevel:
         return got
 
     def reduce_scatter(self, rows):
-        """The node's sum of row ``local`` of every rank's ``rows``, added
-        left to right in local-rank order in ``rows.dtype``."""
+        """The node's sum of row ``local`` of every rank's ``rows``, left to right by rank."""
         got = self._exchange_all(lambda j: rows[j], rows.shape[1], rows.dtype)
         got[self.local] = rows[self.local]
         acc = np.array(got[0], copy=True)
@@ -61,9 +60,8 @@ class StagedNodeLevel:
 
 
 class NCCLNodeLevel:
-    """NCCL's own reduce-scatter and all-gather among the node's ranks, one
-    GPU each, on the caller's current stream.  ``modules``: (cupy,
-    cupy.cuda.nccl) or the CPU tests' stand-ins (tests/fake_nccl.py)."""
+    """NCCL's own reduce-scatter and all-gather on the caller's stream, a GPU
+    per rank; ``modules``: (cupy, cupy.cuda.nccl) or tests/fake_nccl.py's."""
 
     name = "nccl"
     device_arrays = True

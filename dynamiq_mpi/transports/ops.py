@@ -19,9 +19,8 @@ class Agree:
 
 @dataclass
 class Exchange:
-    """Send ``send`` (a uint8 array or a :class:`Received`) to ``dest`` while
-    receiving exactly ``recv.nbytes`` bytes from ``source`` into ``recv``.
-    ``send`` or ``recv`` may be None (nothing that way)."""
+    """Send ``send`` (uint8 array or :class:`Received`) to ``dest`` while
+    receiving ``recv.nbytes`` from ``source`` into ``recv`` (either may be None)."""
     send: Any
     dest: int
     recv: Any
@@ -56,8 +55,7 @@ class Routed:
 
 
 def compressed_route(request: Route, transport: str) -> Routed:
-    """The answer running ``request``'s call compressed on ``transport``
-    (with the reason where the native path was asked for)."""
+    """The :class:`Routed` running ``request`` compressed on ``transport`` (and why)."""
     reason = ""
     if request.path == "native":
         reason = f"no native all-reduce on {transport} for {request.backend} arrays"
@@ -71,10 +69,8 @@ class Mark:
 
 @dataclass
 class NativeAllreduce:
-    """Sum ``send`` (flat) over the ranks into ``recv`` (may be ``send``) with
-    the transport's own all-reduce; the answer is ``recv``.  Every rank gets
-    the same bits (NCCL reduces each element on one rank and forwards it;
-    MPI adds the same operands on every rank)."""
+    """Sum ``send`` over the ranks into ``recv`` (may be ``send``) by the
+    transport's own all-reduce, the same bits on every rank; answer: ``recv``."""
     send: Any
     recv: Any
 

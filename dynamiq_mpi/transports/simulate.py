@@ -1,8 +1,7 @@
-"""All ranks of a collective in one process (statistical and error studies
-without mpiexec).  A rank program runs until it waits on a :class:`Claim`
-not yet sent or an :class:`Agree` not every rank reached.  Messages match
-per (source, destination) in posting order, as MPI and NCCL match them; a
-size mismatch is an error, and so is a deadlock.
+"""All ranks of a collective in one process: each program runs until it
+waits for a message or an agreement; messages match per (source,
+destination) in posting order, as MPI and NCCL match them; a size mismatch
+is an error, and so is a deadlock.
 """
 from __future__ import annotations
 
