@@ -1,9 +1,7 @@
-"""Command line: ``python -m dynamiq_mpi {doctor,demo,bench,kernels,model}``.
-
-Run under ``mpiexec -n N`` for the MPI commands.  The studies (the error
-study, the training simulator, the schedules) are not installed: they run
-from a checkout, ``python -m research {vnmse,train-sim,schedule}``.  An exception on any rank
-prints its traceback and aborts the whole job (no rank is left hanging).
+"""Command line: ``python -m dynamiq_mpi {doctor,demo,bench,model}`` (the MPI
+commands under ``mpiexec -n N``; an exception on any rank aborts the job).
+The studies and the CUDA kernel benchmark run from a checkout:
+``python -m research {vnmse,train-sim,schedule,kernels,...}``.
 """
 from __future__ import annotations
 
@@ -24,8 +22,7 @@ def _world():
 
 def _codec_rows(n):
     from . import BF16, DynamiQ, Exact
-    # small_input=0: the demo's inputs (2^20 by default) are below DynamiQ's
-    # default threshold, under which a call goes as BF16
+    # small_input=0: the demo's 2^20 elements would go as BF16
     rows = [("exact", Exact()), ("bf16", BF16())] + [
         (f"dynamiq b={b:g}", DynamiQ(bits=b, small_input=0)) for b in (3, 5, 8.25)]
     return rows
@@ -102,13 +99,11 @@ def cmd_demo(args):
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["kernels"]:   # the GPU kernel benchmark keeps its own options
-        from .bench.kernels import main as bench_main
-        return bench_main(argv[1:])
+    if argv[:1] == ["kernels"]:
+        sys.exit("the CUDA kernel benchmark runs from a checkout of the repository: "
+                 "python -m research kernels")
     parser = argparse.ArgumentParser(prog="python -m dynamiq_mpi", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    # listed for --help only: "kernels" is dispatched above, with its own options
-    sub.add_parser("kernels", help="the GPU kernel benchmark (its options: kernels --help)")
     from .bench import doctor
     p = sub.add_parser("doctor", help="what the library found: kernels, CuPy, NCCL, torch, MPI, "
                                       "launcher, and what the default call would choose",
@@ -122,13 +117,13 @@ def main(argv=None):
     p.add_argument("--json", default=None, help="also write the table as JSON")
     p.add_argument("--gpu", action="store_true", help="all-reduce CuPy arrays (rank r on GPU r % count)")
     p.set_defaults(func=cmd_demo, mpi=True)
-    from .cost_model import cli as cost_model_cli, model as cost_model
+    from .cost_model import io as cost_model_io, model as cost_model
     p = sub.add_parser("model", help="predicted time of NCCL's, our flat and our hierarchical "
                                      "all-reduce on a cluster (CPU only)",
                        description=cost_model.__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    cost_model_cli.add_arguments(p)
-    p.set_defaults(func=cost_model_cli.run, mpi=False)
+    cost_model_io.add_arguments(p)
+    p.set_defaults(func=cost_model_io.run, mpi=False)
     p = sub.add_parser("bench", help="nccl-tests-style benchmark against the uncompressed "
                                      "all-reduce (mpiexec)")
     from .bench import add_arguments, run as bench_run

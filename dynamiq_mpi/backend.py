@@ -1,7 +1,5 @@
-"""Array backends: which array module and which compiled kernels a call uses.
-
-NumPy arrays run on the CPU codec (``dynamiq_mpi._cpu``); CuPy arrays on the
-CUDA kernels (``dynamiq_mpi._gpu``), when they were built.
+"""Array backends: NumPy arrays run on the CPU codec (``dynamiq_mpi._cpu``),
+CuPy arrays on the CUDA kernels (``dynamiq_mpi._gpu``) when they were built.
 """
 from __future__ import annotations
 
@@ -12,8 +10,7 @@ import ml_dtypes
 import numpy as np
 
 BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
-# The codecs read float32 and bfloat16 directly; float16 and float64 inputs are
-# converted to float32 first and the result comes back in the caller's dtype.
+# float16 and float64 inputs are read as float32, the result cast back.
 SUPPORTED_DTYPES = (np.dtype(np.float32), BFLOAT16, np.dtype(np.float16), np.dtype(np.float64))
 
 
@@ -33,6 +30,11 @@ class Backend:
         if self.name == "cpu":
             return array
         return self.xp.asnumpy(array)
+
+
+def array_module(x):
+    """NumPy for a NumPy array, else CuPy."""
+    return np if isinstance(x, np.ndarray) else __import__("cupy")
 
 
 def _cpu_backend() -> Backend:
@@ -68,8 +70,7 @@ _GPU_BACKEND = None
 
 
 def gpu_backend() -> Backend:
-    """The CUDA backend; a clear error (why) if the kernels or a GPU are missing
-    (asked again on every call until it works; kept once it does)."""
+    """The CUDA backend (kept once it works); an error saying why without it."""
     global _GPU_BACKEND
     if _GPU_BACKEND is None:
         from .cuda import gpu_module
@@ -81,7 +82,7 @@ def gpu_backend() -> Backend:
 
 def bf16_to_float32(x):
     """Exact BF16 -> float32 with integer ops (same on NumPy and CuPy)."""
-    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    xp = array_module(x)
     bits = x.view(xp.uint16).astype(xp.uint32) << 16
     return bits.view(xp.float32)
 
@@ -89,7 +90,7 @@ def bf16_to_float32(x):
 def float32_to_bf16(x):
     """float32 -> BF16, round to nearest even, with integer ops (same on NumPy
     and CuPy, and equal to ml_dtypes for every non-NaN value)."""
-    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    xp = array_module(x)
     u = xp.ascontiguousarray(x, dtype=xp.float32).view(xp.uint32)
     rounded = (u + xp.uint32(0x7FFF) + ((u >> 16) & xp.uint32(1))) >> 16
     nan = (u & xp.uint32(0x7F800000)) == xp.uint32(0x7F800000)

@@ -1,10 +1,6 @@
-"""Is the CUDA path available here?
-
-``has_cuda()`` is True when the kernels were built (``dynamiq_mpi._gpu``
-imports), CuPy imports, and a CUDA device is usable.  It never raises and the
-answer is cached (the first call pays for the imports and the driver query).
-``gpu_module()`` returns the kernel module or raises a clear error saying why
-there is none.
+"""Is the CUDA path available here?  ``has_cuda()`` (never raises, cached):
+the kernels were built, CuPy imports and a device is usable;
+``gpu_module()``: the kernel module, or an error saying why there is none.
 """
 from __future__ import annotations
 
@@ -53,8 +49,7 @@ def why_not() -> str:
 
 
 def gpu_module():
-    """The compiled kernel module ``dynamiq_mpi._gpu``; RuntimeError (saying why)
-    when the CUDA path is not available."""
+    """The kernel module ``dynamiq_mpi._gpu``, or RuntimeError saying why there is none."""
     ok, reason = _cached()
     if not ok:
         raise RuntimeError(f"the CUDA kernels are not available: {reason}")

@@ -1,9 +1,6 @@
-"""Exceptions raised by the collective.
-
-Every error about the inputs of a call is decided from data that all ranks
-share after the agreement exchange, so every rank raises the same exception
-and none is left waiting in a collective.
-"""
+"""Exceptions raised by the collective.  Every input error is decided from
+data all ranks share after the agreement, so every rank raises the same one
+and none is left waiting in a collective."""
 
 
 class DynamiQError(Exception):

@@ -23,8 +23,7 @@ class Report:
     stats_bytes_total: int = 0    # of which the statistics phase
     bytes_sent: int = 0           # bytes this rank sent
     tiles_per_chunk: int = 0      # messages per chunk and step (the pipeline depth)
-    # the call's device work needed no host read of device data, so a CUDA graph
-    # can replay it (a detailed report is read back after that work)
+    # the device work read nothing back to the host, so a CUDA graph can replay it
     sync_free: bool = False
     seconds: float = 0.0          # host time of the call on this rank
     codec_info: dict = field(default_factory=dict)
@@ -39,9 +38,8 @@ class Report:
 
     @property
     def bits_per_coord(self) -> float:
-        """All bytes sent by all ranks x 8 / (2 (n-1)/n x n x length): for ring
-        and butterfly, the encoded size per coordinate, metadata included
-        (a reduce-scatter moves half of that: (n-1)/n x n x length)."""
+        """All bytes sent by all ranks x 8 / (2 (n-1)/n x n x length): the
+        encoded size per coordinate, metadata included (reduce-scatter: half)."""
         if self.bits_override is not None:
             return self.bits_override
         n = self.world_size

@@ -1,9 +1,7 @@
-"""Keys of the counter-based generator.
-
-The kernels draw every uniform as a hash of (key, coordinate, event), see
-``src_cuda/dq_codec.h``.  The keys are a pure function of (seed, call counter,
-domain), so every rank derives the same ones with no communication, and
-successive calls with the same seed draw fresh randomness.
+"""Keys of the counter-based generator: the kernels draw every uniform as a
+hash of (key, coordinate, event) (``src_cuda/dq_codec.h``), the keys a pure
+function of (seed, call counter, domain): every rank derives the same ones
+without communication, and every call draws fresh randomness.
 """
 from __future__ import annotations
 
@@ -11,9 +9,7 @@ from dataclasses import dataclass
 
 _MASK64 = (1 << 64) - 1
 
-# Separate key domains: value rounding and the correlated-rounding permutation
-# never share uniforms.  (Domain 3 keyed the stochastic group-scale codes, which
-# are now deterministic; the numbers of 1 and 2 are kept.)
+# Key domains: value rounding and correlated rounding never share uniforms.
 DOMAIN_VALUE = 1
 DOMAIN_PERM = 2
 
@@ -30,14 +26,8 @@ def splitmix64(x: int) -> int:
 class CallKeys:
     value: int
     perm: int
-    # the device address where a call replayed as a CUDA graph finds them
-    # (uint32 value, perm; written before each replay), or 0
+    # where a call replayed as a CUDA graph finds them on the device (uint32 x 2), or 0
     device: int = 0
-
-    def as_array(self):
-        """(value, perm) as the two uint32 the device copy holds."""
-        import numpy as np
-        return np.array([self.value, self.perm], dtype=np.uint32)
 
 
 def call_keys(seed: int, counter: int) -> CallKeys:

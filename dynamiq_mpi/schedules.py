@@ -1,14 +1,7 @@
-"""All-reduce schedules as plain data.
-
-A schedule says, for every rank and every step, which chunk to send to whom and
-which chunk to receive from whom.  It knows nothing about codecs: the engine
-decides what to do with a chunk from the phase and from what it has received.
-
-Both topologies share one convention: the rank whose *role* for chunk ``c`` is
-``v = (rank - c) mod n`` quantizes chunk ``c`` exactly once, as event ``v``
-(which indexes the stratified uniforms of correlated rounding), and the sink of
-chunk ``c`` is role ``n - 1``, rank ``c - 1``.  The all-gather is the same ring
-for both: the sink's compressed bytes travel unchanged to every other rank.
+"""All-reduce schedules as plain data: per rank and step, which chunk goes to
+whom and comes from whom.  The rank of *role* ``v = (rank - c) mod n`` for
+chunk ``c`` quantizes it once, as event ``v``; the sink is role ``n - 1``;
+the all-gather is one ring forwarding the sink's bytes unchanged.
 """
 from __future__ import annotations
 
@@ -82,10 +75,9 @@ def trailing_ones(v: int) -> int:
 
 def _butterfly_reduce_steps(rank: int, n: int) -> list:
     # Chunk c is reduced along a binomial tree over roles v = (rank - c) mod n:
-    # role v sends to role v + 2^t, t = trailing ones of v (0->1, 2->3, 1->3, 3->7, ...),
-    # so the sink is role n - 1.  All senders at level t send at distance 2^t; levels
-    # run in order, so every parent has heard all its children before it sends.
-    # Each rank sends exactly one chunk per step: n - 1 steps, bandwidth-optimal.
+    # role v sends to role v + 2^t, t = trailing ones of v (0->1, 2->3, 1->3, ...),
+    # the sink is role n - 1; levels run in order, so every parent has heard its
+    # children.  One chunk per rank and step: n - 1 steps, bandwidth-optimal.
     steps = []
     level = 0
     while (1 << level) < n:
@@ -105,13 +97,3 @@ def build(topology: str, size: int) -> Schedule:
     reduce = _ring_reduce_steps if topology == "ring" else _butterfly_reduce_steps
     steps = tuple(tuple(reduce(r, n) + _all_gather_steps(r, n)) for r in range(n))
     return Schedule(topology, n, steps)
-
-
-def describe(schedule: Schedule) -> str:
-    """Human-readable table of a schedule (one line per step and rank)."""
-    lines = [f"{schedule.topology} schedule, n={schedule.size}"]
-    for r, steps in enumerate(schedule.steps):
-        for i, s in enumerate(steps):
-            lines.append(f"rank {r} step {i:2d} {s.phase:6s} send chunk {s.send_chunk} -> "
-                         f"{s.dest}, recv chunk {s.recv_chunk} <- {s.source}")
-    return "\n".join(lines)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 
-_TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
 
 
@@ -22,8 +21,7 @@ def env_text(variable: str, default=None):
 
 
 def env_choice(value, variable: str, choices: tuple, what: str, default: str = "auto") -> str:
-    """``value``, else ``$variable``, else ``default``; a clear error for
-    anything outside ``choices``."""
+    """``value``, else ``$variable``, else ``default``: a clear error outside ``choices``."""
     if value is None:
         value = os.environ.get(variable, default).strip() or default
     if value not in choices:
@@ -33,6 +31,5 @@ def env_choice(value, variable: str, choices: tuple, what: str, default: str = "
 
 
 def env_switch(variable: str) -> bool:
-    """Whether ``$variable`` leaves a feature on: on unless it says no ("0",
-    "false", "off", "no")."""
+    """Whether ``$variable`` leaves a feature on: unless it says "0", "false", "off", "no"."""
     return os.environ.get(variable, "").strip().lower() not in _FALSE

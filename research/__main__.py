@@ -1,14 +1,24 @@
 """Command line of the studies: ``python -m research {vnmse,train-sim,model-check,
-model-check-runs,model-map,schedule}``, run from the repository root (no MPI: every rank is
-simulated)."""
+model-check-runs,model-map,schedule,kernels}``, run from the repository root (no MPI: every
+rank is simulated; ``kernels`` times the CUDA kernels on one GPU)."""
 from __future__ import annotations
 
 import argparse
 import sys
 
 
+def describe(schedule) -> str:
+    """Human-readable table of a schedule (one line per step and rank)."""
+    lines = [f"{schedule.topology} schedule, n={schedule.size}"]
+    for r, steps in enumerate(schedule.steps):
+        for i, s in enumerate(steps):
+            lines.append(f"rank {r} step {i:2d} {s.phase:6s} send chunk {s.send_chunk} -> "
+                         f"{s.dest}, recv chunk {s.recv_chunk} <- {s.source}")
+    return "\n".join(lines)
+
+
 def cmd_schedule(args):
-    from dynamiq_mpi.schedules import build, describe
+    from dynamiq_mpi.schedules import build
     print(describe(build(args.topology, args.n)))
 
 
@@ -18,6 +28,9 @@ def main(argv=None):
         from .train_sim import main as train_sim_main
         train_sim_main(argv[1:])
         return None
+    if argv[:1] == ["kernels"]:    # so does the kernel benchmark
+        from .kernels import main as kernels_main
+        return kernels_main(argv[1:])
     parser = argparse.ArgumentParser(prog="python -m research", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     from . import errorstudy
@@ -46,6 +59,8 @@ def main(argv=None):
     p.set_defaults(func=model_check.run, check=False)
     sub.add_parser("train-sim", help="training with N simulated ranks on one device "
                                      "(python -m research train-sim --help)")
+    sub.add_parser("kernels", help="the CUDA kernels against the GPU's copy roofline "
+                                   "(python -m research kernels --help)")
     p = sub.add_parser("schedule", help="print a ring or butterfly schedule")
     p.add_argument("topology", choices=["ring", "butterfly"])
     p.add_argument("n", type=int)

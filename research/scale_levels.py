@@ -12,10 +12,11 @@ the letter).  ``n = N * K`` ranks, node ``j`` holding ranks ``jK .. jK+K-1``:
    ``[j B, min(L, (j+1) B))`` for ``j = 0 .. ceil(L/B) - 1`` (the last may be
    partial); rail ``l`` (``l = 0 .. K-1``) holds the blocks with
    ``j mod K == l``, concatenated in increasing ``j`` (:func:`rail_blocks`,
-   :func:`rail_gather`, :func:`rail_scatter`; ``dynamiq_mpi/hierarchy.py``,
-   the multi-process call, cuts the same shards: tests/test_scale_levels.py
-   checks).  The rails' lengths differ by at most ``B``; a rail with no
-   block (``K`` > the block count) is empty;
+   :func:`rail_gather`, :func:`rail_scatter`, with the library's
+   ``rail_length``; ``dynamiq_mpi/call/hierarchy.py``, the multi-process
+   call, cuts the same shards: tests/test_scale_levels.py checks).  The
+   rails' lengths differ by at most ``B``; a rail with no block (``K`` > the
+   block count) is empty;
 3. rail ``l``: the flat compressed all-reduce (op "sum", the call's codec and
    topology, the call's seed and counter on every rail) over the ``N`` node
    sums' shard ``l`` (rail rank ``j`` = node ``j``); an empty shard is
@@ -55,16 +56,59 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dynamiq_mpi.backend import array_module
 from dynamiq_mpi.codecs.base import DEFAULT_TILE_BYTES
-# the shards (step 2) and the rails' topology are the library's own, so the
-# simulation and the multi-process call (hierarchy.py) cut the same rails
-from dynamiq_mpi.call.study import (BLOCK, RAIL_BUDGETS, applies, rail_blocks,  # noqa: F401
-                                    rail_gather, rail_index, rail_length, rail_scatter,
+# the rails' lengths and topology are the library's own, so the simulation
+# and the multi-process call (hierarchy.py) cut the same rails
+from dynamiq_mpi.call.study import (BLOCK, RAIL_BUDGETS, applies, rail_length,  # noqa: F401
                                     rail_shares, rail_topology)
 from dynamiq_mpi.codecs import DEFAULT_CODEC
 from dynamiq_mpi.codecs.dynamiq import DynamiQ
 from .scale_sim import (ArraySource, LogNormalMixture, RankSource, _vnmse, reduced_statistics,
                         scale_allreduce)
+
+
+def rail_blocks(length: int, node_size: int, block: int = BLOCK):
+    """For each rail ``l`` the increasing numbers ``j`` of its blocks
+    (``j % node_size == l``; int64 arrays), block ``j`` being the elements
+    ``[j * block, min(length, (j + 1) * block))``."""
+    nb = -(-length // block) if length else 0
+    return [np.arange(l, nb, node_size, dtype=np.int64) for l in range(node_size)]
+
+
+def rail_index(length: int, node_size: int, rail: int, block: int = BLOCK):
+    """The element positions of rail ``rail``'s shard, in shard order (int64):
+    ``x[rail_index(...)]`` is :func:`rail_gather`'s shard."""
+    j = rail_blocks(length, node_size, block)[rail]
+    idx = (j[:, None] * block + np.arange(block, dtype=np.int64)).reshape(-1)
+    return idx[idx < length]
+
+
+def rail_gather(x, node_size: int, rail: int, block: int = BLOCK):
+    """Rail ``rail``'s shard of the vector ``x`` (NumPy or CuPy, 1-D): its
+    blocks concatenated in order; a new array, except for ``node_size == 1``."""
+    full, elems = x.shape[0] // block, rail_length(x.shape[0], node_size, rail, block)
+    if node_size == 1:
+        return x
+    body = x[:full * block].reshape(full, block)[rail::node_size].reshape(-1)
+    tail = x[full * block:full * block + elems - body.shape[0]]   # the partial last block
+    return array_module(x).concatenate([body, tail])
+
+
+def rail_scatter(out, shard, node_size: int, rail: int, block: int = BLOCK):
+    """The inverse of :func:`rail_gather`: write ``shard`` (rail ``rail``'s
+    elements in shard order) into its blocks of ``out``, in place."""
+    full, elems = out.shape[0] // block, rail_length(out.shape[0], node_size, rail, block)
+    if shard.shape[0] != elems:
+        raise ValueError(f"rail {rail} of {node_size} holds {elems} elements, "
+                         f"{shard.shape[0]} given")
+    nbody = -(-(full - rail) // node_size) if full > rail else 0     # its whole blocks
+    out[:full * block].reshape(full, block)[rail::node_size] = \
+        shard[:nbody * block].reshape(nbody, block)
+    if elems > nbody * block:
+        out[full * block:] = shard[nbody * block:]
+    return out
+
 
 def _check(n, node_size):
     if node_size < 1 or n < 1 or n % node_size:

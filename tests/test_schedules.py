@@ -87,5 +87,6 @@ def test_unsupported_sizes():
 
 
 def test_describe_prints_every_step():
-    text = schedules.describe(schedules.build("ring", 3))
+    from research.__main__ import describe
+    text = describe(schedules.build("ring", 3))
     assert text.count("\n") == 3 * 4

@@ -8,7 +8,7 @@
 # one GPU (tools/device/kernels.sh):
 #   gpu-tests     tests/gpu (kernels, planner, pieces against the CPU)
 #   gpu-mpi       the MPI GPU suites at 2 ranks (sharing one GPU: host-staged MPI)
-#   kernels       python -m dynamiq_mpi kernels (SIZES=26,28 BENCH_ARGS=--no-variant GPU_TAG=...)
+#   kernels       python -m research kernels (SIZES=26,28 BENCH_ARGS=--no-variant GPU_TAG=...)
 #   ncu-kernels   ncu counts of the codec kernels and the statistics pass
 #   sanitize      compute-sanitizer memcheck and racecheck
 #   suites        tests/gpu and the MPI suites through `make test-installed`, then the

@@ -1,25 +1,17 @@
 """``python -m dynamiq_mpi bench``: the compressed all-reduce against the
-uncompressed one, in the style of nccl-tests.
+uncompressed one, in the style of nccl-tests:
 
     mpiexec -n 2 python -m dynamiq_mpi bench -b 1M -e 1G -f 2 \\
         --codec dynamiq:5,bf16 --topology ring --transport nccl --json out.json
 
-Sizes are bytes of gradient in its dtype (``-b``/``-e``/``-f`` as nccl-tests).
-For every size, every rank makes gradient-like data; a reference row times
-the all-reduce of the same data and dtype by NCCL itself (device arrays) or by
-MPI (host arrays, float32), then one row per codec and topology.  Columns:
-wire bits per coordinate (all bytes sent, metadata included), time per call
-(mean over ``-n`` back-to-back calls after ``-w`` warm-up calls, slowest
-rank), algbw = bytes / time and busbw = algbw * 2(n-1)/n on the logical
-gradient bytes, vNMSE against the float64 sum, #wrong = ranks whose result
-differs from rank 0's, and the speed-up over the reference row.
-``--breakdown`` adds one profiled call per row (phases serialised, so its
-total is a little above the timed one): time per phase, and inside the data
-phases the kernel time, the wire time and the idle time.
+Per size (bytes of gradient-like data) a reference row (NCCL's own
+all-reduce, or MPI's in float32 for host arrays), then a row per codec and
+topology: wire bits per coordinate, time per call (mean of ``-n`` calls,
+slowest rank), algbw, busbw, vNMSE against the float64 sum, #wrong (ranks
+differing from rank 0), speed-up; ``--breakdown``: a profiled call per row.
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import platform
@@ -61,8 +53,7 @@ def sizes_from(args) -> list:
 
 
 class _Device:
-    """The array side of the benchmark: CuPy with an NCCL reference, or NumPy
-    with an MPI reference."""
+    """The benchmark's arrays: CuPy with an NCCL reference, or NumPy with an MPI one."""
 
     def __init__(self, comm, use_gpu: bool):
         self.comm = comm
@@ -206,9 +197,7 @@ def run(args) -> list:
         norm = float(dev.xp.sum(exact * exact))
         out = dev.xp.empty_like(x)
         base = dict(size=count * dtype.itemsize, count=count, dtype=args.dtype, ranks=n)
-        # Every timed thing of this size, timed in `rounds` alternating rounds
-        # (ref, codecs, ref, codecs, ...), so a drifting link (the loopback
-        # sockets) weighs on the reference and on the codecs alike.
+        # timed in `rounds` alternating rounds, so a drifting link weighs on all alike
         runs = [] if args.no_reference else [("ref", lambda: dev.reference_allreduce(x, out))]
         for label, codec in codecs:
             for topo in topologies:

@@ -1,12 +1,7 @@
-"""``python -m dynamiq_mpi doctor``: what the library found on this machine.
-
-Prints the version, the compiled kernels (and the GPU architectures they
-carry), NumPy, CuPy, NCCL, torch and mpi4py with the MPI library (and whether
-it is CUDA-aware), the launcher the environment names, and what a call with
-the library's defaults would choose.  It measures nothing and
-starts no collective: run alone, MPI is initialised as a world of one to
-ask it (not under torchrun); under ``mpiexec -n N`` rank 0 prints and lists
-every rank's host and GPUs.
+"""``python -m dynamiq_mpi doctor``: what the library found on this machine
+(the kernels and their GPU architectures, NumPy, CuPy, NCCL, torch, mpi4py
+and its MPI, the launcher) and what a default call would choose.  It starts
+no collective; under ``mpiexec -n N`` rank 0 lists every rank's host and GPUs.
 """
 from __future__ import annotations
 
@@ -38,9 +33,8 @@ def _version(module_name: str):
 
 # ---------------------------------------------------------------- kernels
 def cuda_binaries(path: str) -> dict:
-    """{"sass": [...], "ptx": [...]}: the compute capabilities of the CUDA
-    code embedded in the shared library at ``path`` (its ``.nv_fatbin``
-    section: fat binaries of entries of kind 1, PTX, or 2, SASS)."""
+    """{"sass": [...], "ptx": [...]}: the compute capabilities of the CUDA code
+    in the shared library at ``path`` (its ``.nv_fatbin`` section's entries)."""
     with open(path, "rb") as f:
         data = f.read()
     if data[:4] != b"\x7fELF" or data[4] != 2:
@@ -154,9 +148,8 @@ def _launched_by_mpi(environ=None) -> bool:
 
 
 def mpi(ask: bool) -> dict:
-    """mpi4py, the MPI library and its CUDA-awareness.  ``ask``: initialise
-    MPI (a world of one when no MPI launcher started the job) to ask it;
-    else only what mpi4py tells without initialising (under torchrun)."""
+    """mpi4py, the MPI library and its CUDA-awareness; ``ask``: initialise MPI
+    to ask it, else only what mpi4py tells without (under torchrun)."""
     out = {"mpi4py": _version("mpi4py")}
     if out["mpi4py"] is None:
         out["note"] = ("not installed: the MPI control plane (mpiexec) needs it "
@@ -184,8 +177,7 @@ def mpi(ask: bool) -> dict:
 
 # ---------------------------------------------------------------- defaults
 def default_choices(found: dict) -> dict:
-    """What a call with the library's defaults would choose, from what was
-    found (nothing is measured: ``path="auto"`` measures on the first calls)."""
+    """What a call with the defaults would choose, from what was found."""
     from ..api import default_hierarchy
     from ..call.graphs import default_graphs
     from ..call.paths import default_path

@@ -1,10 +1,7 @@
-"""Synthetic gradient-like data for demos, benchmarks and tests.
-
-Layers whose scales differ by orders of magnitude, heavy-tailed entries
-(Student-t), a skewed per-super-group magnitude inside each layer, and an
-"embedding table" whose rows are exactly zero on every rank except a few
-(rows of tokens no rank saw), like the fine-tuning gradients of the paper.
-"""
+"""Synthetic gradient-like data for demos, benchmarks and tests, like the
+paper's fine-tuning gradients: layers of scales orders of magnitude apart,
+heavy-tailed entries, a skewed magnitude per super-group, and an embedding
+table whose rows are zero on every rank but a few."""
 from __future__ import annotations
 
 import numpy as np
@@ -48,11 +45,8 @@ def gradient_like(length: int, rank: int, seed: int = 0, dtype=np.float32,
 
 def gradient_like_xp(xp, length: int, rank: int, seed: int = 0, dtype=np.float32,
                      with_embedding: bool = True):
-    """A fast gradient-like array made directly by ``xp`` (NumPy or CuPy), for
-    benchmarks at up to 2^28 elements: the shared layout of
-    :func:`gradient_like` (layer scales over five decades, an embedding table
-    whose rows are zero on every rank but 10 %) with normal entries times a
-    log-normal scale per super-group.  Not bit-equal across NumPy and CuPy."""
+    """A fast gradient-like array made by ``xp`` (NumPy or CuPy; not bit-equal):
+    :func:`gradient_like`'s layout, normal entries, log-normal scales."""
     emb, active_rows, bounds, scales = layer_layout(length)
     nsg = -(-length // SUPER)
     host = np.random.default_rng([seed, rank, 1])

@@ -1,25 +1,8 @@
-"""The engine: one rank's all-reduce, the all-reduce's table over the phase
-skeleton of phases.py (:func:`~.phases.run_collective`), a generator of the
-requests of transports/ops.py; docs/design.md has its steps.
-
-One plan cuts the whole input into n chunks.  Reduce-scatter, tile by tile:
-a leaf compresses, a rank that received partial sums decompress-accumulates
-all but the last and runs the fused decompress-accumulate-recompress on the
-last, the sink decodes its own bytes as everybody else will; all-gather:
-the compressed bytes are forwarded unchanged (the sink sends each tile right
-after its last fused step) and decoded by every rank (phases.run_schedule).
-
-The engine makes no choice of path: it asks for ``CallSpec.path`` (chosen by
-the caller, see paths.py) and runs the one the planner's answer to ``Route``
-names (planner.resolve_path): the compressed program, or the transport's
-own all-reduce (``NativeAllreduce``) in the answer's wire dtype.  A native
-path asked for on a transport with none for the call's arrays runs
-compressed, and the report carries the reason.
-
-Every exchange is posted as soon as its payload is computed, and a received
-buffer claimed only right before a kernel reads it, so a transport that
-works asynchronously (NCCL on its own stream) overlaps the kernel of one
-tile with the transfer of another.  The engine never waits or syncs.
+"""The engine: one rank's all-reduce, its table over the phase skeleton
+(docs/design.md, "One all-reduce, step by step"): one plan of the whole
+input in n chunks, or the path the planner's ``Route`` answer names.  Every
+exchange is posted once its payload is computed and a received buffer
+claimed right before a kernel reads it; the engine never waits.
 """
 from __future__ import annotations
 
@@ -45,9 +28,8 @@ def rank_program(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FRESH
 
 
 class AllReduce:
-    """The all-reduce's table for :func:`~.phases.run_collective`: one plan
-    of the whole input, cut into n chunks; both halves of the schedule; the
-    output in the input's shape."""
+    """The all-reduce's table for :func:`~.phases.run_collective`: one plan in
+    n chunks, both halves of the schedule, the output in the input's shape."""
 
     name, collective, halves = "all-reduce", "allreduce", 2
     record = {}                 # the agreement record's own fields: none
@@ -89,9 +71,7 @@ class AllReduce:
 
     def plan(self, reduced, rank, n, spec, backend, workspace):
         values, codec, keys, (stats, local_state) = self.early
-        # ``codec``: the codec the call runs (a small input's fallback or the
-        # codec asked for); a rail's plan hook only re-budgets it, so the
-        # fallback test (phases) still compares the codec before the hook.
+        # a rail's plan hook only re-budgets ``codec`` (the fallback test sees it before)
         planned = codec
         if spec.plan_hook is not None and stats is not None:
             planned = spec.plan_hook(codec, reduced, backend)
@@ -116,16 +96,12 @@ class AllReduce:
 
     def native(self, n, flat, result, spec, routed, backend, workspace, report,
                detailed_report):
-        """Generator: the native path (``routed.path``): the transport's own
-        all-reduce of ``flat`` in ``routed.wire``, into ``result``; fills the
-        report."""
+        """Generator: the transport's own all-reduce of ``flat`` into ``result``, and the report."""
         xp = backend.xp
         divisor = n if spec.op == "mean" else 1
         wire = routed.wire
         if spec.nonfinite == "raise":
-            # the transport's all-reduce has no statistics phase to flag
-            # NaN/Inf: one more agreement on a local flag, before any data
-            # byte moves (all ranks alike: one digest exchange when clean)
+            # no statistics phase flags NaN/Inf: agree on a local flag first
             flags = yield Agree({"nonfinite": holds_nonfinite(xp, flat)})
             bad = [r for r, f in enumerate(flags) if f["nonfinite"]]
             if bad:
@@ -133,8 +109,7 @@ class AllReduce:
         send, recv = to_wire(backend, flat, wire, result, workspace)
         buf = yield NativeAllreduce(send, recv)
         if spec.nonfinite == "raise" and holds_nonfinite(xp, buf):
-            # finite inputs (checked above), a sum past the wire's range:
-            # the same sum on every rank, so every rank raises
+            # finite inputs, a sum past the wire's range: alike on every rank
             raise SumOverflowError(f"the sum leaves the {wire} range on the native path")
         from_wire(backend, buf, divisor, result)
         if detailed_report:

@@ -1,32 +1,7 @@
-"""The reduce-scatter: one rank's program, the reduce-scatter's table over
-the phase skeleton the all-reduce runs on (phases.run_collective: the same
-agreement, statistics phase, codec plans, schedules and transports).
-
-Rank r of n gets coordinates ``[r m, (r + 1) m)`` of the sum, ``m = length / n``
-(a length not divisible by n is an error on every rank).  These chunks are
-fixed by the caller, so they cannot be cuts of one width-sorted stream: each
-of the n coordinate ranges (*blocks*) is planned as a stream of its own.
-The codec's local statistics are computed per block (a block starts a new
-super-group) and reduced as **one** concatenated vector; block b's plan is
-the codec's ordinary plan of ``x[b m : (b + 1) m]`` with the world size n
-(events of correlated rounding, MX headroom, THC widths) but one chunk
-(``codecs.base.plan_chunks``), its own keys and workspace names.  So DynamiQ
-gets **a threshold per block**: every block spends ``bits x m`` and every
-ring message carries about the same bytes (one global threshold,
-``budget="global"``, is kept for the study; docs/design.md measures both).
-
-The schedule is the all-reduce's reduce-scatter half, ring or butterfly:
-chunk c of the schedule is block ``(c - 1) mod n``, the block of its sink,
-so rank r ends as the sink of its own block, runs the fused step on the
-last partial sum and decodes its own bytes: a block's estimate has the
-all-reduce's distribution.  Blocks may have different numbers of tiles: a
-step posts sends and receives separately beyond the shorter list
-(transports match messages per pair in posting order).
-
-Non-finite input: as the all-reduce, from every block's reduced statistics;
-codecs without statistics sum per coordinate; a small input that DynamiQ
-hands to BF16 checks its decoded chunk under "raise" and the ranks agree on
-the verdict.
+"""The reduce-scatter's table over the phase skeleton (docs/design.md,
+"Reduce-scatter"): rank r's block is fixed by the caller, so each block is a
+stream of one chunk (a threshold per block; ``budget="global"``: one), and
+schedule chunk c is block ``(c - 1) mod n``: rank r sinks its own block.
 """
 from __future__ import annotations
 
@@ -49,8 +24,7 @@ BUDGETS = ("per-chunk", "global")
 
 
 class _Scoped:
-    """A workspace whose buffer names carry a prefix (one per block), so the
-    n plans of a call never share a buffer."""
+    """A workspace whose buffer names carry a block's prefix."""
 
     def __init__(self, workspace, prefix: str):
         self.ws, self.prefix = workspace, prefix
@@ -76,9 +50,9 @@ def block_keys(keys: CallKeys, block: int) -> CallKeys:
 
 
 def run_reduce_scatter(plans, schedule, rank):
-    """Generator: the reduce-scatter half of ``schedule``; ``plans[c]`` is the
-    plan of schedule chunk c (one chunk of tiles each).  This rank's own chunk
-    ends decoded in its plan.  Returns the bytes this rank sent."""
+    """Generator: the reduce-scatter half of ``schedule``, ``plans[c]`` chunk
+    c's; blocks may differ in tiles (beyond the shorter list sends and
+    receives go apart).  Returns the bytes sent."""
     n = schedule.size
     steps = [s for s in schedule.steps[rank] if s.phase == schedules.REDUCE]
     need = defaultdict(int)
@@ -130,9 +104,7 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
 
 class ReduceScatter:
     """The reduce-scatter's table for :func:`~.phases.run_collective`: n
-    blocks, each its own stream (statistics, keys, workspace names, plan of
-    one chunk), their statistics reduced as one vector; the schedule's
-    reduce-scatter half; the output flat, this rank's block."""
+    blocks, each its own stream; the output flat, this rank's block."""
 
     name, collective, halves = "reduce-scatter", "reduce_scatter", 1
     flat = flat_out = backend = None    # until check() has them
@@ -162,8 +134,7 @@ class ReduceScatter:
                          for b, k in enumerate(self.keys)]
         self.stats, self.states = zip(*[self.codec.local_stats(xb, backend, ws, keys=kb)
                                         for xb, ws, kb in zip(self.values, self.ws, self.keys)])
-        if self.stats[0] is not None:
-            # one vector, one exact reduction for all blocks
+        if self.stats[0] is not None:       # one vector, one exact reduction
             sizes = [int(s.shape[0]) for s in self.stats]
             self.bounds = np.concatenate([[0], np.cumsum(sizes)]).tolist()
             self.combined = workspace.take(backend.xp, "rs.stats", self.bounds[-1],
@@ -197,10 +168,7 @@ class ReduceScatter:
     def plan(self, reduced, rank, n, spec, backend, workspace):
         codecs, layout = [self.codec] * n, resolve_layout(spec, backend.name)
         if self.budget == "global":
-            # the design study's one DynamiQ threshold: all blocks' super-groups
-            # allocated under the whole budget, each block planned with exactly
-            # the bits it gets (codecs/allocation.joint_costs); host work, so
-            # the exact layout
+            # one threshold over all blocks (host work: the exact layout)
             if not joins(self.codec):
                 raise ValueError("budget='global' is for DynamiQ with variable widths")
             norms = [self.codec.reduced_norms(backend.to_host(self.reduced_of(reduced, b)),

@@ -1,38 +1,26 @@
 """Steady compressed calls replayed as one CUDA graph (docs/design.md,
-"Sync-free calls").
+"Sync-free calls: the fixed layout and CUDA graphs").
 
 A compressed call on device arrays in the fixed layout makes no host read
-(``Report.sync_free``): every kernel and every NCCL message of it is
-enqueued from facts the host knows.  Such a call, repeated with the same
-arguments (shape, dtype, codec, topology, op, the caller's buffers and
-stream), is captured once into a CUDA graph and replayed:
+(``Report.sync_free``).  Such a call, repeated with the same arguments, is
+captured once into a CUDA graph and replayed:
 
-* :class:`CallGraph` holds what a graph needs to stay valid: a memory pool of
-  its own (everything the captured call allocates lives as long as the
-  graph, never reused by other work), a workspace of its own (buffers that no
-  other call grows or frees), and the device copy of the generator keys the
-  encoders read (``DqParams.key_ptr``), written before each replay, so a
-  replay draws the randomness of its own call counter.  Two instances of
-  the graph alternate: relaunching an instance whose last replay still runs
-  blocks the host.
-* :class:`SteadyCompressed` is one steady call of a Collective: the agreed
-  record (as :class:`~.native.SteadyNative` keeps it: each replay costs one
-  8-byte digest exchange, and a rank whose call differs makes every rank
-  raise the engine's error) and its graph once captured.
+* :class:`CallGraph`: a memory pool and workspace of its own (nothing else
+  reuses what the graph touches), the device copy of the generator keys the
+  encoders read (written before each replay: each replay draws its own
+  counter's randomness), and two instances that alternate (relaunching one
+  still running would block the host).
+* :class:`SteadyCompressed`: one steady call of a Collective: its agreed
+  record (each replay costs one 8-byte digest exchange; a rank whose call
+  differs makes every rank raise) and its graph once captured.
 
 An all-reduce's graph reads and writes the caller's buffers (the DDP hook's
-fused buffer persists across steps).  A reduce-scatter's graph is *staged*:
-it reads and writes buffers of its own, the input copied in and the output
-copied out around each replay (FSDP2 hands a fresh input buffer every step,
-and every decoder layer of one size shares the graph).
-
-The capture itself runs the ordinary engine on the caller's stream.  A rank
-whose capture (or launch) fails after the call's digests were exchanged runs
-that call on the engine instead, without a second agreement: the engine sends
-the same messages in the same order as the graph would, so peers replaying
-their graphs still meet them; that call never tries a graph again on that
-rank.  Graphs are on by default; ``graphs=False`` or ``DYNAMIQ_GRAPHS=0``
-turns them off.
+persist); a reduce-scatter's is *staged*: it copies the input in and the
+output out around each replay (FSDP2 hands fresh buffers every step).  A
+rank whose capture or launch fails after the digest exchange runs that call
+on the engine, which sends the same messages in the same order, and never
+tries its graph again.  Graphs are on by default (``graphs=False`` or
+``DYNAMIQ_GRAPHS=0`` turns them off).
 """
 from __future__ import annotations
 

@@ -1,40 +1,9 @@
-"""The hierarchical all-reduce: uncompressed inside a node,
-compressed across nodes, one rail per local rank.
-
-For ``n = N x K`` ranks in N nodes of K:
-
-1. inside each node, a reduce-scatter with no compression: local rank ``l``
-   gets the node's sum of *its rail's shard*, added left to right in
-   local-rank order, in the input's dtype;
-2. across nodes, local rank ``l`` of every node runs the flat compressed
-   all-reduce (the call's codec, topology, seed and call counter; the codec's
-   statistics are the shard's) of that shard with local rank ``l`` of the
-   other nodes: K rails at once, each on a communicator of its own; with
-   ``rail_budget="joint"`` (the default) the node's rails share one DynamiQ
-   bit allocation, from their reduced norms exchanged inside the node
-   (rail_budget.py);
-3. inside each node, an all-gather of the rails' results; ``op="mean"``
-   then divides the float32 value by n once.
-
-Shards interleave 256-element blocks (one DynamiQ super-group): rail ``l``
-holds blocks ``l, l + K, l + 2K, ...`` of the vector, in that order.  Every
-rail then sees a sample of the whole vector - its statistics and bit budget
-stay fair on real gradients, whose contiguous parts (an embedding table, a
-layer of another scale) are very unlike - and every rail carries nearly the
-same bytes, so the node's NICs finish together.
-
-The butterfly needs a power-of-two node count; on any other count the rails
-run the ring and the report says so.  A node count of one is an exact
-all-reduce inside the node; a node size of one is the flat call.  Nodes of
-unequal size are refused (every rail needs one rank of every node).
-
-The in-node level (transports/node_level.py) is NCCL's own reduce-scatter
-and all-gather for device arrays where every rank drives a GPU of its own
-(in the input's dtype, NCCL's order of summation), else the control plane's
-point-to-point (MPI, or gloo over a torch group) with a left-to-right sum,
-device arrays staged through host memory; the rail level runs the
-collective's GPU path for device arrays.  ``research/scale_levels.py`` simulates the same
-definition at thousands of ranks.
+"""The hierarchical all-reduce (docs/design.md, "Nodes and levels"): an
+uncompressed in-node reduce-scatter hands local rank ``l`` the node's sum of
+its rail's shard (blocks ``l, l + K, ...`` of 256 elements), local rank
+``l`` of every node all-reduces it compressed (one rail per local rank), an
+in-node all-gather assembles the result.  ``research/scale_levels.py``
+simulates the same definition.
 """
 from __future__ import annotations
 
@@ -43,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import dtype_name
+from ..backend import array_module, dtype_name
 from ..errors import InvalidInputError, NonFiniteInputError
 from ..settings import env_text
 from .rail_budget import JointRailBudget, applies
@@ -53,8 +22,9 @@ HIERARCHIES = ("flat", "nodes", "auto")
 
 
 # ----------------------------------------------------------------- shards
-def _rail_counts(length: int, node_size: int, rail: int, block: int):
-    """(full blocks of the vector, blocks of rail ``rail``, its elements)."""
+def rail_length(length: int, node_size: int, rail: int, block: int = BLOCK) -> int:
+    """The elements of rail ``rail``'s shard, blocks ``rail, rail + K, ...``
+    (0: the rail is skipped); the rails' lengths differ by at most ``block``."""
     if node_size < 1 or not 0 <= rail < node_size:
         raise ValueError(f"rail {rail} of {node_size}")
     if block < 1 or length < 0:
@@ -64,68 +34,7 @@ def _rail_counts(length: int, node_size: int, rail: int, block: int):
     elems = count * block
     if count and (nb - 1) % node_size == rail:         # this rail holds the last block
         elems -= nb * block - length
-    return length // block, count, elems
-
-
-def rail_blocks(length: int, node_size: int, block: int = BLOCK):
-    """For each rail ``l = 0 .. K-1`` the numbers
-    ``j`` of the blocks it holds, increasing (int64 arrays, an empty one for
-    a rail without blocks).  Block ``j`` is the elements
-    ``[j * block, min(length, (j + 1) * block))``; rail ``l`` holds the blocks
-    with ``j % node_size == l``, concatenated in this order."""
-    nb = -(-length // block) if length else 0
-    return [np.arange(l, nb, node_size, dtype=np.int64) for l in range(node_size)]
-
-
-def rail_length(length: int, node_size: int, rail: int, block: int = BLOCK) -> int:
-    """The number of elements of rail ``rail``'s shard (0: the rail is
-    skipped).  The rails' lengths differ by at most ``block``."""
-    return _rail_counts(length, node_size, rail, block)[2]
-
-
-def rail_index(length: int, node_size: int, rail: int, block: int = BLOCK):
-    """The element positions of rail ``rail``'s shard, in shard order (int64):
-    ``shard = x[rail_index(...)]``.  The same as :func:`rail_gather` by
-    indexing (memory: 8 bytes a shard element)."""
-    j = rail_blocks(length, node_size, block)[rail]
-    idx = (j[:, None] * block + np.arange(block, dtype=np.int64)).reshape(-1)
-    return idx[idx < length]
-
-
-def _module_of(x):
-    if isinstance(x, np.ndarray):
-        return np
-    import importlib
-    return importlib.import_module(type(x).__module__.split(".")[0])     # cupy
-
-
-def rail_gather(x, node_size: int, rail: int, block: int = BLOCK):
-    """Rail ``rail``'s shard of the vector ``x`` (NumPy or CuPy, 1-D): its
-    blocks (:func:`rail_blocks`) concatenated in increasing block number.
-    A new array, except for ``node_size == 1``: then ``x`` itself."""
-    length = x.shape[0]
-    full, count, elems = _rail_counts(length, node_size, rail, block)
-    if node_size == 1:
-        return x
-    body = x[:full * block].reshape(full, block)[rail::node_size].reshape(-1)
-    tail = x[full * block:full * block + elems - body.shape[0]]   # the partial last block
-    return _module_of(x).concatenate([body, tail])
-
-
-def rail_scatter(out, shard, node_size: int, rail: int, block: int = BLOCK):
-    """The inverse of :func:`rail_gather`: write ``shard`` (rail ``rail``'s
-    elements in shard order) into its blocks of ``out``, in place."""
-    length = out.shape[0]
-    full, count, elems = _rail_counts(length, node_size, rail, block)
-    if shard.shape[0] != elems:
-        raise ValueError(f"rail {rail} of {node_size} holds {elems} elements, "
-                         f"{shard.shape[0]} given")
-    nbody = -(-(full - rail) // node_size) if full > rail else 0     # its whole blocks
-    out[:full * block].reshape(full, block)[rail::node_size] = \
-        shard[:nbody * block].reshape(nbody, block)
-    if elems > nbody * block:
-        out[full * block:] = shard[nbody * block:]
-    return out
+    return elems
 
 
 # ----------------------------------------------------------------- nodes
@@ -162,10 +71,8 @@ def default_node_size(value=None):
 
 
 def find_nodes(plane, node_size=None) -> NodeLayout:
-    """Which ranks share a node (collective over ``plane``; the same answer
-    on every rank).  ``node_size``: consecutive ranks in nodes of that size
-    (emulated nodes); else ``MPI_Comm_split_type(SHARED)`` on the MPI plane,
-    host names on the torch plane.  Unequal nodes raise."""
+    """Which ranks share a node, alike on every rank (collective): ``node_size``
+    consecutive ranks, else shared memory (MPI) or host names (torch)."""
     n = plane.size
     if node_size is not None:
         if n % node_size:
@@ -198,8 +105,7 @@ def find_nodes(plane, node_size=None) -> NodeLayout:
 
 
 def rail_topology(topology: str, nodes: int) -> str:
-    """The butterfly needs a power-of-two node count; else the rails run the
-    ring (never an error)."""
+    """The rails' topology: the ring where the butterfly lacks a power-of-two node count."""
     from .. import schedules
     schedules.check_topology(topology, 1)          # the name only
     return "ring" if topology == "butterfly" and nodes & (nodes - 1) else topology
@@ -207,11 +113,8 @@ def rail_topology(topology: str, nodes: int) -> str:
 
 # ----------------------------------------------------------------- the call
 def rails_rows(x, node_size: int, block: int = BLOCK):
-    """The vector ``x`` (NumPy or CuPy, 1-D) as ``(node_size, segment)`` rows:
-    row ``l`` is rail ``l``'s shard (:func:`rail_gather`) followed by zeros,
-    every row ``ceil(blocks / node_size)`` blocks long, so that an in-node
-    reduce-scatter of equal parts hands local rank ``l`` its rail's sums."""
-    xp, length = _module_of(x), x.shape[0]
+    """``x`` (1-D) as ``(node_size, segment)`` rows, row ``l`` rail ``l``'s shard, padded."""
+    xp, length = array_module(x), x.shape[0]
     per_rail = -(-(-(-length // block)) // node_size)
     total = per_rail * node_size * block
     padded = x
@@ -224,7 +127,7 @@ def rails_rows(x, node_size: int, block: int = BLOCK):
 
 def vector_of_rows(rows, length: int, block: int = BLOCK):
     """The inverse of :func:`rails_rows`: the vector of ``length`` elements."""
-    xp = _module_of(rows)
+    xp = array_module(rows)
     k, seg = rows.shape
     vec = xp.ascontiguousarray(rows.reshape(k, seg // block, block).transpose(1, 0, 2))
     return vec.reshape(-1)[:length]
@@ -240,17 +143,14 @@ def _mean(a, n: int):
 
 
 def _seconds_since(t0, xp, measured):
-    """Seconds of an in-node phase for the report: on device arrays (NCCL's
-    level) the work is only queued on the stream, so a call that reports
-    waits for it first."""
+    """Seconds of an in-node phase (``measured``: device work waited for)."""
     if measured and xp is not np:
         xp.cuda.get_current_stream().synchronize()
     return time.perf_counter() - t0
 
 
 def _deliver(result, flat_out, out, backend, on_device):
-    """The result (host or device) into the caller's ``out`` (then
-    returned), or as a new array of the input's kind (flat)."""
+    """The result into the caller's ``out`` (returned), or a new flat array of x's kind."""
     staged = on_device and isinstance(result, np.ndarray)
     if flat_out is not None:
         if staged:
@@ -263,10 +163,8 @@ def _deliver(result, flat_out, out, backend, on_device):
 
 def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, transport,
                tile_bytes, path, nonfinite):
-    """The first exchange of a hierarchical call, before the node and rail
-    planes are made (a rank that makes a flat call instead meets the same
-    exchange and every rank raises).  Returns (flat input, flat out or None,
-    backend)."""
+    """The first exchange of a hierarchical call, which a rank making a flat
+    call meets too (then every rank raises); (flat input, flat out, backend)."""
     from .. import schedules
     from .phases import CallSpec, agreement_record, check_agreement, check_local, check_scatter
     from ..control.agreement import agree
@@ -295,10 +193,7 @@ def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, 
 
 
 class Levels:
-    """The node and rail planes of one Collective and node layout, the
-    rail's own call runner (made once, collectively) and the in-node level
-    (transports/node_level.py: over the control plane for host arrays; NCCL
-    for device arrays where every rank has a GPU of its own)."""
+    """The node and rail planes, the rail's call runner and the in-node levels."""
 
     def __init__(self, plane, layout: NodeLayout, make_rail):
         from ..transports.node_level import StagedNodeLevel
@@ -320,9 +215,7 @@ class Levels:
         self.node.free()
 
     def _chunk_order(self, xp):
-        """The reduce-scatter's chunks, row l holding the chunks of the ranks
-        of local index l in node order (an index array, made once per array
-        module: no per-call copy to the device)."""
+        """The reduce-scatter's chunk order: row l the chunks of local index l's ranks, by node."""
         if xp not in self._orders:
             lay = self.layout
             self._orders[xp] = xp.asarray([lay.rank_of(j, l) for l in range(lay.node_size)
@@ -341,11 +234,8 @@ class Levels:
         return self._device_levels[device]
 
     def _start(self, coll, agreed, nonfinite, topology):
-        """After the agreement: NaN/Inf with nonfinite="raise" (every rank
-        raises before any data byte moves), then (flat, flat out, backend,
-        on the device?, in-node level, why, the input where that level
-        works: on the device or staged to the host, its array module, length,
-        dtype, ranks n, node size k, the rails' topology)."""
+        """After the agreement: NaN/Inf with nonfinite="raise" raises on every
+        rank; else the call's facts, the in-node level and its input."""
         from .phases import holds_nonfinite
         from ..control.agreement import agree
         flat, flat_out, backend = agreed
@@ -358,17 +248,14 @@ class Levels:
         level, why = self._node_level(on_device, flat)
         src = flat.get() if on_device and not level.device_arrays else flat
         lay = self.layout
-        return (flat, flat_out, backend, on_device, level, why, src, _module_of(src),
+        return (flat, flat_out, backend, on_device, level, why, src, array_module(src),
                 int(flat.shape[0]), np.dtype(flat.dtype), lay.nodes * lay.node_size,
                 lay.node_size, rail_topology(topology, lay.nodes))
 
     def _rail_call(self, method, shard, stage, call, hook=None):
-        """The rail level's flat ``method`` on the node sums' shard, with the
-        call's arguments (its counter: the same generator keys on every
-        rail); ``stage``: the shard was staged to the host from device
-        arrays, so the rail runs on the device and its result comes back;
-        ``hook``: the rails' joint budget (rail_budget.py), joined after the
-        call if the call did not reach it.  (result, report, seconds)."""
+        """(result, report, seconds) of the rail's flat ``method`` on the node
+        sums' shard; ``stage``: the shard goes back to the device for it;
+        ``hook``: the joint budget, finished after the call."""
         t1 = time.perf_counter()
         rail_in = shard
         if stage:
@@ -388,8 +275,7 @@ class Levels:
 
     def allreduce(self, coll, x, out, agreed, *, codec, topology, op, seed, counter, transport,
                   tile_bytes, path, nonfinite, return_report):
-        """One hierarchical call after :func:`agree_call` (every rank of the
-        collective makes it)."""
+        """One hierarchical call after :func:`agree_call`, on every rank."""
         from .phases import holds_nonfinite
         from ..report import Report
         t0 = time.perf_counter()
@@ -397,16 +283,13 @@ class Levels:
         (flat, flat_out, backend, on_device, level, level_why, src, xp, length, dtype, n, k,
          rail_topo) = self._start(coll, agreed, nonfinite, topology)
 
-        # 1. in-node reduce-scatter: my rail's shard, summed over the node
-        t1 = time.perf_counter()
+        t1 = time.perf_counter()                # 1. in-node reduce-scatter
         node_sums = level.reduce_scatter(rails_rows(src, k))
         mine = rail_length(length, k, lay.local)
         shard = node_sums[:mine]
         t_rs = _seconds_since(t1, xp, return_report)
 
-        # 2. the rail: local rank l of every node, compressed; one bit
-        # allocation over the node's rails where asked (rail_budget.py)
-        hook = None
+        hook = None                             # 2. the rails, compressed
         if applies(coll.rail_budget, lay.nodes, k, codec):
             hook = JointRailBudget(self.node, mine)
         reduced, rail_rep, t_rail = self._rail_call(
@@ -415,8 +298,7 @@ class Levels:
                 transport=transport, tile_bytes=tile_bytes, path=path, nonfinite=nonfinite),
             hook=hook)
 
-        # 3. in-node all-gather of the rails' results
-        t1 = time.perf_counter()
+        t1 = time.perf_counter()                # 3. in-node all-gather
         part = xp.zeros(node_sums.shape[0], dtype=dtype)
         part[:mine] = reduced
         result = vector_of_rows(level.all_gather(part), length)
@@ -442,12 +324,12 @@ class Levels:
                         wire_bytes_total=wire,
                         stats_bytes_total=rail_rep.stats_bytes_total,
                         bytes_sent=rail_rep.bytes_sent + node_bytes,
-                        seconds=time.perf_counter() - t0, codec_info=rail_rep.codec_info)
-        report.hierarchy = "nodes"
-        report.control_plane = coll.control_plane
-        report.transport_reason = rail_rep.transport_reason
-        report.bits_override = (wire * 8.0 / (2.0 * (lay.nodes - 1) * length)
-                                if lay.nodes > 1 and length else 0.0)
+                        seconds=time.perf_counter() - t0,
+                        codec_info=dict(rail_rep.codec_info, nodes=lay.describe()),
+                        hierarchy="nodes", control_plane=coll.control_plane,
+                        transport_reason=rail_rep.transport_reason,
+                        bits_override=(wire * 8.0 / (2.0 * (lay.nodes - 1) * length)
+                                       if lay.nodes > 1 and length else 0.0))
         node = {"path": "uncompressed", "codec": dtype_name(dtype), "ranks": k,
                 "transport": level.name, "transport_reason": level_why,
                 "bytes_sent": node_bytes // 2}
@@ -466,16 +348,13 @@ class Levels:
         if rail_topo != topology:
             report.levels[1]["note"] = (f"butterfly needs a power-of-two node count "
                                         f"({lay.nodes}): the rails ran the ring")
-        report.codec_info = dict(rail_rep.codec_info, nodes=lay.describe())
         return shaped, report
 
     def reduce_scatter(self, coll, x, out, agreed, *, codec, topology, op, seed, counter,
                        transport, tile_bytes, nonfinite, return_report):
-        """Hierarchical reduce-scatter: rank r ends with chunk r (``len/n``
-        coordinates) of the sum.  Local rank l's rail shard is the chunks of
-        the ranks of local index l, in node order; the in-node reduce-scatter
-        sums it, and the rail's own (compressed) reduce-scatter over the
-        nodes hands node j the chunk of its rank of local index l."""
+        """Hierarchical reduce-scatter: local rank l's shard is the chunks of
+        the ranks of local index l, summed in the node; the rail's
+        reduce-scatter hands node j its rank's chunk."""
         from ..report import Report
         t0 = time.perf_counter()
         lay = self.layout
@@ -504,10 +383,10 @@ class Levels:
                         wire_bytes_total=wire, stats_bytes_total=rail_rep.stats_bytes_total,
                         bytes_sent=rail_rep.bytes_sent, seconds=time.perf_counter() - t0,
                         codec_info=dict(rail_rep.codec_info, nodes=lay.describe()),
-                        collective="reduce_scatter")
-        report.hierarchy, report.control_plane = "nodes", coll.control_plane
-        report.bits_override = (wire * 8.0 / ((lay.nodes - 1) * length)
-                                if lay.nodes > 1 and length else 0.0)
+                        collective="reduce_scatter", hierarchy="nodes",
+                        control_plane=coll.control_plane,
+                        bits_override=(wire * 8.0 / ((lay.nodes - 1) * length)
+                                       if lay.nodes > 1 and length else 0.0))
         report.levels = [
             {"level": "node reduce-scatter", "path": "uncompressed", "codec": dtype_name(dtype),
              "ranks": k, "transport": level.name, "transport_reason": level_why,
@@ -519,10 +398,7 @@ class Levels:
 
 
 class NodeCalls:
-    """The hierarchy route of a call runner: its node layout and
-    :class:`Levels`, made on first use over its runtime's control plane;
-    ``make_rail(plane)``: the flat runner of a rail (the planner makes the
-    "auto" choice between flat and nodes)."""
+    """A call runner's hierarchy route; ``make_rail(plane)`` makes a rail's flat runner."""
 
     def __init__(self, runtime, layout, node_size, rail_budget, links, make_rail):
         self.plane, self.size, self.control_plane = runtime.plane, runtime.size, runtime.plane.name
@@ -533,11 +409,9 @@ class NodeCalls:
         self._auto = None               # whether "auto" may use nodes (decided once)
 
     def auto_layout(self):
-        """(nodes, node size) that hierarchy="auto" may use, or None where
-        levels cannot help (a single node, nodes of one rank, unequal nodes).
-        Found once, collectively where levels may help: every rank agrees
-        that it asks, on ``node_size`` and on the links that seed the choice
-        (prediction.py), then (without ``node_size``) finds the nodes."""
+        """(nodes, node size) that hierarchy="auto" may use, or None where levels
+        cannot help; found once, the ranks agreeing on asking, ``node_size``
+        and the links."""
         if self._auto is not None:
             return self._auto or None
         k, n = self.node_size, self.size
@@ -568,9 +442,7 @@ class NodeCalls:
         return self._auto or None
 
     def run(self, collective, x, out, **call):
-        """A hierarchical call: agreed first over the whole plane (a rank
-        making a flat call meets the same exchange and every rank raises),
-        then the node and rail planes, made once."""
+        """A hierarchical call, agreed over the whole plane, run on the node and rail planes."""
         from .phases import check_nonfinite
         check_nonfinite(call["nonfinite"])
         return_report = call.pop("return_report")
@@ -583,8 +455,7 @@ class NodeCalls:
         return levels.allreduce(self, x, out, agreed, return_report=return_report, **call)
 
     def levels(self) -> Levels:
-        """The node and rail planes (made by the first hierarchical call,
-        collectively; the nodes found once)."""
+        """The node and rail planes (made by the first call, collectively)."""
         if self._levels is None:
             layout = self._found or find_nodes(self.plane, self.node_size)
             self._levels = Levels(self.plane, layout, self._make_rail)

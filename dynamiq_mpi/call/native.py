@@ -1,20 +1,7 @@
-"""The native path of a call: the transport's own uncompressed all-reduce
-(NCCL's for device arrays, MPI's for host arrays) instead of the codec's
-compressed ring, where compression does not pay (see :mod:`.paths`).
-
-The caller's dtype is kept: the input is cast to the wire dtype (BF16 for the
-lossy codecs on NCCL, float32 on MPI, which has no BF16 sum; the input's own
-dtype for ``Exact``), summed by the transport, and cast back, divided by n
-for a mean.  On the GPU each cast is one fused kernel (no temporaries).
-
-:class:`SteadyNative` is the same call without the engine, for a call whose
-every argument the ranks already agreed on once: it keeps the agreement
-record and its digest, so a steady call costs one 8-byte ``MPI_Allgather``
-(every rank's digest, the call counter folded in), the casts and the
-transport's all-reduce.  A rank whose call differs sends a different digest,
-and then every rank exchanges the full records and raises the engine's
-error, exactly as on the engine's path (the digests are the same function
-of the record, control/agreement.py), so no rank is left waiting.
+"""Steady native calls: the transport's own all-reduce (wire.py) of a call
+agreed once, without the engine: one 8-byte digest all-gather (the counter
+folded in), the casts and the all-reduce.  A rank whose call differs sends
+another digest; then every rank raises the engine's error.
 """
 from __future__ import annotations
 
@@ -26,8 +13,7 @@ from .wire import from_wire, to_wire
 
 def steady_key(x, out, codec, topology, op, seed, transport, tile_bytes, nonfinite, path):
     """What must equal a steady call's for its agreement to carry over
-    (everything of the record but the counter, from local facts; ``path``:
-    the path asked for, "auto" or "native")."""
+    (the record but the counter, from local facts; ``path``: as asked)."""
     dev = getattr(getattr(x, "device", None), "id", None)
     out_key = None if out is None else (
         type(out), out.shape, out.dtype, out.flags.c_contiguous,

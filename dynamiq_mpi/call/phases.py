@@ -1,8 +1,7 @@
-"""The phases of a call and the one skeleton that runs them for every flat
-collective (:func:`run_collective`); the all-reduce (engine.py) and the
-reduce-scatter (engine_rs.py) are tables over it that say what differs.
-The hierarchical call (hierarchy.py) shares the checks and the agreement.
-The generators here yield the requests of transports/ops.py."""
+"""The phases of a call and the one skeleton running them for every flat
+collective (:func:`run_collective`), over which the all-reduce (engine.py)
+and the reduce-scatter (engine_rs.py) are tables; hierarchy.py shares the
+checks and the agreement.  The generators yield transports/ops.py's requests."""
 from __future__ import annotations
 
 import time
@@ -40,23 +39,17 @@ class CallSpec:
     tile_bytes: int = DEFAULT_TILE_BYTES
     path: str = "compressed"        # or "native": the transport's own all-reduce
     nonfinite: str = "propagate"    # or "raise"
-    # the compressed stream's layout (codecs/base.py): "auto" is "fixed" (no
-    # host read of the plan) for device arrays with nonfinite="propagate",
-    # else "exact"
-    layout: str = "auto"
-    # the device address of the call's generator keys when it is captured as
-    # a CUDA graph (graphs.py: written before each replay), else 0; a local
-    # detail, not part of the agreement
+    layout: str = "auto"            # the stream's layout (resolve_layout)
+    # local details, not agreed: the device address of the generator keys of a
+    # call captured as a CUDA graph (else 0); a rail's ``plan_hook(codec,
+    # reduced statistics, backend)``, the codec to plan with (rail_budget.py)
     keys_at: int = 0
-    # a hierarchical call's rail: ``plan_hook(codec, reduced statistics,
-    # backend)`` gives the codec to plan with (call/rail_budget.py: one
-    # allocation over the node's rails); called once, after the statistics,
-    # on a call that has them.  A local detail, not part of the agreement.
     plan_hook: object = None
 
 
 def resolve_layout(spec: CallSpec, backend_name) -> str:
-    """The layout a call's plan uses, from agreed facts only."""
+    """The layout a call's plan uses, from agreed facts only: "auto" is
+    "fixed" (no host read) for device arrays with nonfinite="propagate"."""
     if spec.layout != "auto":
         return spec.layout
     return "fixed" if backend_name == "gpu" and spec.nonfinite == "propagate" else "exact"
@@ -95,9 +88,8 @@ def check_local(x, out, spec: CallSpec, n: int):
 
 
 def check_scatter(x, out, flat, backend, n: int):
-    """A reduce-scatter's checks after :func:`check_local` (of ``x`` without
-    ``out``: ``flat``, ``backend``): a length divisible by n and ``out`` of
-    ``len(x) / n`` elements.  The flat view of ``out`` (or None), or raises."""
+    """A reduce-scatter's checks after :func:`check_local` of ``x`` alone (a
+    length divisible by n, ``out`` of ``len(x) / n``): the flat ``out`` or None."""
     if flat.shape[0] % n:
         raise ValueError(f"reduce_scatter needs a length divisible by the {n} ranks, got "
                          f"{flat.shape[0]} (pad it, as FSDP does)")
@@ -111,9 +103,8 @@ def check_scatter(x, out, flat, backend, n: int):
 
 
 def check_out_buffer(out, x, backend, size_ok: bool, expected: str) -> None:
-    """The checks every ``out=`` passes: x's array type and dtype, its size
-    (``size_ok``; ``expected`` says what was wanted and got), C-contiguous,
-    on x's device."""
+    """Every ``out=``'s checks: x's type, dtype and device, its size
+    (``size_ok``; ``expected``: what was wanted and got), C-contiguous."""
     if type(out) is not type(x):
         raise TypeError(f"out must be a {type(x).__name__} like the input, "
                         f"got {type(out).__name__}")
@@ -135,8 +126,7 @@ _FLAT_DEFAULTS = {"collective": "allreduce", "hierarchy": "flat"}
 
 
 def check_agreement(metas: list, what: str = "all-reduce") -> None:
-    """Raise on every rank alike where a rank reported an error (``what``:
-    the collective, named in the message) or the records differ."""
+    """Raise alike on every rank where one reported an error or the records differ."""
     first = metas[0]
     if not first.get("error") and all(m is first for m in metas):
         return      # the agreement matched digests and handed back one record
@@ -153,8 +143,7 @@ def check_agreement(metas: list, what: str = "all-reduce") -> None:
 
 
 def check_agreed(values: list, what: str) -> None:
-    """Raise InputMismatchError, naming every rank's value, where the ranks'
-    ``values`` of ``what`` (one per rank, gathered alike) differ."""
+    """InputMismatchError naming every rank's value where ``values`` (one per rank) differ."""
     if any(v != values[0] for v in values):
         per_rank = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
         raise InputMismatchError(f"ranks disagree on {what} ({per_rank})")
@@ -162,22 +151,16 @@ def check_agreed(values: list, what: str) -> None:
 
 def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
                    detailed_report: bool):
-    """Generator: one rank's call of the collective that ``table`` describes
-    (engine.AllReduce, engine_rs.ReduceScatter).  Returns (output, Report).
-    In this order on every rank: the local checks (``table.check`` sets
-    ``flat``, ``flat_out`` and ``backend`` as far as it gets); the local
-    statistics (``table.start``: they need no other rank, so a device
-    computes them while the host agrees); the agreement (``table.record``:
-    the collective's own fields); ``Route`` (``table.route``); then, for
-    n > 1 and a non-empty input, the native path (``table.native``) or the
-    compressed phases."""
+    """Generator: one rank's call of the collective ``table`` describes,
+    returning (output, Report): the local checks (``table.check``), the local
+    statistics (``table.start``: a device computes while the host agrees),
+    the agreement, ``Route``, then the native or the compressed phases."""
     t0 = time.perf_counter()
     error = None
     try:
         table.check(x, out, spec, n)
     except Exception as exc:  # reported to every rank, raised after agreement
         error = f"{type(exc).__name__}: {exc}"
-    # what the checks established before any error: the agreement record's facts
     flat, flat_out, backend = table.flat, table.flat_out, table.backend
     if error is None and n > 1 and flat.shape[0] > 0:
         try:
@@ -186,7 +169,6 @@ def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
             error = f"{type(exc).__name__}: {exc}"
     metas = yield Agree(agreement_record(error, flat, backend, spec, **table.record))
     check_agreement(metas, table.name)
-    # the planner answers from the records: the transport, and the path on it
     routed = yield table.route(spec, flat, backend)
 
     length = int(flat.shape[0])
@@ -213,10 +195,8 @@ def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
 
 def compressed_phases(table, rank, n, flat, result, spec: CallSpec, backend, workspace, report,
                       detailed_report):
-    """Generator: the statistics (``table.statistics``) reduced exactly, the
-    plans (``table.plan`` sets ``codec``, ``plans`` and this rank's
-    ``own``), the schedule's hops (``table.hops``), the finish into
-    ``result``, the report (``table.info``: the collective's own entries)."""
+    """Generator: the statistics reduced exactly, the plans (``table.plan``
+    sets ``codec``, ``plans``, ``own``), the hops, the finish, the report."""
     xp = backend.xp
     divisor = n if spec.op == "mean" else 1
     stats = table.statistics(flat, spec, backend, workspace)
@@ -237,9 +217,7 @@ def compressed_phases(table, rank, n, flat, result, spec: CallSpec, backend, wor
         propagate_nonfinite(exc, spec, result, report, stats_total, sent)
         return
     codec = table.codec
-    # A small input sent uncompressed keeps the contract of the codec asked
-    # for: its decoded sum is checked (table.check_sum) before anything
-    # reaches the caller's buffer.
+    # a small input sent uncompressed keeps the codec's contract: its sum is checked
     raise_check = (codec is not spec.codec and getattr(spec.codec, "rejects_nonfinite", False)
                    and spec.nonfinite == "raise")
     if result.dtype in NATIVE_DTYPES:   # the plan may decode straight into the result
@@ -281,9 +259,7 @@ def reduce_tile(plan, tile, received, event):
 
 def _finish_and_send(plan, schedule, rank, step, pending, held):
     """Generator: the sink's last fused step of every tile of its chunk, each
-    tile posted to the first all-gather step (which sends that chunk) right
-    after it, so no kernel of the chunk waits for the wire; then the sink's own
-    decode; the received tiles are claimed and decoded after the last one.
+    sent on at once (no kernel waits for the wire), then the decodes.
     Returns bytes sent."""
     own = schedule.owned_chunk(rank)
     assert step.phase == schedules.GATHER and step.send_chunk == own, step
@@ -302,8 +278,7 @@ def _finish_and_send(plan, schedule, rank, step, pending, held):
 
 
 def run_schedule(plan, schedule, rank):
-    """Generator: reduce-scatter then all-gather of one plan, tile by tile.
-    Returns the bytes this rank sent."""
+    """Generator: one plan's reduce-scatter then all-gather, tile by tile; the bytes sent."""
     steps = schedule.steps[rank]
     reduce_recv = sum(align_up(plan.tile_nbytes(t)) for s in steps if s.phase == schedules.REDUCE
                       for t in plan.chunk_tiles[s.recv_chunk])
@@ -315,8 +290,7 @@ def run_schedule(plan, schedule, rank):
     finalised = False
     for step in steps:
         if step.phase == schedules.GATHER and not finalised:
-            # every schedule's first all-gather step sends the chunk this rank
-            # has just finished reducing
+            # the first all-gather step sends the chunk just reduced
             yield Mark("all-gather")
             finalised = True
             sent += yield from _finish_and_send(plan, schedule, rank, step, pending, held)
@@ -345,16 +319,12 @@ def run_schedule(plan, schedule, rank):
 
 
 def reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
-    """Generator: the reduction of every rank's statistics vector, bit-identical
-    on every rank: the exact float32 sum (float32 vectors) or the element-wise
-    maximum (uint8 vectors).  Returns (reduced, bytes sent, bytes sent by all
-    ranks)."""
+    """Generator: the statistics' exact float32 sum (uint8: maximum), alike on
+    every rank.  Returns (reduced, bytes sent, bytes sent by all ranks)."""
     xp = backend.xp
     by_max = stats.dtype == np.uint8
     if n == 2:
-        # One exchange of the whole vector instead of the ring's two steps:
-        # the same bytes in one latency, and a + b == b + a in IEEE (max too),
-        # so both ranks hold the same bits (the ring computes the same values).
+        # one exchange instead of two steps: a + b == b + a, the same bits
         peer = 1 - rank
         other = workspace.take(xp, "stats.peer", stats.shape[0], stats.dtype)
         handle = yield Exchange(stats.view(np.uint8), peer, other.view(np.uint8), peer)
@@ -372,8 +342,7 @@ def reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
 
 
 def agreement_record(error, flat, backend, spec: CallSpec, **extra) -> dict:
-    """What a rank contributes to the agreement of a call (``extra``: fields
-    of other collectives)."""
+    """A rank's contribution to a call's agreement (``extra``: other collectives' fields)."""
     return {
         **extra, "error": error,
         "length": None if flat is None else int(flat.shape[0]),
@@ -389,9 +358,7 @@ def agreement_record(error, flat, backend, spec: CallSpec, **extra) -> dict:
 
 
 def propagate_nonfinite(exc, spec: CallSpec, result, report, stats_total, sent):
-    """A plan refused non-finite input (decided from the reduced statistics,
-    so alike on every rank): re-raise it, or fill the result with NaN and
-    say so in the report (NCCL's semantics)."""
+    """A plan refused non-finite input (alike everywhere): re-raise, or NaN (NCCL's semantics)."""
     if spec.nonfinite == "raise":
         raise exc
     result.fill(np.nan)
@@ -402,8 +369,7 @@ def propagate_nonfinite(exc, spec: CallSpec, result, report, stats_total, sent):
 
 
 def finish_into(plan, divisor, result, workspace, xp):
-    """The plan's result, divided, into ``result`` (through a float32 stage
-    for the dtypes the codecs do not write)."""
+    """The plan's result / divisor into ``result`` (via float32 for dtypes codecs don't write)."""
     if result.dtype in NATIVE_DTYPES:
         plan.finish(divisor, result)
         return
@@ -413,9 +379,7 @@ def finish_into(plan, divisor, result, workspace, xp):
 
 
 def report_plan(report, plan, fixed, had_stats, detailed, xp, result) -> dict:
-    """``report.nonfinite`` and the plan's report (its codec_info).  A plan in
-    the fixed layout refused on the device (finish wrote NaN): learning it
-    costs a host read, made only for a detailed report."""
+    """``report.nonfinite`` and codec_info (a fixed-layout refusal: read only when detailed)."""
     refusal = ""
     if fixed:
         if detailed:
@@ -448,9 +412,7 @@ def holds_nonfinite(xp, a) -> bool:
 
 
 def default_layout(value=None) -> str:
-    """``value``, else ``$DYNAMIQ_LAYOUT``, else "auto" (the compressed
-    stream's layout, CallSpec: "fixed" for device arrays, so no call
-    reads its plan back; "exact" / "fixed" force one, for A/B runs)."""
+    """``value``, else ``$DYNAMIQ_LAYOUT``, else "auto" (:func:`resolve_layout`)."""
     return env_choice(value, "DYNAMIQ_LAYOUT", LAYOUT_CHOICES, "layout")
 
 

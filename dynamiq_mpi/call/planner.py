@@ -1,33 +1,24 @@
-"""One call planner: every decision about how a call runs, in one place.
+"""One call planner: every decision about how a call runs, in one place
+(docs/design.md, "The path of a call").
 
 A call's signature (its arguments, buffers and stream, less the counter)
 resolves to a :class:`Plan`:
 
-* ``hierarchy``: "flat" or "nodes" ("auto" measured per class of calls by
-  ``hierarchies``, agreed by all ranks, seeded by the cost model's
-  prediction: prediction.py);
-* ``route``: "levels" (the hierarchical call, hierarchy.py), "steady" (a
-  native call whose signature was agreed before: one digest exchange and
-  the transport's all-reduce, native.py), "graph" (a steady compressed call
-  replayed as a CUDA graph, graphs.py) or "engine" (the engine's program);
-* ``path`` for the engine: "compressed" or "native" (``paths``, measured
-  per class of calls), with its reason and whether this call is timed;
-* the choices a caller times itself (the torch adapter's): per class of
-  its calls (``class_choice``) and by whole steps (``step_choice``);
-* the transport, once the ranks agreed, and the path the engine runs on it:
-  :meth:`CallPlanner.route` answers the program's ``Route`` from every
-  rank's record (:meth:`CallPlanner.transport`), and resolves a native path
-  asked for to the transport's own all-reduce with its wire dtype, or to the
-  compressed program, with the reason, where that transport has none for
-  the call's arrays (:func:`resolve_path`).  The engine runs the path it is
-  given.
+* ``hierarchy``: "flat" or "nodes" ("auto": measured per class of calls,
+  agreed by all ranks, seeded by the cost model: prediction.py);
+* ``route``: "levels" (hierarchy.py), "steady" (a native call agreed
+  before: native.py), "graph" (a steady compressed call replayed as a CUDA
+  graph: graphs.py) or "engine";
+* ``path`` for the engine: "compressed" or "native" (measured per class),
+  its reason and whether this call is timed;
+* the choices a caller times itself: per class (``class_choice``) and by
+  whole steps (``step_choice``);
+* the transport, once the ranks agreed, and the path the engine runs on it
+  (:meth:`CallPlanner.route`, :func:`resolve_path`).
 
-Steady signatures keep their plan: a native call that ran on the engine is
-remembered as a steady plan, a sync-free compressed call over NCCL as a
-graph plan; the next call of that signature resolves to it without the
-path choice or the engine.  The planner decides and remembers; the runner
-(runner.py) carries the plan out on its runtime (runtime.py); the API
-(api.py) is the public face.
+Steady signatures keep their plan (a steady native plan, or a graph plan),
+and the next call of that signature resolves to it without the path choice
+or the engine.  The runner (runner.py) carries plans out.
 """
 from __future__ import annotations
 

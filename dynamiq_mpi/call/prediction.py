@@ -1,24 +1,6 @@
-"""The cost model's prediction that seeds ``hierarchy="auto"`` (planner.py).
-
-For a class of calls (size as a power of two, dtype, codec, topology) the
-cost model (cost_model/model.py, ``python -m dynamiq_mpi model``) predicts
-the flat compressed call and the hierarchical one over the collective's node
-layout and links.  The hierarchy choice (paths.PathChooser) then measures
-the predicted winner first; where the links were given (``links=`` or
-``$DYNAMIQ_LINKS``) and the predicted loser is ``MARGIN`` times slower or
-more, it keeps the winner without measuring the loser, and the report's
-``hierarchy_reason`` says so.  Without given links the model's default links
-(those of ``python -m dynamiq_mpi model``: 400 GB/s in the node, a 50 GB/s
-NIC per rank) only order the measurement.
-
-The inputs are the node layout and the links, agreed by every rank on the
-first "auto" call (hierarchy.NodeCalls.auto_layout), and the class of the
-call: the same on every rank, so every rank predicts the same.  Device
-arrays are predicted with the model's default kernel rates (``KERNELS``)
-and host time "fixed"; host arrays with the links alone (the model's
-``wire_only``: the rates of GPU kernels say nothing of the CPU codec).
-The model is imported on first use only: ``import dynamiq_mpi`` does not
-load it.
+"""The cost model's prediction seeding ``hierarchy="auto"`` (docs/cost-model.md,
+"Seeding"), alike on every rank: the predicted winner is measured first; with
+given links a loser ``MARGIN`` times slower is not measured at all.
 """
 from __future__ import annotations
 
@@ -36,12 +18,10 @@ _MX = {"e4m3": "mxfp8", "e5m2": "mxfp8", "e3m2": "mxfp6", "e2m3": "mxfp6", "e2m1
 
 
 def default_links(value=None):
-    """The links a collective was given, as ``(intra, inter, nics)`` (bytes/s
-    per direction of one rank's in-node link and of one NIC; NICs per node, 0:
-    one per rank), or None.  ``value``: a dict ``{"intra": "400GB/s", "inter":
-    "25GB/s", "nics": 8}`` or the string ``"intra=400GB/s,inter=25GB/s,nics=8"``
-    (bandwidths as the model's command writes them: GB/s, Gb/s, MB/s ...; a
-    bare number is GB/s); None: ``$DYNAMIQ_LINKS``, else none given."""
+    """The links given, ``(intra, inter, nics)`` (bytes/s per direction of a
+    rank's in-node link and of a NIC; NICs per node, 0: one per rank) or None,
+    from ``{"intra": "400GB/s", "inter": "25GB/s", "nics": 8}``,
+    ``"intra=400GB/s,inter=25GB/s,nics=8"`` or ``$DYNAMIQ_LINKS``."""
     if value is None:
         value = env_text("DYNAMIQ_LINKS", "").strip() or None
         if value is None:
@@ -128,11 +108,9 @@ class Prediction:
 
 def predict_hierarchies(nodes: int, node_size: int, elements: int, itemsize: int, codec,
                         topology: str, links, on_device: bool):
-    """The cost model's :class:`Prediction` of the flat call and the
-    hierarchical call of ``elements`` per rank (``itemsize`` bytes each) over
-    ``nodes`` nodes of ``node_size`` ranks, or None where the model has no
-    model of the codec.  ``links``: :func:`default_links`' tuple, or None (the
-    model's defaults)."""
+    """The :class:`Prediction` of the flat and the hierarchical call of
+    ``elements`` per rank, or None where the model lacks the codec; ``links``:
+    :func:`default_links`' tuple, or None (the model's defaults)."""
     flat_codec = model_codec(codec, elements)
     rail_codec = model_codec(codec, elements // node_size)
     if not flat_codec or not rail_codec or not flat_codec[0] or not rail_codec[0]:

@@ -1,52 +1,16 @@
-"""One bit allocation over a node's rails (the hierarchical call's
-``rail_budget="joint"``).
-
-Each rail of a hierarchical call plans its own shard: planned apart, the
-rails split the call's budget evenly, so a rail that drew several of the
-vector's largest super-groups spends its bits on them and leaves mid-sized
-ones at 2 bits, while another rail has bits to spare.  ``"joint"`` gives
-the node's rails one allocation instead, the paper's rule with one
-threshold over every super-group of the vector, under the whole budget:
-
-1. every rail reduces its statistics over the nodes, as a flat call does;
-2. each rank summarises its rail's reduced norms on the host (a count
-   of the super-groups per step of a threshold grid and width step:
-   ``DynamiQ.share_summary``, a few thousand integers whatever the length),
-   and the ranks of a node exchange their summaries (one all-gather inside
-   the node, host memory);
-3. every rank computes the same shares (``DynamiQ.shares_on_grid``): the
-   smallest grid threshold (steps of 2^(1/16)) whose total cost fits the
-   budget, no rail above ``RAIL_SHARE_CAP`` (1.05) times its even share,
-   what the grid leaves unspent shared by length; each rail then plans its
-   share exactly with its own planner.
-
-The rails' norms are the same on every node (each rail's reduction is
-exact and alike on its ranks), so every node computes the same shares and
-every rail's ranks plan alike.  A rail whose call has no statistics (the
-native path, a length below the codec's ``small_input``, a codec without
-variable widths) joins the exchange with nothing after its call and keeps
-its own budget; the others share theirs.  So no rank waits for a rank that
-waits for it: a rail's statistics need only its own ranks, and every rank
-of a node reaches the exchange once per call.
-
-What it costs: the summary (on the host, about 2 ms a rail at 2^28
-elements in 8 rails; one pass over the norms), one small in-node exchange
-and the shares (under a millisecond); for device arrays the call waits for
-its statistics on the host there (the summary's copy), where a call with
-the rails apart need not; and rails whose bytes differ by up to the cap, so
-the slowest rail's NIC may finish up to 5 % later.  On real gradients the
-interleaved rails already hold alike samples of the vector and the joint
-allocation changes little (docs/error-study.md).  ``"even"`` plans every
-rail apart (no exchange).
+"""One bit allocation over a node's rails (``rail_budget="joint"``;
+docs/design.md, "Nodes and levels"): the node's ranks all-gather their
+rails' grid summaries and compute the same shares.  A rail without
+statistics joins the exchange with nothing after its call and keeps its
+budget, so every rank of a node reaches the exchange once per call.
 """
 from __future__ import annotations
 
 from ..settings import env_choice
 
 RAIL_BUDGETS = ("joint", "even")
-# No rail takes more than this times its even share: the node's NICs stay
-# within 5 % of one another.  On the Table 7 data at 64 x 8 the cap kept
-# most of the gain (seed 0: 3.58e-2 capped, 3.37e-2 not, 5.53e-2 "even").
+# The node's NICs stay within 5 % of one another; on the Table 7 data at 64 x 8
+# (seed 0) the cap kept most of the gain: 3.58e-2 capped, 3.37e-2 not, 5.53e-2 even.
 RAIL_SHARE_CAP = 1.05
 
 
@@ -67,9 +31,7 @@ def applies(rail_budget: str, nodes: int, node_size: int, codec) -> bool:
 
 
 def rail_shares(codec, summaries) -> list:
-    """Each rail's codec from its summary (``DynamiQ.share_summary``; None:
-    a rail without statistics, which keeps ``codec``): the rails that have
-    one share one allocation (``DynamiQ.shares_on_grid``), if two or more."""
+    """Each rail's codec from its summary (None: ``codec``): one allocation over the rest."""
     codecs = [codec] * len(summaries)
     joined = [i for i, s in enumerate(summaries) if s is not None]
     if len(joined) >= 2:
@@ -80,9 +42,8 @@ def rail_shares(codec, summaries) -> list:
 
 
 class JointRailBudget:
-    """The plan hook of one rail call (phases.CallSpec.plan_hook) and its
-    in-node exchange.  ``node``: the node's plane (ranks in local order);
-    ``length``: this rail's shard length."""
+    """The plan hook of one rail call (``CallSpec.plan_hook``) and its
+    in-node exchange over ``node`` (the node's plane); ``length``: the shard's."""
 
     def __init__(self, node, length: int):
         self.node, self.length = node, int(length)
@@ -109,7 +70,6 @@ class JointRailBudget:
         return rail_shares(codec, parts)[self.node.rank]
 
     def finish(self):
-        """After the rail call: join the exchange with nothing if the call
-        had no statistics to share."""
+        """After the rail call: join the exchange with nothing if not yet done."""
         if not self.done:
             self._exchange(None)

@@ -1,10 +1,7 @@
 """What one communicator's calls run on: its control plane (a private
-duplicate of the caller's communicator), the transports made on first use
-(host-staged MPI always; NCCL per device; CUDA-aware MPI), the workspace
-reused across calls, and the fence of the caller's stream around device
-calls.  :meth:`Runtime.drive` answers one rank program's requests over
-them.  A :class:`~dynamiq_mpi.Collective` owns one; so does each rail of a
-hierarchical call (hierarchy.py)."""
+duplicate), the transports made on first use, the workspace reused across
+calls and the fence of the caller's stream; :meth:`Runtime.drive` answers a
+rank program's requests.  A Collective owns one, so does each rail."""
 from __future__ import annotations
 
 import time
@@ -36,12 +33,8 @@ class Runtime:
         self._capture_streams = {}  # device -> a private stream for graph captures
 
     def drive(self, program, x, profile, want_report, choose):
-        """Run one rank program over the transports: (result, report).
-        ``choose(route, records, x, explain)``: the answer to the program's
-        ``Route`` request, (``Routed``: the transport that carries the call's
-        data and the path the program runs on it, why), decided from every
-        rank's agreement record (the planner's; ``why`` only when
-        ``explain``)."""
+        """Run one rank program: (result, report).  ``choose(route, records, x,
+        explain)``: the planner's (``Routed``, why) for the ``Route`` request."""
         on_device = type(x).__module__.startswith("cupy")
         if on_device:
             self.fence_stream()
@@ -85,8 +78,7 @@ class Runtime:
         return out, report
 
     def route(self, transport, x):
-        """The transport called ``transport`` for ``x`` (made on first use, by
-        every rank in the same call; the planner chose it)."""
+        """The transport named ``transport`` for ``x``, made on first use by every rank alike."""
         if transport == "mpi-cuda":
             if self.plane.mpi_comm is None:  # the same on every rank: all raise
                 raise InvalidInputError(
@@ -113,8 +105,7 @@ class Runtime:
             stream.wait_event(self._last_stream[1])
 
     def record_stream(self):
-        # one event, re-recorded: the next call's wait is enqueued before
-        # this event is recorded again (a new Event per call costs host time)
+        # one event, re-recorded (a new Event per call costs host time)
         import cupy
         stream = cupy.cuda.get_current_stream()
         if self._done_event is None:
@@ -123,11 +114,8 @@ class Runtime:
         self._last_stream = (stream.ptr, self._done_event)
 
     def capture_stream(self, stream):
-        """The stream a graph capture records on: the caller's, except CuPy's
-        default (legacy) stream, which CUDA refuses to capture
-        (cudaErrorStreamCaptureUnsupported, seen on 4 H100s over NCCL): then
-        a private stream.  The graph is launched on the caller's stream
-        either way."""
+        """The stream a capture records on: the caller's, or a private one for
+        CuPy's legacy default stream, which CUDA refuses to capture."""
         if stream.ptr:
             return stream
         import cupy
@@ -160,8 +148,7 @@ def sync(x):
 
 
 def _phases(prof, t0) -> dict:
-    """Per-phase seconds from the marks of a profiled call (phases are
-    serialised by the profiling), plus kernel and wire time where measured."""
+    """Per-phase seconds from a profiled call's marks, plus kernel and wire time where measured."""
     marks = [("agreement", t0)] + list(prof.marks)
     phases = {}
     for (name, a), (_, b) in zip(marks, marks[1:]):

@@ -1,18 +1,16 @@
-"""The native path's wire: the dtype the transport's own all-reduce sums in,
-and the casts into and out of it (NumPy, or CuPy kernels for BF16 bits).
-Used by the engine's native path and by steady native calls (native.py)."""
+"""The native path's wire: the dtype the transport's own all-reduce sums in
+(BF16 for the lossy codecs on NCCL, float32 on MPI, the input's own for
+``Exact``) and the casts into and out of it, dividing for a mean (NumPy, or
+one fused CuPy kernel per cast).  Used by the engine and native.py."""
 from __future__ import annotations
 
 import numpy as np
 
 from ..backend import BFLOAT16, dtype_name
 
-_F32_LIKE = ("float32", "float16", "bfloat16")
-
 
 def wire_dtype(codec, input_dtype: str, wires: tuple) -> str:
-    """The dtype the transport sums in: the codec's ``native_wire`` (None:
-    the input's own), else the widest the transport takes."""
+    """The sum's dtype: the codec's ``native_wire`` (None: input's), else the widest taken."""
     want = getattr(codec, "native_wire", "bfloat16") or input_dtype
     if want in wires:
         return want
@@ -22,8 +20,7 @@ def wire_dtype(codec, input_dtype: str, wires: tuple) -> str:
 
 
 _KERNELS = {}
-# float bits u -> BF16 bits y: round to nearest even, NaN kept quiet (as
-# backend.float32_to_bf16); the tail of both rounding kernels below
+# float bits u -> BF16 bits y: the tail of both rounding kernels below
 _ROUND_TO_BF16 = """
     if ((u & 0x7F800000u) == 0x7F800000u && (u & 0x7FFFFFu))
         y = (unsigned short)((u >> 16) | 0x40u);
@@ -57,9 +54,8 @@ def _bits(a):
 
 
 def to_wire(backend, flat, wire: str, result, workspace):
-    """(send, recv) buffers of the transport's all-reduce: the input straight
-    into ``result`` when the wire dtype is the input's (no copy), else a
-    workspace buffer of the wire dtype holding the cast input, in place."""
+    """(send, recv) of the transport's all-reduce: the input into ``result``
+    where the wire is its dtype, else the cast input, reduced in place."""
     xp = backend.xp
     if dtype_name(flat.dtype) == wire:
         return flat, result
@@ -73,8 +69,7 @@ def to_wire(backend, flat, wire: str, result, workspace):
 
 
 def from_wire(backend, buf, divisor: int, result):
-    """``result`` = ``buf`` / ``divisor`` in the result's dtype (in place when
-    ``buf`` is ``result``)."""
+    """``result`` = ``buf`` / ``divisor`` in the result's dtype (``buf`` may be ``result``)."""
     xp = backend.xp
     scale = np.float32(1.0 / divisor) if divisor != 1 else None
     if buf is result:

@@ -1,14 +1,7 @@
-"""Buffers reused across calls of one :class:`~dynamiq_mpi.Collective`.
-
-Plans ask for named scratch buffers (the compressed stream, the receive
-arena, the decoded values, ...); a buffer grows when a call needs more and is
-otherwise handed out again, so steady-state calls allocate nothing.  Calls of
-one Collective are serialised and stream-ordered, so the previous call has
-finished with a buffer by the time the next call's work reaches it (the NCCL
-transport orders a change of the caller's stream, see ``transports/nccl.py``).
-
-``Workspace(None)``-style fresh allocation is :data:`FRESH`, used where ranks
-share a process (the simulator) and must not share buffers.
+"""Buffers reused across calls of one Collective: named buffers grow when a
+call needs more and are handed out again otherwise, so steady calls allocate
+nothing (calls are serialised and stream ordered).  :data:`FRESH` allocates
+anew, for ranks sharing a process (the simulator).
 """
 from __future__ import annotations
 
@@ -25,8 +18,7 @@ class Workspace:
     def take(self, xp, name: str, count: int, dtype):
         """A flat ``dtype`` view of ``count`` elements of the buffer ``name``."""
         key = (xp.__name__, _device_of(xp), name)
-        # steady-state calls ask for the same views: hand out the same object
-        # (slicing a device array costs microseconds of host time per call)
+        # the same view object for steady calls (a device slice costs us)
         vkey = (key, count, dtype)
         cached = self._views.get(vkey)
         if cached is not None and cached[0] is self._buffers.get(key):
@@ -51,9 +43,7 @@ class Workspace:
         return view
 
     def constant(self, xp, name: str, count: int, dtype, fill: str):
-        """Like :meth:`take`, but holding ``fill`` ("zeros" or "arange"): written
-        on first use and again only when the buffer grows.  Nobody may write
-        into a constant."""
+        """:meth:`take` holding ``fill`` ("zeros", "arange"), written when new; never written to."""
         view = self.take(xp, name, count, dtype)
         key = (xp.__name__, _device_of(xp), name)
         held = self._filled.get(key)
@@ -63,10 +53,7 @@ class Workspace:
         return view
 
     def sub(self, array, a: int, b: int):
-        """``array[a:b]``, the same view object for the same array and range
-        (a plan slices its wire buffers into the same pieces every call, and
-        slicing a device array costs microseconds of host time).  Only for
-        arrays that live as long as this workspace (its own buffers)."""
+        """``array[a:b]`` of one of this workspace's buffers, the same view object every time."""
         key = (id(array), a, b)
         hit = self._slices.get(key)
         if hit is not None and hit[0] is array:

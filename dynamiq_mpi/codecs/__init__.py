@@ -5,8 +5,7 @@ from .omnireduce import OmniReduce
 from .plain import BF16, Exact
 from .thc import THC
 
-# The codec of calls that name none (codecs are immutable: one serves them all).
-DEFAULT_CODEC = DynamiQ()
+DEFAULT_CODEC = DynamiQ()       # of calls that name none (immutable: one serves all)
 
 __all__ = ["DynamiQ", "Exact", "BF16", "MXFP", "THC", "OmniReduce", "codec_from_string"]
 

@@ -1,17 +1,8 @@
-"""What the engine needs from a codec.
-
-A :class:`Codec` is an immutable configuration.  Per call it may ask for a
-small statistics vector to be all-reduced exactly first (``local_stats``), then
-builds a :class:`Plan` from the reduced statistics: the per-call state that
-knows how the compressed stream is cut into ``n`` chunks of whole records and
-each chunk into tiles, and how to (re)compress, decode and accumulate a tile.
-Codecs know nothing about ranks, schedules or transports; the engine knows
-nothing about wire formats.
-
-The compressed stream of one call lives in one buffer (``wire``): tile ``t``
-occupies ``wire[offset[t] : offset[t] + nbytes[t]]``.  Compression writes a
-tile's slot, the all-gather receives into it, so the final compressed sum is
-forwarded and decoded from where it landed.
+"""What the engine needs from a codec (docs/design.md, "The parts"): an
+immutable :class:`Codec` may ask for statistics reduced exactly
+(``local_stats``), then builds a per-call :class:`Plan` cutting the stream
+into ``n`` chunks of whole records and tiles, one buffer (``wire``) holding
+every tile's slot: the all-gather receives into it, decoded in place.
 """
 from __future__ import annotations
 
@@ -19,14 +10,9 @@ import contextlib
 import contextvars
 from dataclasses import dataclass, field
 
-import numpy as np
-
-# Default tile size (bytes of compressed stream per message).  Tiles let the
-# kernel of one tile overlap the transfer of the previous one; each costs
-# kernel launches, events and a message (~100 us of host time), and NCCL moves
-# large messages faster.  Measured on 2x H200 at 2^27 BF16 elements
-# (docs/benchmarks.md): 32 MiB beat 8 MiB by 1.2x on sockets and matched
-# 128 MiB on NVLink.
+# Bytes per message: a tile's kernel overlaps the previous tile's transfer but
+# costs ~100 us of host time; on 2x H200 at 2^27 BF16 elements 32 MiB beat 8 MiB
+# by 1.2x on sockets and matched 128 MiB on NVLink.
 DEFAULT_TILE_BYTES = 32 << 20
 
 
@@ -38,37 +24,28 @@ def signature_of(codec):
 
 class Codec:
     name = "codec"
-    # False: on device arrays the codec runs as CuPy array code, not fused
-    # kernels, so its GPU timings are not representative (benchmarks say so).
-    fused_gpu = True
-    # The native path (the transport's own all-reduce, native.py): the dtype
-    # it sums in (None: the input's own), and whether path="auto" may take it
-    # where it measures faster (lossy codecs whose accuracy BF16 matches or
-    # beats; the baselines always run compressed unless asked).
-    native_wire = "bfloat16"
-    auto_path = False
+    fused_gpu = True                # False: CuPy array code on device arrays
+    native_wire = "bfloat16"        # the native path's sum dtype (None: the input's)
+    auto_path = False               # path="auto" may go native (BF16 is as accurate)
 
     def signature(self) -> tuple:
         """Hashable description every rank must agree on before any byte moves."""
         raise NotImplementedError
 
     def cached_signature(self) -> tuple:
-        """:meth:`signature`, computed once per codec object (codecs are
-        immutable; a steady call reads it on every call)."""
+        """:meth:`signature`, computed once per (immutable) codec object."""
         sig = self.__dict__.get("_cached_signature")
         if sig is None:
             sig = self.__dict__["_cached_signature"] = self.signature()
         return sig
 
     def for_length(self, length: int) -> "Codec":
-        """The codec that actually runs for an input of ``length`` elements
-        (a codec may hand tiny inputs to an uncompressed one)."""
+        """The codec that runs for ``length`` elements (tiny inputs may go uncompressed)."""
         return self
 
     def local_stats(self, x, backend, workspace, keys=None):
         """(local statistics to all-reduce exactly before planning, or None;
-        local state handed to ``plan``).  ``keys``: the call's generator keys
-        (rng.CallKeys), for statistics that depend on shared randomness."""
+        local state handed to ``plan``); ``keys``: the call's rng.CallKeys."""
         return None, None
 
     def plan(self, x, reduced_stats, n, keys, backend, local_state, workspace,
@@ -77,9 +54,8 @@ class Codec:
 
 
 class StreamLayout:
-    """Byte offsets of a stream of units (records) made of runs of equal-size
-    units: ``runs = [(count, unit_bytes), ...]``.  Cuts are computed from the
-    runs (O(number of runs)), never per unit."""
+    """Byte offsets of a stream of runs of equal-size units (records),
+    ``runs = [(count, unit_bytes), ...]``; cuts cost O(runs), never per unit."""
 
     def __init__(self, runs):
         self.runs = [(int(c), int(b)) for c, b in runs]
@@ -99,8 +75,7 @@ class StreamLayout:
         return self.nbytes
 
     def cut(self, t: int) -> int:
-        """The smallest unit index s with offset(s) >= t: the boundary after
-        the unit whose end first reaches byte t."""
+        """The smallest unit index s with offset(s) >= t."""
         if t <= 0:
             return 0
         for k, (c, b) in enumerate(self.runs):
@@ -130,8 +105,7 @@ class Tiling:
     offsets: list       # tile -> byte offset of its slot in the wire buffer (aligned)
     nbytes: list        # tile -> bytes
     wire_bytes: int     # size of the wire buffer (slots plus alignment padding)
-    # what codecs derive from this tiling alone (tile_stream hands the same
-    # Tiling to every call with the same runs, so it is computed once)
+    # what codecs derive from this tiling alone (shared by calls of the same runs)
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -141,11 +115,17 @@ class Tiling:
 
 _TILINGS: dict = {}
 
-# The number of chunks a plan cuts its stream into, when the engine asks for
-# another than the world size (the reduce-scatter plans each caller-fixed
-# coordinate range as a stream of its own: one chunk, see engine_rs.py).  A
-# plan still gets the world size as ``n`` (events of correlated rounding, MX
-# headroom, THC's integer width), so codecs need not know.
+
+def _cached_tiling(key, make) -> Tiling:
+    tiling = _TILINGS.get(key)
+    if tiling is None:
+        if len(_TILINGS) > 256:
+            _TILINGS.clear()
+        tiling = _TILINGS[key] = make()
+    return tiling
+
+
+# Chunks per plan where the engine asks another count (engine_rs.py: one per block).
 _CHUNKS: contextvars.ContextVar = contextvars.ContextVar("dynamiq_chunks", default=None)
 
 
@@ -159,13 +139,9 @@ def plan_chunks(chunks: int):
         _CHUNKS.reset(token)
 
 
-# The layout of the call's compressed stream (docs/design.md, "Sync-free
-# calls"): "exact" cuts it on the host from the plan's class counts (one
-# device-to-host read of the plan per call, messages of exactly the payload);
-# "fixed" cuts it on the device into tiles of a capacity known from the
-# budget alone, so the host enqueues the whole call without reading the plan
-# (the padding travels and is counted).  Codecs whose plans have no
-# data-dependent sizes ignore it.  Set by the engine around planning.
+# The stream's layout, set by the engine around planning (docs/design.md,
+# "Sync-free calls"): "exact" is cut on the host from the plan (one read back),
+# "fixed" on the device into slots sized from the budget alone (no read back).
 LAYOUTS = ("exact", "fixed")
 _LAYOUT: contextvars.ContextVar = contextvars.ContextVar("dynamiq_layout", default="exact")
 
@@ -187,22 +163,13 @@ def current_layout() -> str:
 
 
 def tile_stream(layout: StreamLayout, n: int, tile_bytes: int) -> Tiling:
-    """Cut the stream into ``n`` chunks of (nearly) equal bytes - a ring step
-    lasts as long as its largest message - and every chunk into the same
-    number of tiles of at most about ``tile_bytes``, so that the tiles of one
-    step pair up send for receive.  A pure function of its arguments, kept
-    for the next call with the same runs (a Tiling is never modified).
-    Inside :func:`plan_chunks` the stream is cut into that many chunks."""
-    chunks = _CHUNKS.get()
-    if chunks is not None:
-        n = chunks
-    key = (tuple(layout.runs), int(n), int(tile_bytes))
-    tiling = _TILINGS.get(key)
-    if tiling is None:
-        if len(_TILINGS) > 256:
-            _TILINGS.clear()
-        tiling = _TILINGS[key] = _tile_stream(layout, n, tile_bytes)
-    return tiling
+    """Cut the stream into ``n`` chunks of (nearly) equal bytes (a ring step
+    lasts as long as its largest message), every chunk into as many tiles of
+    about ``tile_bytes`` at most, so a step's tiles pair up send for receive.
+    Cached: a Tiling is never modified."""
+    n = planned_chunks(n)
+    return _cached_tiling((tuple(layout.runs), int(n), int(tile_bytes)),
+                          lambda: _tile_stream(layout, n, tile_bytes))
 
 
 def _tile_stream(layout: StreamLayout, n: int, tile_bytes: int) -> Tiling:
@@ -225,32 +192,21 @@ def _tile_stream(layout: StreamLayout, n: int, tile_bytes: int) -> Tiling:
 
 
 def planned_chunks(n: int) -> int:
-    """The number of chunks a plan cuts its stream into: n, or the engine's
-    :func:`plan_chunks`."""
+    """The chunks a plan cuts its stream into: n, or :func:`plan_chunks`'s."""
     chunks = _CHUNKS.get()
     return int(n) if chunks is None else chunks
 
 
 def fixed_tiling(n: int, tiles_per_chunk: int, slot_bytes: int) -> Tiling:
-    """The tiling of the fixed layout: ``n`` chunks of ``tiles_per_chunk``
-    slots of ``slot_bytes`` each (a multiple of SLOT_ALIGN); which records a
-    tile holds is known on the device only (``units`` is empty)."""
-    key = ("fixed", int(n), int(tiles_per_chunk), int(slot_bytes))
-    tiling = _TILINGS.get(key)
-    if tiling is None:
-        if len(_TILINGS) > 256:
-            _TILINGS.clear()
-        count = n * tiles_per_chunk
-        tiling = _TILINGS[key] = Tiling(
-            None, [], [list(range(c * tiles_per_chunk, (c + 1) * tiles_per_chunk))
-                       for c in range(n)], [], [t * slot_bytes for t in range(count)],
-            [slot_bytes] * count, count * slot_bytes)
-    return tiling
+    """The fixed layout's tiling: ``n`` chunks of ``tiles_per_chunk`` slots of
+    ``slot_bytes``; a tile's records are known on the device only."""
+    count = n * tiles_per_chunk
+    return _cached_tiling(("fixed", int(n), int(tiles_per_chunk), int(slot_bytes)), lambda: Tiling(
+        None, [], [list(range(c * tiles_per_chunk, (c + 1) * tiles_per_chunk)) for c in range(n)],
+        [], [t * slot_bytes for t in range(count)], [slot_bytes] * count, count * slot_bytes))
 
 
-# Tile slots in the wire buffer (and receive slots) start at multiples of this:
-# NCCL moves unaligned buffers several times slower (measured), and the codec
-# records (82, 146, 274 bytes) would otherwise leave most tiles unaligned.
+# Slots start at multiples of this: NCCL moves unaligned buffers several times slower.
 SLOT_ALIGN = 256
 
 
@@ -276,8 +232,7 @@ class Plan:
         return self.tiling.nbytes[tile]
 
     def sub(self, array, a: int, b: int):
-        """``array[a:b]`` of one of this plan's workspace buffers (the same view
-        object call after call where the plan has a workspace: ``Workspace.sub``)."""
+        """``array[a:b]`` of a workspace buffer (``Workspace.sub``'s cached view)."""
         ws = getattr(self, "ws", None)
         return array[a:b] if ws is None else ws.sub(array, a, b)
 
@@ -298,8 +253,7 @@ class Plan:
         raise NotImplementedError
 
     def dar(self, tile: int, payload, acc, event: int):
-        """compress(decode(payload) + (acc or the local values)) into the
-        tile's wire slot, fused."""
+        """compress(decode(payload) + (acc or the local values)), fused."""
         raise NotImplementedError
 
     def decode(self, tile: int, payload) -> None:
@@ -307,15 +261,13 @@ class Plan:
         raise NotImplementedError
 
     def finish(self, divisor: float, out):
-        """Write the result, divided by ``divisor``, into ``out`` (flat, the
-        caller's dtype) and return it."""
+        """The result / ``divisor`` into ``out`` (flat, caller's dtype), returned."""
         raise NotImplementedError
 
     def bind_output(self, out, divisor: float) -> bool:
         """Offer the final buffer before the data phases: a plan that accepts
-        (True) may decode straight into ``out`` (which may be the input itself:
-        every read of the local values precedes every decode in stream order)
-        and ``finish`` then completes what decoding left.  Default: no."""
+        (True) decodes straight into ``out`` (may be the input: every read of
+        the local values precedes every decode) and ``finish`` completes it."""
         return False
 
     def report(self, detailed: bool = True) -> dict:

@@ -1,13 +1,5 @@
-"""The DynamiQ codec: its configuration, level tables and
-statistics phase; the per-call plan is codecs/dynamiq_plan.py.
-
-Per call: local statistics (per super-group mean and squared norm of the
-centred values, plus a non-finite flag and max |x|) are all-reduced exactly;
-from the reduced norms every rank computes the same width per super-group (0,
-2, 4, 8 or 16 bits, 16 = raw BF16; without ``bf16_class`` at most 8), the
-same stable reordering into width-homogeneous runs, and the same cut into n
-chunks of nearly equal wire bytes (on the device for CuPy inputs).
-"""
+"""The DynamiQ codec: configuration, level tables, statistics (the per-call
+plan: dynamiq_plan.py)."""
 from __future__ import annotations
 
 import copy
@@ -23,17 +15,12 @@ from .dynamiq_plan import (FLT_MAX, LAYOUT_RESERVE_BITS, PARTIAL_SUM_LIMIT, SCAL
 from .levels import build_tables
 from .plain import BF16
 
-# Level spacing per width.  We take the artifact's *simulation* values for 4 and
-# 8 bits (the ones behind the paper's accuracy and vNMSE numbers); 2-bit codes
-# have a single non-zero magnitude, so eps does not matter there.
+# Level spacing per width: the artifact's *simulation* values (the paper's numbers)
 DEFAULT_EPS = {2: 0.27, 4: 0.20, 8: 0.08}
 
-# Inputs shorter than this (elements) are sent as BF16 instead: the per-call
-# costs (agreement, the statistics round trip, planning) dominate there, and
-# the statistics and scales eat the budget of a handful of super-groups (255
-# elements at 5 bits would get 2-bit codes).  On 2x H200 our BF16 path beat
-# DynamiQ below about 2^22 elements on every link measured (sockets: 0.75 vs
-# 1.33 ms at 2^20; DynamiQ ahead from 2^23); docs/benchmarks.md.
+# Shorter inputs go as BF16: per-call costs dominate there and the metadata eats
+# the budget.  On 2x H200 BF16 beat DynamiQ below about 2^22 elements on every
+# link measured (docs/benchmarks.md).
 DEFAULT_SMALL_INPUT = 1 << 21
 
 
@@ -62,16 +49,10 @@ class DynamiQ(Codec):
     centring: bool = True           # subtract per-super-group means first
     zero_class: bool = True         # super-groups zero on every rank send nothing
     small_input: int = DEFAULT_SMALL_INPUT
-    # group scale codes: "hybrid", the default
-    # (unbiased stochastic codes where the rounded-up code is >= 128, the
-    # rounded-up code below: no scale ratchet on long rings,
-    # docs/error-study.md), or "ceil" (every code rounded up, the earlier
-    # default)
+    # group scale codes: "hybrid" (unbiased stochastic codes from 128 up, the
+    # rounded-up code below: no scale ratchet on long rings) or "ceil" (all up)
     scale_code: str = "hybrid"
-    # the 16-bit class (on by default): outlier
-    # super-groups travel as raw BF16 (no scales), every hop rounding the
-    # float32 partial sum to nearest even; widths {0, 2, 4, 8, 16} as in the
-    # paper's large-scale simulation.  False: widths {0, 2, 4, 8}
+    # outliers as raw BF16 records (the paper's large-scale simulation); False: no 16
     bf16_class: bool = True
 
     name = "dynamiq"
@@ -111,13 +92,9 @@ class DynamiQ(Codec):
     def for_length(self, length):
         return _SMALL_INPUT_CODEC if length < self.small_input else self
 
-    # -- statistics phase ------------------------------------------------------
     def local_stats(self, x, backend, workspace, keys=None):
-        """The statistics vector of this rank: [means | norms | flag, max|x|]
-        (means only when centring), written by one kernel pass; the two floats
-        at the end ride the same exact reduction: a non-finite flag, and max
-        |x| (summed over ranks: a bound on every partial sum, so overflow is
-        refused before any byte moves)."""
+        """This rank's statistics in one kernel pass, [means | norms | flag,
+        max|x|]; summed, max |x| bounds every partial sum (overflow refused)."""
         xp = backend.xp
         nsg = -(-x.shape[0] // SUPER)
         head = 2 * nsg if self.centring else nsg
@@ -128,7 +105,6 @@ class DynamiQ(Codec):
         backend.kernels.stats_into(x, nsg, self.centring, mean, norm2, tail)
         return stats, mean
 
-    # -- one allocation over several parts of a call -------------------------
     @property
     def joins_budgets(self) -> bool:
         """Whether parts of one call (a hierarchical call's rails, a
@@ -146,19 +122,16 @@ class DynamiQ(Codec):
         return 32 * ((2 * nsg if self.centring else nsg) + 2)
 
     def _shared_budget(self, lengths, cap):
-        """(budget bits, padded budget bits, statistics bits per part, caps)
-        of one allocation over parts of ``lengths`` elements; ``cap``: no
-        part above ``cap`` times its own budget (None: no limit)."""
+        """(budget, padded budget, statistics bits per part, caps) of one
+        allocation over parts of ``lengths``; ``cap``: times a part's own."""
         stats = [self.stats_bits(m) for m in lengths]
         nsg = sum(-(-m // SUPER) for m in lengths)
         caps = None if cap is None else [cap * self.bits * m for m in lengths]
         return self.bits * sum(lengths), self.bits * nsg * SUPER + sum(stats), stats, caps
 
     def split_budget(self, norms, lengths) -> list:
-        """Codecs for parts of ``lengths`` elements (their reduced norms, host
-        arrays, in a fixed order) under one allocation of the parts' whole
-        budget: part i planned with exactly the bits it gets there
-        (:func:`~dynamiq_mpi.codecs.allocation.joint_costs`)."""
+        """Codecs for parts of ``lengths`` (reduced norms on the host), each with
+        exactly the bits one allocation of the whole budget gives it."""
         lengths = [int(m) for m in lengths]
         budget, padded, stats, _ = self._shared_budget(lengths, None)
         costs = joint_costs(norms, budget, padded, stats, self.hierarchical, self.zero_class,
@@ -166,18 +139,14 @@ class DynamiQ(Codec):
         return [self.with_exact_bits(c, m) for c, m in zip(costs, lengths)]
 
     def share_summary(self, reduced, length: int) -> tuple:
-        """This part's summary for :meth:`shares_on_grid`: (length, the grid
-        summary of its reduced norms); small."""
+        """This part's (length, grid summary of its reduced norms) for :meth:`shares_on_grid`."""
         norms = self.reduced_norms(reduced, length)
         host = norms if isinstance(norms, np.ndarray) else norms.get()
         return int(length), grid_summary(host, self.zero_class, self.bf16_class)
 
     def shares_on_grid(self, summaries, cap=None) -> list:
-        """Codecs for the parts summarised (:meth:`share_summary`, in a fixed
-        order) under one allocation of their whole budget with the threshold
-        on the grid (:func:`~dynamiq_mpi.codecs.allocation.joint_costs_on_grid`),
-        no part above ``cap`` times its own budget: a hierarchical call's
-        joint rail budget."""
+        """:meth:`split_budget` on a grid from the parts' :meth:`share_summary`,
+        no part above ``cap`` times its own budget: the joint rail budget."""
         lengths = [m for m, _ in summaries]
         budget, padded, stats, caps = self._shared_budget(lengths, cap)
         costs = joint_costs_on_grid([g for _, g in summaries], budget, padded, stats,
@@ -185,9 +154,8 @@ class DynamiQ(Codec):
         return [self.with_exact_bits(c, m) for c, m in zip(costs, lengths)]
 
     def with_exact_bits(self, total_bits: int, length: int):
-        """This codec planning ``length`` elements with exactly ``total_bits``
-        (statistics included; no layout reserve).  It keeps this codec's
-        signature: the same codec, one part's share of a call's budget."""
+        """This codec (its signature kept) planning ``length`` elements with
+        exactly ``total_bits``, statistics included, no layout reserve."""
         c = copy.copy(self)
         object.__setattr__(c, "bits", (int(total_bits) + 0.5) / int(length))
         c.__dict__["_exact_budget"] = True
@@ -200,5 +168,4 @@ class DynamiQ(Codec):
                             tile_bytes)
 
 
-# What DynamiQ hands inputs below ``small_input`` to.
-_SMALL_INPUT_CODEC = BF16()
+_SMALL_INPUT_CODEC = BF16()     # what DynamiQ hands inputs below ``small_input`` to

@@ -1,16 +1,7 @@
-"""The DynamiQ codec's per-call plan (codecs/dynamiq.py is the
-codec, its configuration and statistics).
-
-From the reduced statistics the compiled planner gives every super-group its
-width (0, 2, 4, 8 or 16 bits), the stable reordering into width-homogeneous
-runs and the class counts, on the device for device inputs.  The plan then
-lays the compressed stream out in one of two ways (codecs/base.py LAYOUTS):
-the exact layout reads the class counts back and cuts the stream on the
-host; the fixed layout cuts it on the device into slots whose capacity the
-budget alone fixes (layout_budget), so the call reads nothing back.  The
-compiled kernels read the caller's buffer through the permutation, centre it
-on the fly, and quantize with non-uniform levels, value-space stochastic
-rounding, hierarchical scales and (optionally) correlated rounding.
+"""The DynamiQ codec's per-call plan: the compiled planner's widths, stable
+reorder and class counts (on the device for device inputs), cut on the host
+(exact layout) or on the device into slots sized from the budget alone
+(fixed layout: ``layout_budget``, nothing read back; docs/design.md).
 """
 from __future__ import annotations
 
@@ -29,17 +20,14 @@ from .base import (Plan, StreamLayout, align_up, current_layout, fixed_tiling, p
 
 SUPER = 256
 FLT_MAX = np.float32(np.finfo(np.float32).max)
-# Largest sum over ranks of max |x| accepted: decoded partial sums may exceed
-# their exact value by a scale step, so keep a margin below FLT_MAX.
+# Largest sum of max |x| over ranks: a margin for partial sums a scale step high.
 PARTIAL_SUM_LIMIT = np.float32(0.98) * FLT_MAX
 
 # DqParams.scale_rule of each DynamiQ(scale_code=...)
 SCALE_CODES = {"ceil": 0, "hybrid": 1}
 
 
-# Kernel parameter blobs without their keys, per (codec, width, events): the
-# level tables and LUT are the same for every call; only the generator keys
-# (DqParams key_value, key_perm and, for graph replays, key_ptr) change.
+# Kernel parameter blobs per (codec, events, correlated), without the per-call keys.
 _PARAMS_CACHE: dict = {}
 
 
@@ -68,16 +56,13 @@ def _params_for(codec, n_events, correlated, keys, kernels):
     return out
 
 
-# The most budget (bits per coordinate) the planner sets aside for the fixed
-# layout's padding; below a 0.05-bit landing tolerance.
+# The most bits per coordinate set aside for the fixed layout's padding.
 LAYOUT_RESERVE_BITS = 0.03
 
 
 def _slots(data_max: int, chunks: int, widest: int, tile_bytes: int) -> tuple:
-    """(tiles per chunk, slot bytes) of the fixed layout for at most
-    ``data_max`` payload bytes.  A cut lands within one record after its byte
-    target: a chunk holds at most ceil(data / chunks) + widest - 1 bytes, and
-    each of its T tiles at most ceil(chunk / T) + widest - 1."""
+    """(tiles per chunk, slot bytes) of the fixed layout for ``data_max``
+    payload bytes: a cut lands within one record after its target."""
     per_chunk = -(-data_max // chunks) + widest - 1
     tiles = max(1, -(-per_chunk // max(1, int(tile_bytes))))
     return tiles, align_up(per_chunk if tiles == 1 else -(-per_chunk // tiles) + widest - 1)
@@ -91,23 +76,12 @@ def stream_classes(codec, bf16_class: bool) -> list:
 @functools.lru_cache(maxsize=256)
 def layout_budget(codec, nsg: int, length: int, chunks: int, tile_bytes: int, stats_bits: int,
                   bf16_class: bool, reserve: bool = True) -> tuple:
-    """(the budget the planner spends, bits; the fixed layout's tiles per
-    chunk; its slot bytes; the largest width present's record bytes).
-
-    The fixed layout sends whole slots, so the budget the user asked for must
-    cover their padding: the planner spends ``bits x length`` less the
-    padding the slots may need (about chunks x T x (widest record + 255)
-    bytes; 0.023 bit per coordinate at 2^21 elements and 8 ranks).  Both
-    layouts plan with it, so they send the same values, and the fixed layout's
-    wire bytes stay within the budget.  Where that reserve would cost more
-    than LAYOUT_RESERVE_BITS per coordinate (small inputs, many ranks) the
-    planner spends the whole budget instead (no accuracy cliff) and the fixed
-    layout's padding goes beyond it (the report counts it: ``padding_bytes``,
-    ``bits_per_coord``).  Tiny inputs, where even 2-bit codes everywhere
-    exceed the budget, fall back on the padded budget as before
-    (``budget_exceeded``).  No reserve either within it of the smallest budget
-    (where it would tip the planner into the padded budget) or with one width
-    for every super-group (where it could drop a whole width)."""
+    """(the planner's budget, bits; the fixed layout's tiles per chunk, slot
+    bytes; the widest present record's bytes).  Both layouts plan with the
+    budget less the slots' worst padding (the same values), except where that
+    reserve would cost over LAYOUT_RESERVE_BITS per coordinate, tip the
+    planner into the padded budget or drop a width (docs/design.md,
+    "Sync-free calls")."""
     rb = {w: record_bits(w, codec.hierarchical) // 8 for w in WIDTHS + (BF16_WIDTH,)}
     widest = max(rb[w] for w in stream_classes(codec, bf16_class))
     budget = codec.bits * length
@@ -131,15 +105,9 @@ def layout_budget(codec, nsg: int, length: int, chunks: int, tile_bytes: int, st
     if (reserve and variable and 8 * (allowed - data) <= LAYOUT_RESERVE_BITS * length
             and worst_base <= stats_bits + 8 * data):
         planned = stats_bits + 8 * max(data, 0)
-    else:
-        # a small input, a budget within the reserve of the smallest one (the
-        # planner would fall back on the padded budget and overspend), or one
-        # width for all (the reserve could drop a whole width): the planner
-        # spends the whole budget and the fixed layout's padding may exceed it
+    else:       # no reserve: the fixed layout's padding may exceed the budget
         planned, data = budget, allowed
-    # The planner keeps statistics + data within ``planned``, or within the
-    # padded budget when every live super-group at 2 bits exceeds it (the
-    # same test, at its worst case: every super-group live).
+    # the padded budget where every super-group live at 2 bits exceeds ``planned``
     if worst_base > planned:
         data = min((math.floor(max(planned, padded)) - stats_bits) // 8, nsg * widest)
     return (planned,) + _slots(max(data, 0), chunks, widest, tile_bytes) + (widest,)
@@ -158,9 +126,6 @@ class _DynamiQPlan(Plan):
         self.norm2 = codec.reduced_norms(reduced, self.length)
         stats_bits = codec.stats_bits(self.length)
         hier = codec.hierarchical
-        # The plan (widths, stable reorder, counts) by the compiled planner, on
-        # the device for device inputs; then the one device-to-host copy of the
-        # call: flags, class counts, threshold.
         widths = ws.take(xp, "dq.widths", nsg, np.int8)
         order = ws.take(xp, "dq.order", nsg, np.int64)
         stream_of_sg = ws.take(xp, "dq.stream_of_sg", nsg, np.int64)
@@ -169,8 +134,7 @@ class _DynamiQPlan(Plan):
         bf16_class = codec.bf16_class and variable
         padded_budget_bits = codec.bits * nsg * SUPER + stats_bits
         self.chunks = planned_chunks(n)
-        # (a reduce-scatter's global-budget study plans its blocks with the
-        # bits a global allocation gave them, exactly: no reserve; engine_rs)
+        # (blocks given their bits by a joint allocation plan them exactly)
         self.planned_bits, tiles, slot, _ = layout_budget(
             codec, nsg, self.length, self.chunks, int(tile_bytes), stats_bits, bf16_class,
             not codec.__dict__.get("_exact_budget", False))
@@ -184,13 +148,11 @@ class _DynamiQPlan(Plan):
             self.k.plan(*args, scratch, bf16_class=bf16_class)
         else:
             self.k.plan(*args, bf16_class=bf16_class)
-        # Host work that does not need the plan runs while the device plans:
-        # the copy of the header below waits for it.
+        # host work that runs while the device plans
         correlated = codec.correlated and n > 1
         self.params = _params_for(codec, n if correlated else 1, correlated, keys, self.k)
         self.local_mean = local_mean
-        # the source reads stream super-group s from input row order[s]; only
-        # the first n_live entries are ever read
+        # stream super-group s reads input row order[s]
         self.source = self.k.Source(x, order, 0, local_mean)
         self.widths = widths_of(bf16_class)
         self.rec_bytes = {w: record_bits(w, hier) // 8 for w in self.widths}
@@ -203,8 +165,7 @@ class _DynamiQPlan(Plan):
         self._result = None             # float32 stream of decoded values, made on first use
         self._padded = None
         self._host_header = None
-        # (the fixed layout bounds the stream by every super-group: a call of
-        # 2^32 elements or more keeps the exact layout, bounded by the live ones)
+        # (2^32 elements or more keep the exact layout: the generator's bound)
         self.fixed = current_layout() == "fixed" and nsg * SUPER < 2 ** 32
         self.sync_free = self.fixed        # nothing of the plan is read back
         if self.fixed:
@@ -213,8 +174,8 @@ class _DynamiQPlan(Plan):
             self._layout_exact(n, tile_bytes)
 
     def _layout_exact(self, n, tile_bytes):
-        """The host reads the plan's header (the call's one device-to-host
-        copy), refuses what it must, and cuts the stream at record boundaries."""
+        """Read the plan's header (the call's one device-to-host copy), refuse
+        what must be, and cut the stream at record boundaries."""
         h = self._read_header()
         nonfinite_ranks, absmax_sum, means_ok, exceeded = h[0], h[1], h[2], h[3]
         if nonfinite_ranks > 0:
@@ -238,21 +199,16 @@ class _DynamiQPlan(Plan):
         pieces = self.tiling.derived.get(key)
         if pieces is None:
             pieces = self.tiling.derived[key] = self._split(layout)
-        # per tile: its width-homogeneous pieces, coded and raw BF16 (the
-        # 16-bit class) alike: one compiled call launches them all
-        self.pieces = pieces
+        self.pieces = pieces        # per tile: one compiled call launches them all
         self.wire = self.ws.take(self.xp, "dq.wire", self.tiling.wire_bytes, np.uint8)
 
     def _layout_fixed(self, bf16_class, tiles, slot):
-        """Slots of a capacity known from the budget alone (layout_budget);
-        the planner's header stays on the device, which cuts the stream into
-        them (plan_pieces) and refuses non-finite input by writing NaN in
-        finish."""
+        """Slots sized from the budget alone; the device cuts the stream into
+        them (plan_pieces) and refuses non-finite input by NaN in finish."""
         codec, chunks = self.codec, self.chunks
         classes = WIDTHS + (BF16_WIDTH,)
         record_bytes = [record_bits(w, codec.hierarchical) // 8 for w in classes]
         present = stream_classes(codec, bf16_class)
-        # the most super-groups of each class one tile can hold: its launch's grid
         self.slot_caps = [min(slot // rb, self.nsg) if w in present else 0
                           for w, rb in zip(classes, record_bytes)]
         self.range_cap = min(slot // min(record_bytes), self.nsg)
@@ -265,8 +221,7 @@ class _DynamiQPlan(Plan):
         self.k.plan_pieces(self.header, chunks, tiles, record_bytes, slot, self.table, self.wire)
 
     def _read_header(self):
-        """The plan's header on the host (a device-to-host copy on the GPU,
-        which waits for the planner), read once per call."""
+        """The plan's header on the host, read once per call (on the GPU: after the planner)."""
         if self._host_header is None:
             h = self._host_header = self.backend.to_host(self.header)
             self.counts = {w: int(c) for w, c in zip(CLASSES, h[4:8])}
@@ -276,8 +231,7 @@ class _DynamiQPlan(Plan):
         return self._host_header
 
     def refusal(self):
-        """Why the call's result is NaN (fixed layout: read from the header,
-        a device-to-host copy), or '' when it is not."""
+        """Why the result is NaN ('' if not), from the header (a device-to-host copy)."""
         h = self._read_header()
         if h[0] > 0:
             return (f"NonFiniteInputError: input holds NaN or Inf on at least one rank "
@@ -295,10 +249,8 @@ class _DynamiQPlan(Plan):
         return ""
 
     def refuse_with(self, flags, absmax):
-        """Refuse (on the device, no host read) when any of the given blocks'
-        reduced tails flags non-finite input or a sum of max |x| beyond the
-        float32 range: a reduce-scatter in the fixed layout, so that every
-        rank's chunk turns NaN, as the exact layout's refusal makes it."""
+        """Refuse on the device where any block's reduced tail flags non-finite
+        input or overflow (a fixed-layout reduce-scatter's NaN on every rank)."""
         xp = self.xp
         bad = xp.logical_or(flags > 0, xp.logical_not(absmax <= PARTIAL_SUM_LIMIT)).any()
         self.header[12:13] = bad.astype(np.float64)
@@ -324,8 +276,7 @@ class _DynamiQPlan(Plan):
 
     @property
     def result(self):
-        """The decoded stream (float32), when the plan does not decode into
-        the caller's buffer (fixed layout: a row for every super-group)."""
+        """The decoded float32 stream where the plan does not decode into the caller's buffer."""
         if self._result is None:
             rows = self.nsg if self.fixed else self.order.shape[0]
             self._result = self.ws.take(self.xp, "dq.result", rows * SUPER, np.float32)
@@ -335,9 +286,8 @@ class _DynamiQPlan(Plan):
         return self.ws.take(self.xp, "dq.recv", nbytes, np.uint8)
 
     def _local_values(self, tile):
-        """float32 copy of this rank's centred local values of a tile (fixed
-        layout: written into the tile's rows of a whole-stream buffer, which
-        is returned)."""
+        """float32 copy of this rank's centred values of a tile (fixed layout:
+        into the tile's rows of a whole-stream buffer, returned)."""
         if not self.fixed:
             a, b = self.tiling.units[tile]
             return self._stream_values(a, b)
@@ -352,8 +302,7 @@ class _DynamiQPlan(Plan):
         return acc
 
     def _stream_values(self, a, b):
-        """float32 copy of this rank's centred local values of stream
-        super-groups [a, b) (zero beyond the input's end)."""
+        """float32 copy of this rank's centred values of stream super-groups [a, b), padded."""
         xp = self.xp
         if self.backend.name == "gpu":   # the kernels read the source as compress does
             out = xp.empty((b - a) * SUPER, dtype=np.float32)
@@ -369,9 +318,7 @@ class _DynamiQPlan(Plan):
             vals = vals - self.local_mean[rows][:, None]
         return np.ascontiguousarray(vals.reshape(-1), dtype=np.float32)
 
-    # The fixed layout's pieces are read from the device table by the kernels
-    # (the *_table calls); the exact layout's come from the host (*_pieces).
-
+    # fixed layout: pieces from the device table (*_table); exact: from the host
     def _encode(self, tile, src, event, out, payload=None):
         if self.fixed:
             self.k.encode_table(self.params, src, self.table, tile, self.slot_caps,
@@ -407,15 +354,9 @@ class _DynamiQPlan(Plan):
         self._encode(tile, src, event, out, payload)
         return out
 
-    # The 16-bit class (raw BF16 records, every hop rounding the float32 sum to
-    # nearest even) runs in the same compiled calls as the coded widths: its
-    # pieces have width 16 (pyx: raw_piece; dq_cpu_bf16_* / dq_gpu_bf16_*).
-
     def bind_output(self, out, divisor):
-        """Decode straight into the caller's layout (one pass instead of a
-        float32 stream plus the final scatter; the same bits), on CPU and GPU,
-        the 16-bit class included.  ``DYNAMIQ_DECODE_INTO_OUTPUT=0`` keeps the
-        two passes (for A/B runs)."""
+        """Decode straight into the caller's layout, one pass, the same bits
+        (``DYNAMIQ_DECODE_INTO_OUTPUT=0`` keeps two passes, for A/B runs)."""
         if env_text("DYNAMIQ_DECODE_INTO_OUTPUT") == "0":
             return False
         self._bound = (out, float(divisor))
@@ -441,8 +382,7 @@ class _DynamiQPlan(Plan):
         self.k.decompress_pieces(self.params, payload, self.pieces[tile], self.result, False)
 
     def finish(self, divisor, out):
-        # the fixed layout refuses non-finite input here: every value NaN
-        # when the header (on the device) says so, alike on every rank
+        # the fixed layout's refusal: NaN everywhere where the device header says so
         refuse = dict(refuse=self.header, limit=float(PARTIAL_SUM_LIMIT)) if self.fixed else {}
         if self._bound is not None:
             assert self._bound[0] is out and self._bound[1] == float(divisor)
@@ -452,9 +392,8 @@ class _DynamiQPlan(Plan):
         return out
 
     def report(self, detailed=True):
-        """What the plan decided.  The fixed layout reads its header (and the
-        piece table's payload bytes) from the device only for a detailed
-        report: a call that asks for none stays free of host reads."""
+        """What the plan decided; the fixed layout reads its header and piece
+        table back only for a detailed report (else no host read)."""
         if self.fixed and not detailed:
             return {"layout": "fixed", "budget_bits": self.budget_bits,
                     "slot_bytes": self.tiling.nbytes[0]}
@@ -465,7 +404,6 @@ class _DynamiQPlan(Plan):
                 "widths": {w: c[w] for w in (0,) + self.widths},
                 "threshold_u": theta_to_u(self.theta) if variable else float("nan"),
                 "threshold_theta": self.theta, "budget_bits": self.budget_bits,
-                # what the planner spent: the budget less the fixed layout's padding
                 "planned_budget_bits": self.planned_bits,
                 "budget_binds": sum(c[w] for w in self.widths[:-1]) > 0,
                 "budget_exceeded": self.exceeded}
@@ -473,7 +411,6 @@ class _DynamiQPlan(Plan):
             table = self.backend.to_host(self.table).reshape(-1, self.k.TILE_INTS)
             payload = int(table[:, 19].sum())
             info.update({"slot_bytes": self.tiling.nbytes[0], "payload_bytes": payload,
-                         # bytes of the slots that travel beyond the payload (zeros)
                          "padding_bytes": self.tiling.wire_bytes - payload})
         if not detailed:
             return info
@@ -486,8 +423,7 @@ class _DynamiQPlan(Plan):
         positive = norm2[norm2 > 0]
         assert a.counts() == info["widths"] and a.binds == info["budget_binds"]
         info.update({"supergroup_widths": a.widths,
-                     # the reduced statistics that decided the allocation, for checks
-                     "stats_digest": digest,
+                     "stats_digest": digest,           # of the reduced statistics planned
                      "norm2_min_positive": float(positive.min()) if positive.size else 0.0,
                      "norm2_max": float(norm2.max()) if norm2.size else 0.0})
         return info

@@ -1,10 +1,6 @@
-"""Quantization level tables of the DynamiQ codec, built on the host in double.
-
-Signed codes ``q in [-R, R]``, ``R = 2^(b-1) - 1``, stored as ``q + R``; level
-magnitudes are the ICE-buckets lattice
-``f(eps, r) = ((1 + 2 eps^2)^r - 1) / ((1 + 2 eps^2)^R - 1)``; ``eps = 0`` gives
-uniform levels ``r / R``.  The kernels only read these tables (no per-element
-transcendentals), which is what keeps the CPU and GPU bit-identical.
+"""The DynamiQ codec's level tables, built on the host in double: codes
+``q in [-R, R]`` stored as ``q + R``, magnitudes ``((1 + 2 eps^2)^r - 1) /
+((1 + 2 eps^2)^R - 1)``.  The kernels only read them: CPU and GPU agree.
 """
 from __future__ import annotations
 

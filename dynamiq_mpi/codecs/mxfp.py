@@ -1,30 +1,8 @@
-"""MX baselines (OCP Microscaling v1.0 element formats), adapted to a
-multi-hop all-reduce the way the paper adapts them.
-
-Blocks of 32 elements share one power-of-two (E8M0) scale; elements are FP8
-(E4M3, E5M2), FP6 (E3M2, E2M3) or FP4 (E2M1), rounded to nearest even and
-saturated at the format's largest normal.  The multi-hop adaptation:
-
-* statistics phase: every rank sends one byte per block, the exponent of its
-  block maximum (``floor(log2 max|x|) + 127``; 0 for an all-zero block, 255
-  for NaN/Inf), and the ranks reduce them by maximum (8 bits per 32 elements
-  = 0.25 bit/coordinate, counted in the report);
-* the shared exponent of block j is ``X_j = E_j + 1 + ceil(log2 n) - emax``
-  (``E_j`` the largest exponent over the ranks, ``emax`` the element
-  format's largest exponent): every partial sum of the block, at most
-  ``n * 2^(E_j + 1)`` in magnitude, fits the format, so no hop overflows (the
-  paper's headroom factor mu = n, as a power of two);
-* every hop decodes the received block, adds its own values in float32 and
-  re-casts the sum with the same shared exponent; the all-gather forwards the
-  final bytes.
-
-Every rank derives ``X_j`` from the reduced bytes, so the scales never travel
-with the data: a message is the packed element codes alone (8, 6 or 4 bits
-per element; 6-bit codes four to three bytes, 4-bit codes two to a byte, low
-bits first).  On the GPU every hop is one fused kernel
-(src_cuda/mx_kernels.cu: statistics bytes, cast-and-pack, and
-decode-add-recast-pack), bit for bit this module's NumPy code, which stays
-the CPU path and the reference.
+"""MX baselines (OCP Microscaling v1.0) in a multi-hop all-reduce, as the
+paper adapts them (docs/design.md, "Baselines"): a byte per block of 32
+(``floor(log2 max|x|) + 127``) reduced by MAX gives the shared exponent
+``X_j = E_j + 1 + ceil(log2 n) - emax``.  The NumPy code is the CPU path and
+the fused GPU kernels' reference (src_cuda/mx_kernels.cu), bit for bit.
 """
 from __future__ import annotations
 
@@ -132,8 +110,7 @@ def unpack(xp, data, bits: int):
 
 @dataclass(frozen=True)
 class MXFP(Codec):
-    """OCP MX element format ``fmt`` (e4m3, e5m2, e3m2, e2m3, e2m1) in blocks of
-    32 with a shared power-of-two scale (see the module docstring)."""
+    """OCP MX element format ``fmt`` (e4m3, e5m2, e3m2, e2m3, e2m1), blocks of 32, shared scale."""
     fmt: str = "e4m3"
 
     name = "mxfp"
@@ -220,8 +197,8 @@ class _MXPlan(Plan):
         codes = unpack(xp, payload, self.fmt.bits).reshape(b1 - b0, BLOCK)
         return xp.ldexp(self.table[codes], self.X[b0:b1, None])
 
-    # -- the GPU kernels (mx_api.h): the local values of block b of the stream
-    # are source elements b * 32 ..; an accumulator holds a tile's blocks from 0
+    # the GPU kernels (mx_api.h): stream block b's local values are source
+    # elements b * 32 ..; an accumulator holds a tile's blocks from 0
     def _gpu_local(self, b0, acc):
         if acc is None:
             return self.source, b0 * BLOCK

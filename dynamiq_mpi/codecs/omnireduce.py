@@ -1,30 +1,8 @@
-"""OmniReduce baseline (Fei et al., SIGCOMM'21), adapted to a multi-hop
-all-reduce as the paper adapts it: every
-rank keeps its top-k 256-entry blocks by l2 norm, the ranks agree on the
-union of their kept blocks, the union is all-reduced densely in BF16
-(float32 accumulation at every hop, like the ``bf16`` codec) and every block
-outside the union is zero in the result.
-
-Density.  ``density`` is the target fraction of blocks in the *union* (the
-paper's global K = density x blocks: "K / n_chunks = b/16 = 0.5 for b = 8",
-and "always dropping the lowest-norm 50% of blocks").  The paper reaches it
-across training rounds by adapting the local k with momentum; a call here
-has no state across calls, so it reaches the converged state at once:
-
-* statistics phase: per block, one byte ``254 - floor(254 rank / blocks)``
-  (rank: the block's position in this rank's descending-norm order, ties by
-  index), reduced by MAX; 255 flags NaN/Inf.  The reduced byte of a block is
-  its best priority over the ranks, so for every threshold t the set
-  {blocks whose byte >= t} is the union of the ranks' local top-k(t) sets,
-  with one k(t) for all ranks (the byte is this bitmap for all 254 choices
-  of k at once: 8 bits per block, counted in the report);
-* every rank picks the same t from the same bytes: the smallest whose
-  union holds at most ``density x blocks`` blocks (at least the top
-  priority level).  k is thus chosen in steps of blocks/254 (exactly 1 for
-  up to 254 blocks).
-
-The wire carries the union's blocks in order, 256 BF16 values each (a
-padded last block too: honest bits).  Array code (NumPy or CuPy).
+"""OmniReduce baseline (Fei et al., SIGCOMM'21) in a multi-hop all-reduce, as
+the paper adapts it (docs/design.md, "Baselines"), array code.  Stateless,
+a call takes the paper's converged k at once: a priority byte per block
+(``254 - floor(254 rank / blocks)``, 255: NaN/Inf) reduced by MAX, and the
+smallest threshold whose union holds at most ``density`` of the blocks.
 """
 from __future__ import annotations
 
@@ -43,9 +21,7 @@ NONFINITE = 255
 
 
 def priority_bytes(xp, blocks):
-    """uint8 priority of every row of ``blocks`` (float32, (m, 256)): 254 for
-    the largest l2 norm, falling to 1 for the smallest (see the module
-    docstring)."""
+    """uint8 priority of each row of ``blocks`` ((m, 256)): 254 the largest l2 norm .. 1."""
     m = blocks.shape[0]
     norm2 = xp.sum(xp.square(blocks.astype(np.float64)), axis=1)
     order = xp.argsort(-norm2, kind="stable")
@@ -61,9 +37,8 @@ def local_k(blocks: int, threshold: int) -> int:
 
 
 def choose_threshold(counts, blocks: int, density: float) -> int:
-    """The smallest priority threshold whose union (``counts[p]``: blocks whose
-    best priority is p) holds at most density x blocks; the top level if
-    none does."""
+    """The smallest priority threshold whose union (``counts[p]``: blocks of
+    best priority p) holds at most density x blocks; else the top level."""
     union = 0
     for t in range(TOP_PRIORITY, 0, -1):
         union += int(counts[t])

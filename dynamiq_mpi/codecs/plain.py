@@ -1,11 +1,7 @@
-"""Uncompressed baselines: ``exact`` (float32 on the wire) and ``bf16``.
-
-Both accumulate in float32 at every hop; ``bf16`` rounds each partial sum to
-BF16 (nearest-even) before it goes on the wire.  ``exact`` also carries the
-statistics phase of the compressed codecs.  Chunks and tiles are whole
-super-groups of 256 elements (the last one partial: the wire carries exactly
-``length`` values), so the GPU kernels (``_gpu.exact_*`` / ``_gpu.bf16_*``)
-and the NumPy path cut the stream alike.
+"""Uncompressed baselines: ``exact`` (float32 on the wire; it also carries
+the compressed codecs' statistics) and ``bf16`` (each partial sum rounded to
+BF16, nearest even); both add in float32 at every hop.  Tiles are whole
+super-groups of 256 (the last partial), so GPU kernels and NumPy cut alike.
 """
 from __future__ import annotations
 
@@ -51,9 +47,7 @@ class ElementwisePlan(Plan):
     def _units(self, tile):
         return self.tiling.units[tile]
 
-    def _elems(self, tile):
-        # (a chunk beyond the last super-group is empty: n ranks of a vector
-        # shorter than n super-groups, e.g. a small input's statistics)
+    def _elems(self, tile):     # (a chunk beyond the last super-group is empty)
         s0, s1 = self.tiling.units[tile]
         return min(s0 * SUPER, self.length), min(s1 * SUPER, self.length)
 
@@ -132,8 +126,7 @@ class ElementwisePlan(Plan):
         return finish_in_order(self.k, self.xp, self.ws, self.result, divisor, out)
 
     def check_finite(self):
-        """NonFiniteInputError unless the decoded sum is finite (it is the same on
-        every rank, so every rank decides alike)."""
+        """NonFiniteInputError unless the decoded sum (alike on every rank) is finite."""
         if not bool(self.xp.isfinite(self.result[:self.length]).all()):
             raise NonFiniteInputError("input holds NaN or Inf on at least one rank, or the sum "
                                       "overflows float32")
@@ -184,10 +177,8 @@ def exact_sum_into(backend, a, b, out):
 
 
 class ByteMaxPlan(Plan):
-    """The element-wise maximum of a uint8 vector over the ranks (the shared
-    block exponents of the MX codecs): bytes on the wire, ``max`` at every hop,
-    so every rank ends with the same bytes.  Array code on either backend (the
-    vectors are small)."""
+    """The element-wise maximum of a small uint8 vector over the ranks (the
+    baselines' shared block exponents): ``max`` at every hop, array code."""
 
     UNIT = 256
 
@@ -236,10 +227,9 @@ class ByteMaxPlan(Plan):
 
 
 def finish_in_order(kernels, xp, workspace, result, divisor, out):
-    """``out`` = ``result`` (float32 in the caller's order, at least
-    ceil(len(out) / 256) * 256 values) / divisor in out's dtype, through the
-    same scatter kernel as DynamiQ's (identity map, zero means): one definition
-    of the final rounding on CPU and GPU for every codec."""
+    """``out`` = ``result`` (float32 in the caller's order, padded to whole
+    super-groups) / divisor in out's dtype, through DynamiQ's scatter kernel
+    (identity map, zero means): one final rounding for every codec."""
     nsg = -(-out.shape[0] // SUPER)
     identity = workspace.constant(xp, "finish.identity", nsg, np.int64, "arange")
     zeros = workspace.constant(xp, "finish.zeros", nsg, np.float32, "zeros")

@@ -1,43 +1,10 @@
-"""THC baseline (Li et al., NSDI'24), adapted to a multi-hop all-reduce as
-the paper adapts it: rotate, quantize every rank's values
-once to 16 levels on a range all ranks share, and carry exact integer sums
-from hop to hop, wide enough never to overflow and never re-quantized.
-
-One call, step by step:
-
-1. Rotation (``local_stats``).  The input, zero-padded to a multiple of 256,
-   is cut into power-of-two Hadamard blocks: as many blocks of
-   ``2**max_block_log2`` entries as fit (2^23, the artifact's largest
-   partition), the rest by its binary expansion (blocks of 2^k >= 256), so the
-   padding never exceeds 255 entries.  A block of 2^k entries becomes
-   ``H D x * 2^-floor(k/2)``: D random signs, H the Sylvester-Hadamard matrix
-   (fast transform, k passes), an exact power-of-two scale; the inverse is
-   ``D H y * 2^-ceil(k/2)``.  The signs are a hash of the coordinate under a
-   key every rank derives from the call's keys (seed and call counter: a
-   fresh rotation per call) and the codec's ``rotation_seed``.  The rotation
-   happens in ``local_stats`` because the range must bound the *rotated*
-   values.
-2. Range agreement (statistics phase).  One byte per Hadamard block: the
-   exponent of the smallest power of two R >= max|y| over the block (0: an
-   all-zero block; 255: NaN/Inf in the input), reduced by MAX, so every
-   rank's rotated values lie in [-R, R] with the same R: nothing is clamped,
-   so the quantization is unbiased.  8 bits per block, counted in the report.
-3. Quantization.  ``v = (y / R + 1) (L - 1) / 2`` in [0, L - 1] (L = 16
-   levels), stochastically rounded with a 24-bit uniform hashed from (the
-   call's value key, coordinate, event).  The event is the rank's role for
-   the chunk, distinct across ranks for every coordinate: ranks round
-   independently, and a seed and call counter fix every bit.
-4. Aggregation.  Every hop unpacks the received sums, adds its own codes and
-   packs ``b = ceil(log2((L - 1) n + 1))`` bits per coordinate (5 bits at
-   n = 2, 6 at 4, 7 at 8; ``agg_bits`` may ask for more, e.g. the paper's 8
-   or 12).  Integer sums are exact, so the result depends neither on the
-   topology nor on the tiling.
-5. Decoding.  A sum S becomes ``(2 S - (L - 1) n) R / (L - 1)`` (one float32
-   rounding); ``finish`` applies the inverse rotation.
-
-The paper's THC clamps at T = 3.297 standard deviations (biased, tighter);
-this one bounds the range by the block maximum rounded up to a power of two
-(unbiased, up to 2x coarser).  Array code (NumPy or CuPy), no fused kernels.
+"""THC baseline (Li et al., NSDI'24) in a multi-hop all-reduce, as the paper
+adapts it (docs/design.md, "Baselines"), array code: a randomized Hadamard
+rotation per power-of-two block (``H D x * 2^-floor(k/2)``); per block the
+smallest power of two R >= max|y|, reduced by MAX (nothing clamped: unbiased,
+where the paper clamps at 3.297 deviations); ``v = (y / R + 1) (L - 1) / 2``
+rounded stochastically; exact integer sums at ``ceil(log2((L - 1) n + 1))``
+bits; decoded as ``(2 S - (L - 1) n) R / (L - 1)``, then rotated back.
 """
 from __future__ import annotations
 
@@ -78,9 +45,8 @@ def _mix32(h):
 
 
 def coordinate_hash(xp, key: int, start: int, count: int):
-    """32 random bits for each coordinate start .. start + count - 1 under a
-    64-bit ``key``: a pure function of (key, coordinate), the same on every
-    rank and backend."""
+    """32 random bits for each coordinate start .. start + count - 1, a pure
+    function of (64-bit ``key``, coordinate) on every rank and backend."""
     lo, hi = np.uint32(key & _MASK32), np.uint32(key >> 32)
     c = xp.arange(start, start + count, dtype=np.int64).astype(np.uint32)
     return _mix32(_mix32(c * _GOLDEN32 + lo) ^ hi)
@@ -122,8 +88,7 @@ def hadamard_blocks(padded: int, max_block_log2: int = MAX_BLOCK_LOG2) -> list:
 
 
 def fwht(rows):
-    """Unnormalised Walsh-Hadamard transform (Sylvester order) of every row of
-    a (m, 2^k) float32 array, into a new array."""
+    """Unnormalised Walsh-Hadamard transform (Sylvester order) of the rows of (m, 2^k)."""
     a = rows.copy()
     m, size = a.shape
     h = 1
@@ -137,19 +102,15 @@ def fwht(rows):
 
 
 def run_signs(xp, runs, key: int) -> list:
-    """The diagonal D of every run of ``runs``: [(count, size) float32 +-1],
-    computed once where many rows share the rotation."""
+    """The diagonal D of every run of ``runs``: [(count, size) float32 +-1]."""
     return [rotation_signs(xp, key, start, size * count).reshape(count, size)
             for start, size, count in runs]
 
 
 def rotate(xp, values, runs, key: int, inverse: bool = False, signs=None, out=None):
-    """The randomized Hadamard transform of every block (``inverse``: its
-    inverse) of ``values`` ((padded,) or rows of them, (m, padded) float32),
-    into ``out`` (default a new array; ``values`` itself works: the runs are
-    disjoint).  Each row's bits are those of that row alone: every entry's
-    float32 operations are elementwise and in one order.  ``signs``:
-    :func:`run_signs` of (runs, key)."""
+    """The randomized Hadamard transform (or its inverse) of every block of
+    ``values`` ((padded,) or (m, padded) float32) into ``out`` (default new;
+    may be ``values``); ``signs``: :func:`run_signs` of (runs, key)."""
     if out is None:
         out = xp.empty_like(values)
     if signs is None:
@@ -170,12 +131,9 @@ def rotate(xp, values, runs, key: int, inverse: bool = False, signs=None, out=No
 
 
 def range_bytes(xp, rotated, finite, runs):
-    """One range byte per Hadamard block of ``rotated`` ((padded,) or (m,
-    padded) rotated inputs): the exponent of the smallest power of two >= the
-    block's max |y|, biased; 0 for an all-zero block, 254 where the rotation
-    overflowed, 255 for every block of a row whose input was not all finite
-    (``finite``: () or (m,) bool).  A maximum is exact in any order, the rest
-    elementwise: a row's bytes are those of that row alone."""
+    """A range byte per Hadamard block of ``rotated``: the biased exponent of
+    the smallest power of two >= max |y|; 0 all zero, 254 the rotation
+    overflowed, 255 input not all finite (``finite``: () or (m,) bool)."""
     lead = rotated.shape[:-1]
     amax = xp.concatenate([xp.abs(rotated[..., s:s + b * c].reshape(*lead, c, b)).max(axis=-1)
                            for s, b, c in runs], axis=-1)
@@ -227,10 +185,8 @@ def unpack_codes(xp, data, bits: int):
 
 @dataclass(frozen=True)
 class THC(Codec):
-    """Randomized Hadamard transform, ``levels``-level unbiased stochastic
-    quantization on a range shared per Hadamard block, integer sums carried
-    hop to hop at ``agg_bits`` (None: the minimum, ceil(log2((levels-1) n + 1)))
-    bits per coordinate.  See the module docstring."""
+    """Randomized Hadamard transform, ``levels``-level unbiased quantization per
+    block, exact integer sums at ``agg_bits`` (None: the minimum) bits."""
     levels: int = 16
     agg_bits: int | None = None
     max_block_log2: int = MAX_BLOCK_LOG2
@@ -255,9 +211,8 @@ class THC(Codec):
                 int(self.rotation_seed))
 
     def rotation(self, length: int, keys=None) -> tuple:
-        """(padded length, Hadamard runs, rotation key) of an input of
-        ``length`` entries: the same on every rank (the key depends on the
-        codec's ``rotation_seed`` and the engine's call keys only)."""
+        """(padded length, Hadamard runs, rotation key) of ``length`` entries,
+        alike on every rank (``rotation_seed`` and the call keys)."""
         padded = -(-length // UNIT) * UNIT
         key = rotation_key(int(self.rotation_seed))
         if keys is not None:                     # the engine's call keys: a rotation per call
@@ -300,7 +255,7 @@ class _THCPlan(Plan):
         if top and top - _BIAS + (n - 1).bit_length() + largest_k > 127:
             raise SumOverflowError("the rotated inputs times the number of ranks exceed the "
                                    "float32 range: the sum or its inverse rotation could overflow")
-        # Per 256-entry unit: the range exponent of its block, and whether it is all zero.
+        # per 256-entry unit: its block's range exponent, and whether it is zero
         repeats = [b // UNIT for _, b, c in self.runs for _ in range(c)]
         unit_byte = xp.repeat(reduced, repeats)
         self.zero_units = (unit_byte == 0)[:, None]
@@ -335,8 +290,7 @@ class _THCPlan(Plan):
         return slot
 
     def accumulate(self, tile, payload, acc):
-        # The received integer sums only: this rank's own codes join in ``dar``,
-        # where the event that keys their rounding is known.
+        # the received sums only: own codes join in ``dar``, which knows the event
         sums = unpack_codes(self.xp, payload, self.bits)
         return sums if acc is None else sums + acc
 

@@ -1,22 +1,7 @@
-"""Control planes: what a collective needs of its ranks besides payload.
-
-Rank and size, the per-call agreement, NCCL unique ids, path decisions,
-errors raised on every rank - and, for host arrays, the point-to-point
-messages and the native all-reduce - run over one of two control planes
-behind one small interface (:class:`ControlPlane`):
-
-* :class:`~.mpi.MPIPlane` over an mpi4py communicator (jobs started by
-  ``mpirun`` / ``srun`` with PMI);
-* :class:`~.torch_group.TorchPlane` over a ``torch.distributed`` process
-  group (torchrun, Lightning, ``mp.spawn``, any job that called
-  ``init_process_group``): a private gloo group of the same ranks carries
-  control messages and host payload.
-
-:func:`as_plane` takes what a user passes as ``comm=`` (an mpi4py
-communicator, a torch process group, a plane, or None for the launcher's
-default: :func:`default_comm`).  mpi4py is imported only where the MPI
-plane is used, so a torchrun job never calls ``MPI_Init``; torch only where
-the torch plane is.
+"""Control planes (docs/design.md, "Control planes"): everything of a call
+but device payload, over an mpi4py communicator (:class:`~.mpi.MPIPlane`) or
+a torch.distributed group (:class:`~.torch_group.TorchPlane`).  mpi4py is
+imported only for the MPI plane, torch only for the torch plane.
 """
 from __future__ import annotations
 
@@ -27,17 +12,11 @@ from ..settings import environment
 
 
 class ControlPlane:
-    """The interface (documentation of what each plane provides).
-
-    ``name`` ("mpi" or "torch"), ``rank``, ``size``; object collectives
-    :meth:`allgather` / :meth:`bcast` (small picklable values); fixed-size
-    NumPy collectives :meth:`allgather_array` and :meth:`allreduce_max`;
-    host payload :meth:`sendrecv` (either side may be None) and
-    :meth:`allreduce_sum` (the native path of host arrays); :meth:`dup` (a
-    private plane of the same ranks: collective), :meth:`split` (planes of
-    subsets: nodes, rails) and :meth:`free`; :meth:`node_name` (the host).
-    ``thread_safe``: calls from a worker thread are allowed.
-    ``mpi_comm``: the mpi4py communicator, or None on the torch plane."""
+    """What each plane provides: ``name`` ("mpi" or "torch"), ``rank``, ``size``,
+    the methods below (objects: small picklable values; arrays: fixed-size
+    NumPy; payload: host arrays, either side may be None; ``dup``: a private
+    plane, collective); ``thread_safe``: a worker thread may call it;
+    ``mpi_comm``: the mpi4py communicator or None."""
 
     name = "?"
     rank = 0
@@ -80,9 +59,6 @@ class ControlPlane:
     def free(self) -> None:
         pass
 
-    def describe(self) -> str:
-        return f"{self.name} plane, rank {self.rank} of {self.size}"
-
 
 def is_torch_group(obj) -> bool:
     """A torch.distributed ProcessGroup (checked without importing torch)."""
@@ -94,8 +70,7 @@ def is_torch_group(obj) -> bool:
 
 
 def as_plane(comm=None) -> ControlPlane:
-    """The control plane of ``comm`` (not duplicated: the caller dups it when
-    it needs a private one)."""
+    """The control plane of ``comm``, not duplicated (the caller dups it where needed)."""
     if comm is None:
         comm = default_comm()
     if isinstance(comm, ControlPlane):
@@ -110,8 +85,7 @@ def as_plane(comm=None) -> ControlPlane:
                     f"or None, got {type(comm).__name__}")
 
 
-# Environment variables that launchers set, by launcher: the number of
-# processes they started.
+# Variables in which launchers say how many processes they started.
 _MPI_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MPI_LOCALNRANKS")
 _OTHER_SIZE_VARS = ("WORLD_SIZE", "SLURM_NTASKS", "SLURM_NPROCS")
 
@@ -131,18 +105,11 @@ def _torch_initialised() -> bool:
 
 
 def default_comm(environ=None):
-    """The communicator a collective takes when given none, decided once per
-    collective:
-
-    1. a job started by an MPI launcher with more than one rank (or mpi4py
-       already initialised with more than one): ``MPI.COMM_WORLD``;
-    2. else, if ``torch.distributed`` is initialised: its default group;
-    3. else, if the environment says the job has several processes
-       (``WORLD_SIZE`` > 1, Slurm's task count, an MPI world of one while
-       another launcher's variables say more): :class:`InvalidInputError`
-       naming what to do - never a silent world of one;
-    4. else (one process): ``MPI.COMM_WORLD`` of size 1.
-    """
+    """The communicator a collective takes when given none: ``MPI.COMM_WORLD``
+    where an MPI launcher started several ranks; else an initialised
+    torch.distributed's default group; else, where the environment says
+    several processes, :class:`InvalidInputError` naming what to do (never
+    a silent world of one); else ``MPI.COMM_WORLD`` of size 1."""
     env = environment() if environ is None else environ
     mpi_size, mpi_var = _env_size(_MPI_SIZE_VARS, env)
     mpi_mod = sys.modules.get("mpi4py.MPI")
@@ -152,8 +119,7 @@ def default_comm(environ=None):
         MPI = _mpi4py()
         if MPI.COMM_WORLD.Get_size() > 1:
             return MPI.COMM_WORLD
-        # a launcher said several ranks but MPI started a singleton: a
-        # mismatched mpiexec and mpi4py (e.g. Open MPI's launcher, MPICH's library)
+        # a singleton under a launcher of several: mismatched mpiexec and mpi4py
         raise InvalidInputError(
             f"dynamiq_mpi: the MPI launcher started {mpi_size} processes ({mpi_var}="
             f"{env.get(mpi_var)}) but mpi4py's MPI.COMM_WORLD has one rank: mpiexec and the "
@@ -172,8 +138,7 @@ def default_comm(environ=None):
 
 
 def _mpi4py():
-    """mpi4py's MPI module, or an ImportError saying what needs it and what
-    to do (mpi4py is optional: a torch.distributed job never needs it)."""
+    """mpi4py's MPI module, or an ImportError saying what to do (mpi4py is optional)."""
     try:
         from mpi4py import MPI
     except ImportError as exc:

@@ -1,12 +1,7 @@
 """The agreement: every rank's small record of a call, compared before any
-payload byte moves.
-
-Ranks compare a 64-bit digest of their record in one fixed-size all-gather;
-only when the digests differ do they exchange the records themselves, so that
-every rank can say who differs.  Every transport answers the engine's
-``Agree`` request with :func:`agree` over its control plane, and the steady
-paths keep a :class:`Digests` and the record's static digest to pay one
-all-gather of eight bytes per call.
+payload byte moves, as a 64-bit digest in one fixed-size all-gather; only
+differing digests make the ranks exchange the records, to say who differs.
+Steady paths keep a :class:`Digests` and the record's static digest.
 """
 from __future__ import annotations
 
@@ -31,10 +26,8 @@ def _frozen(value):
 
 
 def record_digest(value) -> int:
-    """64-bit digest of an agreement value: a hash of the value without its
-    ``counter``, plus the counter times an odd constant (mod 2^64), so that a
-    steady caller may keep the first part and add the counter itself.  The
-    hash of a value seen before is looked up, not pickled and hashed again."""
+    """64-bit digest of an agreement value: a (cached) hash of it without its
+    ``counter``, plus the counter times an odd constant."""
     counter = 0
     if isinstance(value, dict) and "counter" in value:
         counter = int(value["counter"])
@@ -64,9 +57,8 @@ def digests_match(plane, digest: int) -> bool:
 
 
 class Digests:
-    """:func:`digests_match` with its buffers kept, for calls that exchange
-    one digest each (a steady native call): no allocation per call.
-    ``plane``: a control plane (an mpi4py communicator is taken as its plane)."""
+    """:func:`digests_match` with its buffers kept (no allocation per call);
+    ``plane``: a control plane or an mpi4py communicator."""
 
     def __init__(self, plane):
         self.plane = as_plane(plane)
@@ -80,13 +72,7 @@ class Digests:
 
 
 def agree(plane, value):
-    """Every rank's ``value`` (a small picklable object), as a list.
-
-    Fast path: ranks compare a 64-bit digest of the value (record_digest) in
-    one fixed-size Allgather and, when all digests match, nobody sends the
-    values.  Only a disagreement pays for the pickled allgather that says who
-    differs.
-    """
+    """Every rank's small picklable ``value``; where all digests match, none is sent."""
     plane = as_plane(plane)
     if digests_match(plane, record_digest(value)):
         return [value] * plane.size

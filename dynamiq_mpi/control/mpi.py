@@ -58,18 +58,13 @@ class MPIPlane(ControlPlane):
 
     def dup(self) -> "MPIPlane":
         # a private duplicate: our traffic never matches the caller's messages
-        plane = MPIPlane(self.mpi_comm.Dup())
-        plane._owned = True
-        return plane
+        return _owned(self.mpi_comm.Dup())
 
     def split(self, color: int, key: int) -> "MPIPlane":
-        plane = MPIPlane(self.mpi_comm.Split(int(color), int(key)))
-        plane._owned = True
-        return plane
+        return _owned(self.mpi_comm.Split(int(color), int(key)))
 
     def shared_memory_leader(self) -> int:
-        """The lowest rank of this plane on this rank's node, by
-        ``MPI_Comm_split_type(SHARED)`` (collective)."""
+        """This node's lowest rank of the plane (``MPI_Comm_split_type(SHARED)``; collective)."""
         from mpi4py import MPI
         local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         try:
@@ -83,9 +78,8 @@ class MPIPlane(ControlPlane):
             self.mpi_comm = None
 
 
-def world_plane() -> MPIPlane:
-    from mpi4py import MPI
-    return MPIPlane(MPI.COMM_WORLD)
-
-
-__all__ = ["MPIPlane", "world_plane"]
+def _owned(comm) -> MPIPlane:
+    """A plane that frees ``comm`` with it."""
+    plane = MPIPlane(comm)
+    plane._owned = True
+    return plane

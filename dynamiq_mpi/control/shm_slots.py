@@ -1,20 +1,8 @@
-"""Shared-memory slots for a torch plane whose members share one host: the
-per-call digests and other all-gathers of a few bytes, as MPI moves them
-there (a store to memory and a poll), with no socket and no thread.
-
-One segment per plane: per rank two slots (the call's parity) of a sequence
-number and ``SLOT`` bytes.  An all-gather writes this rank's bytes into the
-slot of its parity, then the sequence number, then polls until every rank's
-number of that parity has reached the call's; a rank cannot lap another,
-since it finishes call c+1 only after every rank has posted c+1, which each
-does after reading call c.  The store-then-flag order relies on x86's total
-store order, so other processors use the socket ring instead.
-
-Rank 0 creates the segment and publishes its name in the job's store; the
-others attach (and leave its removal to rank 0: Python's resource tracker
-would otherwise remove it when the first of them exits); once every member
-has attached, rank 0 removes the name, so nothing is left behind in /dev/shm
-whatever happens to the processes.
+"""Shared-memory slots for a torch plane on one host (docs/design.md,
+"Control planes"): all-gathers of a few bytes as a store and a poll.  Per
+rank two slots (the call's parity) of a sequence number and ``SLOT`` bytes;
+store-then-flag relies on x86's total store order.  Rank 0 removes the
+segment's name once every member attached: nothing is left in /dev/shm.
 """
 from __future__ import annotations
 
@@ -75,8 +63,7 @@ class SharedSlots:
         return [self.data[r, p, :k].tobytes() for r in range(self.size)]
 
     def release_name(self):
-        """Once every member has attached: remove the segment's name, so that
-        nothing is left in /dev/shm even if a process dies (the mappings stay)."""
+        """Once every member attached: remove the segment's name (the mappings stay)."""
         if self._owner and self._shm is not None:
             try:
                 self._shm.unlink()
@@ -99,9 +86,8 @@ class SharedSlots:
 
 
 def _untrack(shm):
-    """Leave the segment's removal to its creator (Python < 3.13 registers
-    every attachment with the resource tracker, which removes the segment
-    when the attaching process exits)."""
+    """Leave the segment's removal to its creator (Python < 3.13's resource
+    tracker would remove it when an attaching process exits)."""
     try:
         from multiprocessing import resource_tracker
         resource_tracker.unregister(shm._name, "shared_memory")

@@ -1,19 +1,8 @@
-"""A TCP ring of a torch plane's members for its small fixed-size
-exchanges (the per-call digests), sent and received by the calling thread.
-
-gloo runs every operation on a worker thread and completes it from its
-event loop's thread: about 0.3 ms for an 8-byte all-gather on a 16-core
-host, against MPI's 5-7 us, and a steady call
-makes one such exchange.  Here each rank holds one connection to its ring
-successor and one from its predecessor (TCP_NODELAY); an all-gather of k
-bytes is n - 1 steps of send-k / receive-k on the calling thread, no hand-off.
-
-Set up once per plane, over the job's store (each rank publishes the address
-it listens on); the members then agree over gloo that every rank connected,
-so either all use the ring or none does (a host whose address peers cannot
-reach falls back to gloo for the job, alike on every rank).  Timeouts are
-the group's.  ``DYNAMIQ_SOCKET_RING=0`` turns it off (and the shared-memory
-slots, shm_slots.py: gloo alone).
+"""A TCP ring of a torch plane's members for its small fixed-size exchanges,
+on the calling thread (gloo takes 0.3 ms for 8 bytes; docs/design.md,
+"Control planes"): each rank connects to its successor, an all-gather of k
+bytes is n - 1 steps of send-k / receive-k; all members use it or none.
+``DYNAMIQ_SOCKET_RING=0`` turns it and shm_slots.py off.
 """
 from __future__ import annotations
 
@@ -23,8 +12,7 @@ import time
 
 from ..settings import env_switch
 
-# All-gathers up to this many bytes in all go over the ring (larger ones:
-# gloo, which pipelines better).
+# All-gathers up to this many bytes in all go over the ring (larger: gloo).
 MAX_BYTES = 64 << 10
 
 
@@ -43,10 +31,14 @@ def _address(same_host: bool) -> str:
     return address
 
 
-# A receive first polls this long (seconds) before it sleeps in the kernel:
-# waking a sleeping thread costs tens of microseconds on a virtual machine,
-# more than the message (MPI polls too).
+# A receive polls this long (s) before it sleeps: a wake-up costs more (tens of us).
 SPIN_S = 200e-6
+
+
+def _received(k: int) -> int:
+    if k == 0:
+        raise ConnectionError("dynamiq_mpi: a peer of the control ring closed its socket")
+    return k
 
 
 def _recv_exact(sock, n: int, spin_s: float = 0.0) -> bytes:
@@ -56,24 +48,16 @@ def _recv_exact(sock, n: int, spin_s: float = 0.0) -> bytes:
         deadline = time.perf_counter() + spin_s
         while got < n and time.perf_counter() < deadline:
             try:
-                k = sock.recv_into(view[got:], n - got, socket.MSG_DONTWAIT)
+                got += _received(sock.recv_into(view[got:], n - got, socket.MSG_DONTWAIT))
             except BlockingIOError:
                 continue
-            if k == 0:
-                raise ConnectionError("dynamiq_mpi: a peer of the control ring closed its "
-                                      "socket")
-            got += k
     while got < n:
-        k = sock.recv_into(view[got:])
-        if k == 0:
-            raise ConnectionError("dynamiq_mpi: a peer of the control ring closed its socket")
-        got += k
+        got += _received(sock.recv_into(view[got:]))
     return bytes(buf)
 
 
 class SocketRing:
-    """The ring of one plane (collective construction; ``ok`` says whether
-    this rank connected: the caller agrees on it before any use)."""
+    """The ring of one plane (collective; ``ok``: connected, agreed on before any use)."""
 
     def __init__(self, store, rank: int, size: int, timeout_s: float, same_host: bool):
         self.rank, self.size = rank, size

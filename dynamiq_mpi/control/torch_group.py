@@ -1,14 +1,8 @@
-"""The torch control plane: a ``torch.distributed`` process group.
-
-Control messages and host payload never go over the caller's group itself:
-a hook's worker thread and the training loop's own collectives would then
-interleave differently on different ranks, and gloo matches operations by
-their order.  The plane makes a private gloo group of the same ranks (the
-caller's group may be NCCL-only) on its first operation, keyed in the job's
-store by the group's global ranks and a per-process count of such groups,
-so that only the group's members take part (``new_group`` would need every
-rank of the job).  Every value travels as a CPU tensor: no call reads the
-device.
+"""The torch control plane over a ``torch.distributed`` process group: a
+private gloo group of the same ranks, made on the first operation and keyed
+in the job's store by the global ranks and a per-process count, so only the
+members take part (docs/design.md, "Control planes", says why not the
+caller's group nor ``new_group``).  Every value travels as a CPU tensor.
 """
 from __future__ import annotations
 
@@ -35,8 +29,7 @@ _live = weakref.WeakSet()    # planes holding a private group
 @atexit.register
 def _close_all():
     """Destroy the private groups before the interpreter tears down: a gloo
-    group collected during finalisation can abort the process ("terminate
-    called without an active exception", seen under torchrun)."""
+    group collected during finalisation can abort the process."""
     for plane in list(_live):
         plane.free()
     import gc
@@ -44,8 +37,7 @@ def _close_all():
 
 
 def group_timeout(group) -> datetime.timedelta:
-    """The timeout the caller gave the group (its CPU backend's, else its
-    CUDA backend's), else torch's default."""
+    """The group's timeout (its CPU backend's, else CUDA's), else torch's default."""
     for device in ("cpu", "cuda"):
         try:
             return group._get_backend(torch.device(device)).options._timeout
@@ -106,9 +98,8 @@ class TorchPlane(ControlPlane):
             return self._pg
 
     def _fast_paths(self, pg, store):
-        """(socket ring, shared-memory slots) for small exchanges, each
-        kept only if every member has it (agreed over gloo: all use it or
-        none does).  Slots need every member on this host."""
+        """(socket ring, shared-memory slots) for small exchanges, each kept
+        only if every member has it; slots need every member on this host."""
         if self.size < 2 or not socket_ring.enabled():
             return None, None
         host = np.frombuffer(socket.gethostname().encode()[:64].ljust(64, b"\0"), np.uint8)
@@ -201,8 +192,7 @@ class TorchPlane(ControlPlane):
             return
         pg = self._gloo()
         if self._ring is not None and recv.nbytes * self.size <= socket_ring.MAX_BYTES:
-            # small: every rank's array over the ring, combined in rank order
-            # (the same bits on every rank) on the calling thread
+            # small: over the ring, combined in rank order (alike on every rank)
             everyone = np.empty((self.size,) + recv.shape, recv.dtype)
             self.allgather_array(np.ascontiguousarray(recv), everyone)
             acc = everyone[0].copy()
@@ -256,13 +246,7 @@ class TorchPlane(ControlPlane):
             self._slots = None
         self._pg = None         # gloo closes its pairs when the group is collected
 
-    def describe(self) -> str:
-        return (f"torch plane (a gloo group of global ranks "
-                f"{self.ranks if self.size <= 8 else str(self.ranks[:8])[:-1] + ', ...]'}), "
-                f"rank {self.rank} of {self.size}")
-
 
 def _writable(a):
-    """torch.from_numpy refuses read-only arrays (a payload may be a view of
-    a read-only buffer): copy those only."""
+    """torch.from_numpy refuses read-only arrays: copy those only."""
     return a if a.flags.writeable else a.copy()

@@ -1,9 +1,10 @@
-"""The command line of the cost model (``python -m dynamiq_mpi model``; the
-model itself is ``model.py``): its arguments, the cluster, call and
-kernel rates they name, and what it prints and writes (the table, the JSON)."""
+"""``python -m dynamiq_mpi model``, the cost model's command (``model.py`` is the
+model): its arguments, the cluster, call and rates they name, the predictions
+and sweeps it runs and what it prints and writes (the table, the JSON)."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from .model import (DEFAULT_TILE_BYTES, HOST_MODES, Cluster, Link, load_rates, parse_bandwidth,
@@ -34,7 +35,7 @@ def add_arguments(p):
     g = p.add_argument_group("model")
     g.add_argument("--gpu", default="h100-final",
                    help="kernel rates: a set of kernel_rates.json (h100, h200, h100-final, "
-                        "h200-final) or a `python -m dynamiq_mpi kernels --json` file")
+                        "h200-final) or a `python -m research kernels --json` file")
     g.add_argument("--host", choices=HOST_MODES, default="fixed",
                    help="host time per call: exact (the plan's header read back, as measured "
                         "on 2026-11-24), fixed (no host read nor report: back-to-back calls "
@@ -147,3 +148,38 @@ def plot_sweep(rows, param, path):
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def run(args, out=None):
+    out = out or sys.stdout
+    rates = _rates_for(args)
+    if not args.sweep:
+        c, elements, bits, res = _predict_args(args, rates)
+        if args.json != "-":
+            out.write(_describe(c, elements, bits, args, rates) + "\n")
+            _table(res, out)
+        if args.json:
+            write_json({"inputs": _inputs(c, elements, bits, args, rates), "prediction": res},
+                        args.json, out)
+        return res
+    param, _, values = args.sweep.partition("=")
+    if param not in _SWEEPABLE or not values:
+        raise SystemExit(f"--sweep {args.sweep!r}: write PARAM=v1,v2 with PARAM one of "
+                         f"{', '.join(_SWEEPABLE)}")
+    rows = []
+    for v in values.split(","):
+        c, elements, bits, res = _predict_args(args, rates, {_SWEEPABLE[param]: v.strip()})
+        rows.append({"value": v.strip(), **{k: {"seconds": r["seconds"], "speedup": r["speedup"]}
+                                          for k, r in res.items()}})
+    keys = [k for k in rows[0] if k != "value"]
+    if args.json != "-":
+        out.write(f"{param:>14s} " + " ".join(f"{k:>17s}" for k in keys) + "   (ms, speed-up)\n")
+        for r in rows:
+            out.write(f"{r['value']:>14s} " + " ".join(
+                f"{r[k]['seconds'] * 1e3:9.3f} {r[k]['speedup']:5.2f}x " for k in keys) + "\n")
+    if args.json:
+        write_json({"inputs": _inputs(c, elements, bits, args, rates), "sweep": param,
+                     "rows": rows}, args.json, out)
+    if args.plot:
+        plot_sweep(rows, param, args.plot)
+    return rows

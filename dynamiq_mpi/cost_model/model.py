@@ -4,31 +4,13 @@
         --inter 50GB/s --nics-per-node 8 --elements 2^28 --bits 5
     python -m dynamiq_mpi model ... --json -                   # the same as JSON
     python -m dynamiq_mpi model ... --sweep inter=3GB/s,12.5GB/s,50GB/s --plot sweep.png
-    python -m dynamiq_mpi model --check                        # against docs/results
-    python -m dynamiq_mpi model --map docs/results/cost_model_map.png
 
-Three calls are predicted (docs/cost-model.md):
-
-* **NCCL's BF16 all-reduce**: one ring over all ``n = N K`` ranks whose
-  channels enter and leave every node through different NICs, so the node's
-  network share is all its NICs: ``2(n-1) alpha + 2(n-1)/n S / min(intra,
-  NICs x NIC)`` (the ring is pipelined: its slowest link sets the rate).
-* **Our flat compressed all-reduce** (ring or butterfly over ``n`` ranks,
-  every hop compressed). A point-to-point message between consecutive ranks
-  of two nodes crosses through one NIC; a butterfly step at distance ``d``
-  sends ``min(d, K)`` flows out of every node, sharing its NICs.
-* **Our hierarchical all-reduce**: NCCL's reduce-scatter in the
-  node, K rails (one per local rank, each a compressed all-reduce of 1/K of
-  the input over the N nodes, sharing the node's NICs), NCCL's all-gather.
-
-A compressed call is the engine's own schedule replayed for one rank (every
-rank does the same, shifted): per tile the kernel (compress, decompress-
-accumulate, fused step, decode: measured rates, ``kernel_rates.json``) on
-one compute stream, per message ``alpha + bytes / beta`` on one outgoing
-link, a tile sent as soon as its kernel is done and decoded once it arrived,
-so compression of one tile overlaps the transfer of another as the engine
-does; plus the statistics pass and its exact all-reduce, the planner, and
-the host's own time per call (``--host``).
+Predicted (docs/cost-model.md): NCCL's BF16 ring over all ``n = N K`` ranks,
+our flat compressed all-reduce and our hierarchical one (NCCL in the node, K
+compressed rails sharing the node's NICs).  A compressed call replays the
+engine's schedule for one rank: per tile a kernel at measured rates
+(``kernel_rates.json``), per message ``alpha + bytes / beta``; plus the
+statistics, the planner and the host's time (``--host``).
 """
 from __future__ import annotations
 
@@ -49,14 +31,12 @@ WIDTHS = (2, 4, 8)
 HOST_MODES = ("exact", "fixed", "eager", "graph")
 
 # ------------------------------------------------------------------ units
-
 _SI = {"": 1, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12,
        "Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40}
 
 
 def parse_bandwidth(text) -> float:
-    """Bytes per second from '400GB/s', '200Gb/s', '25GBps', '100Gbps', '12.5GiB/s';
-    a bare number is GB/s."""
+    """Bytes/s from '400GB/s', '200Gb/s', '25GBps', '12.5GiB/s'; a bare number: GB/s."""
     if isinstance(text, (int, float)):
         return float(text) * 1e9
     m = re.fullmatch(r"\s*([0-9.]+(?:[eE][-+]?\d+)?)\s*([kKMGT]i?)?\s*(B|b)?\s*(/s|ps)?\s*",
@@ -97,9 +77,8 @@ def parse_time(text) -> float:
 
 
 # ------------------------------------------------------------------ kernel rates
-
 def _bench_rows(doc):
-    """Rows of a ``bench.kernels`` JSON, or of every round of an A/B file
+    """Rows of a kernel benchmark JSON, or of every round of an A/B file
     (``{"new_round1": {...}, ...}``: the ``new`` rounds), times averaged."""
     if "rows" in doc:
         runs = [doc]
@@ -114,8 +93,7 @@ def _bench_rows(doc):
 
 
 def rates_from_kernel_bench(doc, source="") -> dict:
-    """The rates the model needs (nanoseconds per element, per size) from the
-    output of ``python -m dynamiq_mpi.bench.kernels --json``."""
+    """The model's rates (ns per element, per size) from a kernel benchmark JSON."""
     head, rows = _bench_rows(doc)
     out = {"source": source, "device": head.get("device"), "measured": head.get("date"),
            "command": head.get("command"), "copy_gbps": {}, "ns_per_element": {}}
@@ -141,8 +119,7 @@ def rates_from_kernel_bench(doc, source="") -> dict:
 
 
 def load_rates(name_or_path="h100-final") -> dict:
-    """A rate set of ``kernel_rates.json`` (with the file's shared fields), or
-    the rates of a ``bench.kernels`` JSON at a path."""
+    """A rate set of ``kernel_rates.json``, or a kernel benchmark JSON's at a path."""
     shared = json.loads(RATES_FILE.read_text())
     if name_or_path in shared["sets"]:
         rates = dict(shared["sets"][name_or_path], name=name_or_path)
@@ -150,7 +127,8 @@ def load_rates(name_or_path="h100-final") -> dict:
         p = Path(name_or_path)
         if not p.is_file():
             raise SystemExit(f"--gpu {name_or_path!r}: not a rate set ({', '.join(shared['sets'])}) "
-                             "nor a bench.kernels JSON file")
+                             "nor a kernel benchmark JSON file "
+                             "(python -m research kernels --json)")
         rates = dict(rates_from_kernel_bench(json.loads(p.read_text()), str(p)), name=p.name)
     for key in ("planner_us", "host_us", "launch_us", "default_widths", "in_call_factor"):
         rates[key] = shared[key]
@@ -158,8 +136,7 @@ def load_rates(name_or_path="h100-final") -> dict:
 
 
 def wire_only(rates):
-    """The rates with every kernel, launch, planner and host cost at zero: the
-    plain alpha-beta model of the issue."""
+    """The rates with every kernel, planner and host cost at zero: alpha-beta only."""
     return dict(rates, host_us={k: 0.0 for k in rates["host_us"]}, launch_us=0.0,
                 copy_gbps={"28": float("inf")}, planner_us={"20": 0.0, "28": 0.0},
                 ns_per_element={k: dict.fromkeys(v, 0.0)
@@ -167,8 +144,7 @@ def wire_only(rates):
 
 
 def kernel_ns(rates, key, elements):
-    """ns per element of a kernel at this size (log-linear between the measured
-    sizes, clamped: a tile below the smallest runs at the smallest's rate)."""
+    """ns per element of a kernel at this size: log-linear between measured sizes, clamped."""
     table = rates["ns_per_element"]
     sizes = sorted(int(k) for k in table if key in table[k])
     x = math.log2(max(elements, 1))
@@ -185,7 +161,6 @@ def kernel_ns(rates, key, elements):
 
 
 # ------------------------------------------------------------------ codecs
-
 @dataclass(frozen=True)
 class CodecCost:
     """Per-element kernel seconds of one codec at one tile size, and its wire."""
@@ -202,13 +177,11 @@ class CodecCost:
 
 def codec_cost(codec, bits, rates, tile_elements, widths=None, correlated=True,
                in_bytes=2) -> CodecCost:
-    """``codec``: dynamiq, bf16, exact, mxfp8, mxfp6, mxfp4. ``widths``: DynamiQ's
-    super-groups per width ({0,2,4,8,16} -> count), e.g. a measured call's;
-    default the benchmark data's mix at 5 bits, kept for other budgets."""
+    """``codec``: dynamiq, bf16, exact, mxfp8, mxfp6, mxfp4; ``widths``: DynamiQ's
+    super-groups per width ({0,2,4,8,16} -> count), default the 5-bit mix."""
     f_call = rates.get("in_call_factor", 1.0)
     ns = lambda key: kernel_ns(rates, key, tile_elements) * 1e-9 * f_call   # noqa: E731
-    copy = rates["copy_gbps"][max(rates["copy_gbps"], key=int)] * 1e9   # bytes/s, read + write
-    mem = lambda nbytes: nbytes / copy * f_call                         # noqa: E731
+    mem = lambda nbytes: nbytes / copy_rate(rates) * f_call             # noqa: E731
     bf16_cast = ns("bf16_cast") / 6        # s per byte moved by our BF16 kernels
     bf16_add = ns("bf16_add") / 6
     if codec == "dynamiq":
@@ -235,8 +208,7 @@ def codec_cost(codec, bits, rates, tile_elements, widths=None, correlated=True,
                          mem(12), mem(4 + in_bytes))
     mx = {"mxfp8": 8.25, "mxfp6": 6.25, "mxfp4": 4.25}
     if codec in mx:
-        # no measured MX rates: assumed memory-bound at our BF16 add's share of the
-        # copy rate; their statistics are one byte of block maxima per 32 values
+        # no measured MX rates: memory-bound at our BF16 add's rate
         b = mx[codec] / 8
         return CodecCost(codec, mx[codec], 1 / 32, False, (in_bytes + b) * bf16_add,
                          (2 * b + in_bytes) * bf16_add, mem(b + 8), mem(b + in_bytes))
@@ -244,7 +216,6 @@ def codec_cost(codec, bits, rates, tile_elements, widths=None, correlated=True,
 
 
 # ------------------------------------------------------------------ links and the pipeline
-
 @dataclass(frozen=True)
 class Link:
     """One flow's alpha-beta: seconds per message, bytes per second per direction."""
@@ -264,15 +235,12 @@ def _steps(topology, n):
 
 def data_phase(n, topology, chunk_elements, cost: CodecCost, link_for, tile_bytes,
                launch, start=0.0, host=None) -> dict:
-    """Device time of the reduce-scatter and all-gather of one compressed call
-    (phases.run_schedule, replayed for rank 0; by symmetry a message arrives
-    when this rank's own message of the same step and tile has crossed).
-    ``link_for(distance)`` gives the flow of a step.  ``start``: when the
-    device may begin.  ``host``: ``(t0, per_message)``: an eager host that
-    issues the messages one after another from ``t0``, ``per_message``
-    seconds each (its exchange and the launch of the kernel that feeds it);
-    neither the kernel nor the message runs before its issue.  ``None``: all
-    issued at once (a replayed graph)."""
+    """Device time of the data phases of one compressed call (run_schedule
+    replayed for rank 0; by symmetry a message arrives when this rank's own
+    of the same step and tile has crossed).  ``link_for(distance)``: a
+    step's flow; ``start``: when the device may begin; ``host``: ``(t0,
+    per_message)``, an eager host issuing each message and its kernel in
+    turn from ``t0`` (None: all issued at once, a replayed graph)."""
     chunk_bytes = chunk_elements * cost.wire_bits / 8
     tiles = max(1, math.ceil(chunk_bytes / tile_bytes))
     tb, te = chunk_bytes / tiles, chunk_elements / tiles
@@ -334,8 +302,7 @@ def data_phase(n, topology, chunk_elements, cost: CodecCost, link_for, tile_byte
 
 
 def planner_seconds(rates, elements):
-    """The device planner (a dozen dependent kernels, launch-bound when small):
-    log-linear between its measured sizes."""
+    """The device planner's time, log-linear between its measured sizes."""
     pts = sorted((int(k), v) for k, v in rates["planner_us"].items() if k.isdigit())
     x = math.log2(max(elements, 2))
     if x <= pts[0][0]:
@@ -349,8 +316,8 @@ def planner_seconds(rates, elements):
 
 def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
                          host="fixed", tile_bytes=DEFAULT_TILE_BYTES, in_bytes=2) -> dict:
-    """Predicted seconds of one compressed call of ``elements`` per rank over
-    ``n`` ranks, and its parts. ``cost_at(tile_elements) -> CodecCost``."""
+    """Seconds of one compressed call of ``elements`` per rank over ``n`` ranks,
+    and its parts; ``cost_at(tile_elements) -> CodecCost``."""
     if host not in HOST_MODES:
         raise ValueError(f"host {host!r}: one of {HOST_MODES}")
     ran = topology
@@ -383,11 +350,10 @@ def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
     per_hop = h["per_hop"]
     h_plan = h["plan"] if cost.planner else 0.0
     prologue = d["stats_local"] + d["stats_exchange"] + d["plan"]
-    # the host: the agreement, the engine's own work, the statistics' messages ...
+    # the host: the agreement, the engine's work, the statistics' messages,
     host_pre = h["agree"] + h["data_base"] + per_hop * stats_messages
     if host == "exact" and cost.planner:
-        # ... then it waits for the plan's header (the device's prologue and the copy)
-        # and runs the plan's Python before it issues the first data message
+        # then the plan's header read back and the plan's Python
         h0 = max(host_pre, h["agree"] + prologue) + h["d2h"] + h_plan
     else:                                # fixed: no host read, the plan's Python at once
         h0 = host_pre + h_plan
@@ -400,14 +366,9 @@ def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
     host_total = h["agree"] + h["data_base"] + h_plan + (per_hop * hops if n > 1 else 0.0)
     if host == "graph":                  # one replay: the work is all on the device
         total = max(h["graph_call"], device)
-    elif host == "fixed":
-        # no host read and no report: back-to-back calls overlap one call's host
-        # with another's device
+    elif host == "fixed":                # back-to-back calls overlap host and device
         total = max(host_total, device)
-    else:
-        # exact, eager: the call's end is waited for (its report read), so one call's
-        # host cannot hide behind another's device; the device runs each message
-        # once the host has issued it
+    else:                                # exact, eager: each call's end is waited for
         total = max(gated["end"] + d["finish"], gated["host_end"])
     return {"seconds": total, "device": device, "host": host_total,
             "topology": ran, "tiles": data["tiles"], "hops": hops, "codec": cost.name,
@@ -421,13 +382,11 @@ def copy_rate(rates):
 
 
 # ------------------------------------------------------------------ the cluster
-
 @dataclass(frozen=True)
 class Cluster:
-    """N nodes of K GPUs. ``intra``: one GPU's NVLink (NCCL's bus bandwidth);
-    ``nic``: one NIC, per direction; ``launch``: a collective's fixed cost;
-    ``p2p_efficiency``: our point-to-point over the network against the
-    collective's rate on the same link (1: NCCL's net transport at line rate)."""
+    """N nodes of K GPUs: ``intra`` one GPU's NVLink, ``nic`` one NIC per
+    direction, ``launch`` a collective's fixed cost, ``p2p_efficiency`` our
+    point-to-point's share of the collective's network rate."""
     nodes: int
     gpus_per_node: int
     intra: Link
@@ -446,8 +405,7 @@ class Cluster:
         return Link(self.nic.alpha, self.nic.beta * share * self.p2p_efficiency)
 
     def flat_flow(self, distance):
-        """The slowest flow of a flat step at this rank distance (consecutive
-        ranks per node: ``min(d, K)`` ranks of every node cross to another)."""
+        """The slowest flow of a flat step at distance ``d`` (``min(d, K)`` ranks cross)."""
         k = self.gpus_per_node
         if self.nodes == 1:
             return self.intra
@@ -456,9 +414,7 @@ class Cluster:
 
 
 def nccl_allreduce(c: Cluster, nbytes) -> float:
-    """NCCL's ring: every NIC of a node busy, so the node boundary moves
-    2(n-1)/n S at NICs x NIC while the NVLink hops move the same per GPU;
-    pipelined, the slower of the two sets the rate."""
+    """NCCL's pipelined ring: the slower of the NICs and the NVLink hops sets the rate."""
     n = c.ranks
     if n == 1:
         return c.launch

@@ -1,8 +1,5 @@
-"""PyTorch adapter: a DDP communication hook and a gradient all-reduce for
-hand-written loops (``ddp``), FSDP2's reduce-scatter (``fsdp``), the
-worker thread that lets the DDP hook return at once (``overlap``), HSDP's
-compressed replicate all-reduce (``hsdp``), and which
-ranks they reduce over (``groups``: torch groups, MPI communicators).
+"""PyTorch adapter (docs/training.md): the DDP hook and a gradient all-reduce
+(``ddp``), FSDP2's reduce-scatter (``fsdp``), HSDP (``hsdp``).
 
     import dynamiq_mpi as dq
     import dynamiq_mpi.torch as dqt
@@ -10,8 +7,7 @@ ranks they reduce over (``groups``: torch groups, MPI communicators).
     torch.distributed.init_process_group(...)   # or, under mpiexec: dqt.init_process_group_from_mpi()
     dqt.register_comm_hook(ddp, dqt.HookState(codec=dq.DynamiQ(bits=5)))
 
-torch is imported only by this subpackage: ``import dynamiq_mpi`` never
-imports it.
+``import dynamiq_mpi`` never imports torch.
 """
 from .ddp import (HookState, allreduce_gradients, ddp_comm_hook, init_process_group_from_mpi,
                   register_comm_hook, tensor_as_array)

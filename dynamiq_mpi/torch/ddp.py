@@ -77,63 +77,38 @@ def _torch_stream(device: torch.device):
 
 # --------------------------------------------------------------------- state
 class HookState:
-    """What the hook and :func:`allreduce_gradients` need between calls.
+    """What the hook and :func:`allreduce_gradients` need between calls
+    (docs/reference.md lists every option and attribute).
 
     Holds the codec, seed, topology, transport, the communicator and its
-    :class:`~dynamiq_mpi.Collective` (created on first use), whose call counter
-    keys the random generator: every rank makes the same calls, so the
-    counters agree.  Nothing is keyed on DDP's bucket index, so the bucket
-    rebuild after the first iteration changes nothing.
+    :class:`~dynamiq_mpi.Collective` (made on first use), whose call counter
+    keys the generator: every rank makes the same calls, so the counters
+    agree; nothing is keyed on DDP's bucket index, so DDP's bucket rebuild
+    changes nothing.  The communicator: ``process_group=`` (a
+    torch.distributed group) or ``comm=`` (that, or an mpi4py communicator);
+    given neither, the launcher's default, decided on first use (a job of
+    several processes with none raises on every rank).
+    :func:`register_comm_hook` takes a subgroup from ``ddp.process_group``.
 
-    The communicator: ``process_group=`` (a torch.distributed group, as
-    torch's own stateful hooks take it) or ``comm=`` (that, or an mpi4py
-    communicator); given neither, the launcher's default, decided on first
-    use (``MPI.COMM_WORLD`` under mpiexec, else torch.distributed's default
-    group; a job of several processes with neither raises on every rank).
-    A DDP model over a subgroup needs the state to know that group:
-    :func:`register_comm_hook` fills it in from ``ddp.process_group`` (and
-    raises when the state was made for another group); a state without one,
-    registered by ``ddp.register_comm_hook`` on such a model, would average
-    over the whole job - the caller's error.
-
-    Pickling (for checkpoints) keeps the configuration, the call counter and
-    the iteration count, never the communicator: after unpickling the state
-    takes the launcher's default on first use, or what is assigned to
-    ``state.comm``, and its new collective continues from the saved counter.
-
-    Per-call results stay on the state, never in globals: with ``reports``
-    on, ``last_report`` is the :class:`~dynamiq_mpi.Report` of the last
-    all-reduce (on the GPU a report costs a device-to-host copy per call, so a
-    training loop may switch ``state.reports`` on only for the steps it logs),
-    and :meth:`pop_stats` returns (and resets) totals since its last call.  Set
-    ``measure_error = True`` for the steps whose vNMSE you want: each bucket is
-    then also all-reduced exactly in float64 (uncompressed, outside the timed
-    part), and ``pop_stats()["vnmse"]`` gives sum ||X^ - X||^2 / sum ||X||^2.
+    Pickling keeps the configuration and the counters, never the
+    communicator: the new collective continues from the saved counter.
+    With ``reports``, ``last_report`` is the last call's Report (on the GPU
+    a report costs a device-to-host copy per call, and such calls run
+    eagerly); :meth:`pop_stats` returns and resets the totals;
+    ``measure_error = True`` also reduces each bucket exactly (float64, untimed)
+    for ``pop_stats()["vnmse"]``.
 
     ``path`` (DDP hook): "auto" (default) chooses by whole training steps
-    among "plain" (the group's own all-reduce of the bucket, as DDP without
-    a hook), "native" (the group's all-reduce in BF16, as torch's
-    ``bf16_compress_hook``) and "compressed"; ddp_buckets.py says how.
-    ``path_decisions()`` gives the choice and the measured step times.
-
-    ``fuse_mb`` (default 256): the compressed path reduces consecutive DDP
-    buckets in one call once they hold this many MiB (0: every bucket alone);
-    ``auto_rounds``: the A/B rounds of ``path="auto"`` (each round runs two
-    steps of each path and times the second; after step 0 and a warm-up
-    round: 7 + 6 x rounds steps in all before the choice).
-
-    The options of the :class:`~dynamiq_mpi.Collective` the state makes:
-    ``hierarchy`` ("flat", "nodes" or "auto"), ``node_size``, ``links``,
-    ``rail_budget``, ``graphs`` and ``lanes``, as the collective takes them
-    (see there); None leaves each to the collective's default (or its
-    ``DYNAMIQ_*`` variable).  They are checked when the state is made and
-    pickled with it.
-
-    ``overlap`` (default: for CUDA buckets): the DDP hook hands compressed
-    calls to a worker thread and returns the futures at once, so the
-    backward pass is not held up by the call's host work and wait
-    (overlap.py); False runs them in the hook.  Buckets run in the order
-    DDP hands them over either way, with the same bits.
+    among "plain" (the group's all-reduce, as DDP without a hook), "native"
+    (BF16 on the wire, as ``bf16_compress_hook``) and "compressed"
+    (ddp_buckets.py); ``path_decisions()`` gives the choice and the times.
+    ``fuse_mb`` (256): compressed buckets reduced in one call once they hold
+    this many MiB (0: each alone); ``auto_rounds``: the A/B rounds of "auto".
+    ``hierarchy``, ``node_size``, ``links``, ``rail_budget``, ``graphs``,
+    ``lanes``: the collective's options (None: its default), checked here and
+    pickled.  ``overlap`` (default: for CUDA buckets): compressed calls run on
+    a worker thread and the hook returns at once (overlap.py); the order and
+    bits are the same either way.
     """
 
     _PICKLED = ("codec", "seed", "transport", "topology", "iteration", "measure_error",

@@ -13,30 +13,21 @@
         if hasattr(module, "set_custom_reduce_scatter"):
             module.set_custom_reduce_scatter(rs)
 
-FSDP2 (torch >= 2.11) calls the object on its own reduce-scatter stream with
-the padded flat gradient of one parameter group (``len = n x shard``) and
-the shard to fill; this runs the compressed reduce-scatter there (CUDA
-tensors as CuPy views on torch's current stream, CPU tensors as NumPy views,
-zero-copy).  Parameters are all-gathered by FSDP itself, uncompressed.
+FSDP2 (torch >= 2.11) calls the object on its reduce-scatter stream with
+one parameter group's padded flat gradient (``len = n x shard``, in FSDP's
+``reduce_dtype``: float32 or BF16) and the shard to fill, with FSDP's op
+(AVG, SUM, or PREMUL_SUM(f) from ``set_gradient_divide_factor``); tensors
+become CuPy (CUDA, torch's current stream) or NumPy views, zero-copy.
+Parameters are all-gathered by FSDP itself, uncompressed.
 
 State, pickling, reports, ``pop_stats`` and the non-finite semantics are
-:class:`~dynamiq_mpi.torch.HookState`'s: NaN/Inf on any rank gives NaN
-gradient shards on every rank (DynamiQ decides it from its statistics
-phase, so every rank's whole shard is NaN and ``GradScaler`` skips the step
-on every rank alike; ``Exact``/``BF16`` propagate per coordinate), or with
-``nonfinite="raise"`` every rank raises.  ``path="auto"`` (default) times,
-per size class, the compressed reduce-scatter against the process group's
-own ``reduce_scatter_tensor`` (BF16 on the wire for float32 input and DynamiQ:
-what ``MixedPrecisionPolicy(reduce_dtype=bfloat16)`` sends) and keeps the
-faster, agreed by all ranks (the collective's ``class_choice``, reported by
-``path_decisions()``); "compressed" / "native" force, and
-"plain" is the group's reduce-scatter in FSDP's ``reduce_dtype``.
-
-FSDP2 as LLM jobs run it, ``MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-reduce_dtype=torch.float32)`` or ``reduce_dtype=torch.bfloat16``: the object
-receives FSDP's ``reduce_dtype`` buffer (float32 or BF16; the codec reads
-either) and FSDP's op: AVG, SUM, or PREMUL_SUM(f) from
-``set_gradient_divide_factor`` (the sum, then scaled by f).
+:class:`~dynamiq_mpi.torch.HookState`'s (NaN/Inf on any rank: NaN shards on
+every rank, so ``GradScaler`` skips the step alike; or, with
+``nonfinite="raise"``, every rank raises).  ``path="auto"`` (default) times,
+per size class, the compressed reduce-scatter against the group's own with
+BF16 on the wire (what ``reduce_dtype=bfloat16`` sends), agreed by all ranks
+(``path_decisions()``); "compressed" / "native" force, "plain" is the
+group's reduce-scatter in FSDP's ``reduce_dtype``.
 """
 from __future__ import annotations
 

@@ -13,8 +13,7 @@ from ..settings import environment
 
 
 def _native_group(comm) -> tuple:
-    """(usable, group) for torch.distributed's own collectives over ``comm``'s
-    ranks (group None: the default group)."""
+    """(usable, group; None: the default) for torch.distributed's collectives over ``comm``."""
     if is_torch_group(comm):
         return True, comm
     dist = torch.distributed
@@ -37,8 +36,7 @@ def _group_ranks(comm) -> list:
 
 def _adopt_group(state, group, who, what="the group given"):
     """Give a state without a communicator ``group`` (a group of the whole
-    job leaves it the launcher's default: MPI's world under mpiexec, so the
-    MPI route stays as it was); raise when it has one of other ranks."""
+    job leaves it the launcher's default); raise when it has other ranks."""
     if state._comm is None:
         if _group_ranks(group) != list(range(torch.distributed.get_world_size())):
             state.comm = group
@@ -52,15 +50,11 @@ def _adopt_group(state, group, who, what="the group given"):
 
 
 def init_process_group_from_mpi(backend: str | None = None, comm=None, timeout=None):
-    """Initialise ``torch.distributed`` from mpi4py's rank and size.
-
-    ``backend`` defaults to ``"nccl"`` when CUDA is available, else ``"gloo"``.
-    Rank 0 opens a TCP store on a free port and broadcasts its address over
-    MPI (``MASTER_ADDR`` / ``MASTER_PORT`` from the environment are used if
-    set).  With CUDA, each rank takes the GPU of its rank on the node.  Does
-    nothing if torch.distributed is already initialised.  Returns
-    ``(rank, world_size, device)``.
-    """
+    """Initialise ``torch.distributed`` from mpi4py's rank and size (nothing if
+    it already is): ``backend`` "nccl" with CUDA (each rank takes its node
+    rank's GPU), else "gloo"; rank 0's TCP store (``MASTER_ADDR`` /
+    ``MASTER_PORT`` if set, else a free port) broadcast over MPI.  Returns
+    ``(rank, world_size, device)``."""
     import datetime
 
     from mpi4py import MPI

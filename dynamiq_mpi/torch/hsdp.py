@@ -1,27 +1,13 @@
-"""HSDP with a compressed replicate all-reduce: FSDP2 shards parameters
-inside a shard group (a node: its reduce-scatter stays uncompressed, NCCL's
-or gloo's own), and the gradient shards are all-reduced across the
-replicas, compressed, by :func:`dynamiq_mpi.allreduce` over the replicate
-group (the slow links between nodes carry the compressed bytes).
+"""HSDP with a compressed replicate all-reduce (docs/training.md, which has
+the example): FSDP2 shards parameters inside a shard group (a node, its
+reduce-scatter uncompressed); FSDP2's all-reduce hook then replaces each
+gradient shard's mean over the shard group, in place, by its mean over the
+replicate group, compressed, so every gradient is the mean over all ranks.
+Replicas must start from the same parameters, as with HSDP's own.
 
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-    import dynamiq_mpi.torch as dqt
-
-    mesh = init_device_mesh("cuda", (nodes, gpus_per_node),
-                            mesh_dim_names=("replicate", "shard"))
-    hsdp = dqt.HSDP(mesh, codec=dq.DynamiQ(bits=5))
-    for layer in model.layers:
-        fully_shard(layer, mesh=hsdp.shard_mesh)
-    fully_shard(model, mesh=hsdp.shard_mesh)
-    hsdp.attach(model)                    # every FSDP module's all-reduce hook
-
-FSDP2 over the 1-D shard mesh reduce-scatters each parameter group and calls
-its all-reduce hook with the shard (the mean over the shard group); the hook
-replaces it, in place, by its mean over the replicate group, so every
-gradient is the mean over all ranks, once (tests/test_launchers.py compares
-it with the exact float64 mean).  Replicas must start from the same
-parameters (the same seed, or a broadcast), as with HSDP's own.
+    hsdp = dqt.HSDP(mesh, codec=dq.DynamiQ(bits=5))   # mesh: (replicate, shard)
+    fully_shard(model, mesh=hsdp.shard_mesh)           # and its layers
+    hsdp.attach(model)
 """
 from __future__ import annotations
 
@@ -34,12 +20,9 @@ __all__ = ["HSDP"]
 
 class HSDP(HookState):
     """The replicate all-reduce of HSDP as FSDP2's all-reduce hook.
-
-    ``mesh``: a 2-D device mesh (replicate, shard), its dimensions named by
-    ``replicate_dim`` and ``shard_dim``; or pass ``replicate_group`` (and
-    shard with the mesh of your choice).  The rest is :class:`HookState`'s
-    (codec, seed, topology, path, reports, pickling...): its communicator is
-    the replicate group."""
+    ``mesh``: a 2-D device mesh, its dimensions named ``replicate_dim`` and
+    ``shard_dim``; or ``replicate_group`` (shard as you choose).  The rest is
+    :class:`HookState`'s, over the replicate group."""
 
     shard_mesh = None           # (not pickled: a mesh belongs to one job)
 
@@ -64,8 +47,7 @@ class HSDP(HookState):
         self.allreduce_(reduce_output)
 
     def attach(self, module) -> int:
-        """Register the hook on every FSDP module under ``module`` (itself
-        included); returns how many."""
+        """Register the hook on every FSDP module in ``module`` (itself included): how many."""
         count = 0
         for m in module.modules():
             if hasattr(m, "set_all_reduce_hook"):

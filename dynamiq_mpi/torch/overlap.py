@@ -1,19 +1,8 @@
-"""The DDP hook's overlap: compressed bucket calls run on a worker thread, so
-the hook returns its future at once and the backward pass goes on.
-
-A compressed call waits on the host once (the plan's device-to-host read,
-after the statistics exchange); run from the hook, that wait stops autograd
-from enqueueing the rest of the backward pass until the GPU has caught up with
-every kernel before the bucket, once per bucket.  The worker takes that wait
-instead: the hook records an event on the current stream, queues the bucket
-and returns; the worker runs the buckets in the order they came (the same on
-every rank, as DDP launches them) on its own stream, which waits for that
-event on the device, and completes each future on that stream: DDP's consumer
-waits for the result on the device, not on the host.  An error of a call (a
-disagreement, NaN with ``nonfinite="raise"``) is set on its future and kept:
-the hook of the iteration's last bucket waits for the worker and raises it,
-so every rank raises it from ``backward()`` as before, with its own type
-(DDP's C++ side would only see a future it cannot read).
+"""The DDP hook's overlap (docs/design.md, "The parts"): compressed bucket
+calls run in order on a worker thread and stream, which waits for the
+hook's event, so the hook returns its future at once (a call's host wait
+would stall autograd).  A call's error is set on its future and kept; the
+iteration's last bucket's hook raises it from ``backward()`` with its type.
 """
 from __future__ import annotations
 
@@ -32,16 +21,14 @@ def new_future(device: torch.device) -> torch.futures.Future:
 
 
 def complete(futures, bufs) -> None:
-    """Each future gets its own bucket's tensor (on CUDA: recorded on the
-    current stream)."""
+    """Each future gets its own bucket's tensor (on CUDA: recorded on the current stream)."""
     for fut, buf in zip(futures, bufs, strict=True):
         fut.set_result(buf)
 
 
 class BucketWorker:
-    """One thread running bucket calls in submission order; on CUDA on a
-    stream of its own.  A call may reduce several buckets at once (the
-    hook's fused groups): one job, one future per bucket."""
+    """One thread running bucket calls in order, on CUDA on its own stream; a
+    call may reduce several buckets (a fused group), one future each."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -55,9 +42,8 @@ class BucketWorker:
         self._thread.start()
 
     def submit(self, bufs, run, futures=None) -> list:
-        """Futures of ``bufs`` (a list of tensors) after ``run(bufs)`` has
-        reduced them in place; ``futures``: pending ones to complete instead
-        of new ones (the hook made them when each bucket arrived)."""
+        """Futures of ``bufs`` (tensors) once ``run(bufs)`` reduced them in
+        place; ``futures``: pending ones to complete instead of new ones."""
         ready = None
         if self.stream is not None:
             ready = torch.cuda.Event()

@@ -1,32 +1,12 @@
-"""Transports move packed byte buffers between ranks.
-
-The engine is written once, as one generator per rank that yields the
-communication it needs (:mod:`dynamiq_mpi.transports.ops`); a transport
-answers it:
-
-* ``mpi`` (``mpi_host``): mpi4py, one rank per process; device buffers staged
-  through pinned host memory.  Always works.
-* ``nccl`` (``nccl``): NCCL point-to-point through CuPy's bindings, on a
-  private stream, overlapping with the caller's kernels.  Device arrays only.
-* ``mpi-cuda`` (``mpi_cuda``): a CUDA-aware MPI through mpi4py, device
-  buffers handed over as they are.  Device arrays only, and only where every
-  rank's MPI says it is CUDA-aware (``cuda_aware``).
-* ``simulate`` (``simulate``): all ranks in one process.
-
-Each answers the engine's requests as a :class:`base.Transport`; the
-agreement they share lives in ``control/agreement.py``.
-
-``auto`` picks ``nccl`` when every rank passes a device array and NCCL is
-usable on every rank, else ``mpi-cuda`` when every rank's MPI is CUDA-aware,
-else ``mpi``.  The choice is a pure function of the agreed per-rank records,
-so every rank makes it alike (an environment override set on some ranks only
-counts as "not CUDA-aware" everywhere), and a transport asked for but not
-usable is the same error on every rank before any data byte moves.
+"""Transports move packed byte buffers between ranks, answering the requests
+(``ops.py``) of the engine's per-rank generators (docs/design.md's table).
+``auto`` picks NCCL, else a CUDA-aware MPI, else host staging, from the
+agreed records: every rank chooses alike, and a transport asked for but
+unusable is the same error on every rank.
 """
 from __future__ import annotations
 
 from ..errors import InvalidInputError
-
 
 
 def _nccl():
@@ -44,10 +24,7 @@ def _host():
     return HostTransport
 
 
-# The transports a call may name, each a subclass of base.Transport, imported
-# on first use (NCCL's needs CuPy); "auto" chooses among them from every
-# rank's record (explain_transport).  The simulated transport drives all ranks
-# of simulate_allreduce at once and is not a call's choice.
+# The transports a call may name, imported on first use (NCCL's needs CuPy).
 REGISTRY = {"nccl": _nccl, "mpi-cuda": _mpi_cuda, "mpi": _host}
 TRANSPORTS = ("auto",) + tuple(REGISTRY)
 
@@ -56,9 +33,8 @@ def transport_class(name: str):
     """The class of the transport called ``name`` (a key of REGISTRY)."""
     return REGISTRY[name]()
 
-# The transports with an all-reduce of their own (the "native" path of a
-# call), per array backend, and the wire dtypes it sums: NCCL on device
-# arrays, MPI on host arrays (MPI has no bfloat16 sum).
+
+# The wire dtypes of the transports' own all-reduce per backend (MPI: no BF16 sum).
 _NATIVE_WIRES = {("nccl", "gpu"): ("bfloat16", "float16", "float32", "float64"),
                  ("mpi", "cpu"): ("float32", "float64")}
 
@@ -73,11 +49,8 @@ _CAPABILITIES: dict = {}
 
 
 def transport_capabilities(backend) -> dict:
-    """What this rank could use for its input (part of the agreement record).
-    CUDA-awareness is recorded for host arrays too, so that asking for
-    ``mpi-cuda`` on an MPI without it says so whatever the arrays.  Kept per
-    backend and environment override: the answers do not change while the
-    process lives (a copy is handed out)."""
+    """What this rank could use (part of the agreement record; CUDA-awareness
+    for host arrays too, so ``mpi-cuda`` refuses alike); a copy of the kept."""
     from ..settings import env_text
     from .cuda_aware import ENV, _mpi_running
     name = None if backend is None else backend.name
@@ -114,9 +87,8 @@ def _by_reason(pairs) -> str:
 
 
 def explain_transport(requested: str, metas: list) -> tuple:
-    """(transport, why) of a call, from every rank's agreement record;
-    raises :class:`InvalidInputError` (on every rank alike) when the transport
-    asked for cannot run."""
+    """(transport, why) of a call from every rank's agreement record, or
+    :class:`InvalidInputError` (alike on every rank) where it cannot run."""
     if requested == "mpi":
         return "mpi", "requested"
     host = [r for r, m in enumerate(metas) if m["backend"] != "gpu"]
@@ -160,9 +132,7 @@ _CHOSEN: dict = {}
 
 
 def choose_transport(requested: str, metas: list) -> str:
-    """The transport of a call, from every rank's agreement record.  When the
-    agreement handed back one record for all ranks (digests matched), the
-    answer depends on that record's backend and capabilities alone: kept."""
+    """The transport of a call from the agreement records (kept where one record decides)."""
     first = metas[0]
     if not all(m is first for m in metas):
         return explain_transport(requested, metas)[0]

@@ -24,11 +24,8 @@ class Timeline:
 
 
 class Transport:
-    """What every transport does with the engine's requests: data requests go
-    to its own ``_exchange``, ``_claim`` and ``_mark`` (and ``_native_allreduce``
-    where it has an all-reduce of its own); agreement always goes over the
-    control plane (the transport's ``agreement``).  A transport has a
-    ``name`` (its key in ``transports.REGISTRY``) and a ``free()``."""
+    """Answers the engine's requests by ``_exchange``, ``_claim``, ``_mark``,
+    ``_native_allreduce`` and agreement over ``agreement``, the control plane."""
 
     profile = None
     agreement = None

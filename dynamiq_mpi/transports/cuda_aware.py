@@ -1,28 +1,7 @@
-"""Is the MPI that mpi4py loaded CUDA-aware?  Asked, never guessed.
-
-The answer decides whether ``transport="mpi-cuda"`` may hand device (CuPy)
-buffers to MPI; a wrong "yes" makes MPI read device pointers as host memory
-(a crash or silent garbage), so only an explicit answer counts as "yes".  In
-this order:
-
-1. ``DYNAMIQ_CUDA_AWARE_MPI=1`` or ``=0`` (the user knows better than any
-   probe, e.g. an MPI whose query lies, like MPItrampoline's constant 0);
-2. the MPI 4.1 info key ``mpi_memory_alloc_kinds`` of ``MPI_COMM_WORLD``: it
-   lists ``cuda`` (or ``cuda:device``) when CUDA device memory is supported.
-   A list without ``cuda`` is no "no": Open MPI only lists GPU kinds the user
-   requested (``mpiexec --memory-allocation-kinds``), so we go on;
-3. the vendor query in the libmpi that mpi4py loaded, through ctypes:
-   ``MPIX_GPU_query_support(CUDA, &flag)`` where it exists (MPICH: its
-   ``MPIX_Query_cuda_support`` asserts in MPICH < 4 built without GPU
-   support), else ``MPIX_Query_cuda_support()`` (Open MPI, MPICH).
-
-No answer from any of them is a "no", with the reason saying how to override.
-
-:func:`detect` is the pure procedure with every source injectable (the tests
-fake MPIs that say yes, no and nothing); :func:`cuda_aware_mpi` is what the
-library uses: the environment read on every call (cheap, and a test may
-change it), the MPI probes made once per process (and never where MPI is
-not initialised: the simulation must not start one).
+"""Is the MPI that mpi4py loaded CUDA-aware?  Asked, never guessed (a wrong
+"yes" makes MPI read device pointers as host memory): docs/cuda_aware_mpi.md
+gives the sources and their order.  :func:`detect` takes every source
+injectable; :func:`cuda_aware_mpi` probes MPI once, never uninitialised.
 """
 from __future__ import annotations
 
@@ -43,24 +22,18 @@ MPIX_GPU_SUPPORT_CUDA = 0     # MPICH's type id for CUDA in MPIX_GPU_query_suppo
 
 @dataclass(frozen=True)
 class CudaAwareness:
-    """``aware``: device buffers may go to MPI.  ``source``: which step
-    decided ("env", "info", "query", "none").  ``why``: one line for errors
-    and reports."""
+    """``aware``: device buffers may go to MPI; ``source``: "env", "info",
+    "query" or "none"; ``why``: one line for errors and reports."""
     aware: bool
     source: str
     why: str
 
 
 def detect(environ=None, info=None, libraries=None) -> CudaAwareness:
-    """The detection procedure, every source injectable.
-
-    ``environ``: a mapping (default ``os.environ``).  ``info``: an object with
-    ``Get(key) -> str | None`` (an ``MPI.Info``), or a callable returning one
-    (default: ``MPI.COMM_WORLD.Get_info()``).  ``libraries``: ``(name,
-    library)`` pairs where ``library`` is a ``ctypes.CDLL`` or anything whose
-    attributes are the C functions (default: :func:`loaded_mpi_library_paths`).
-    A source is touched only when the ones before it did not answer.
-    """
+    """The detection, each source asked only if the ones before did not answer:
+    ``environ`` (a mapping), ``info`` (an ``MPI.Info``-like object or a
+    callable returning one), ``libraries`` (``(name, library)`` pairs whose
+    attributes are the C functions); defaults: this process's."""
     environ = environment() if environ is None else environ
     from_env = _from_env(environ.get(ENV, ""))
     if from_env is not None:
@@ -116,8 +89,7 @@ def _lists_cuda_device(kinds) -> bool:
 
 
 def _query(libraries):
-    """(aware, call, library name) from the first library that exports a
-    query, or None."""
+    """(aware, call, library name) from the first library that exports a query, or None."""
     for name, lib in libraries:
         gpu = _symbol(lib, GPU_QUERY)
         if gpu is not None:
@@ -151,9 +123,8 @@ def _symbol(lib, name):
 
 
 def loaded_mpi_library_paths() -> list:
-    """Files of the MPI library mapped into this process (``/proc/self/maps``,
-    lines naming ``libmpi``), ``libmpi.so*`` first, then mpi4py's own
-    extension module, whose dependencies are the MPI it was built for."""
+    """The MPI library files mapped into this process, ``libmpi.so*`` first,
+    then mpi4py's extension module (its dependencies are its MPI)."""
     paths = []
     try:
         with open("/proc/self/maps") as maps:
@@ -174,8 +145,7 @@ def loaded_mpi_library_paths() -> list:
 
 
 def _default_libraries():
-    """(path, CDLL) of :func:`loaded_mpi_library_paths`, opened lazily (the
-    library is already loaded: this only takes a handle)."""
+    """(path, CDLL) of :func:`loaded_mpi_library_paths`, opened lazily."""
     for path in loaded_mpi_library_paths():
         try:
             yield path, ctypes.CDLL(path)
@@ -188,8 +158,7 @@ _probed = None
 
 
 def cuda_aware_mpi() -> CudaAwareness:
-    """This process's answer: the environment override, else the MPI probes
-    (made once; the MPI does not change while the process lives)."""
+    """This process's answer: the environment override, else the MPI probes (made once)."""
     from_env = _from_env(env_text(ENV, ""))
     if from_env is not None:
         return from_env

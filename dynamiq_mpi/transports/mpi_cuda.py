@@ -1,34 +1,7 @@
-"""CUDA-aware MPI transport: device (CuPy) buffers handed to mpi4py as they are.
-
-No host staging.  MPI knows nothing of CUDA streams, so the host orders the
-two worlds:
-
-* a payload the GPU computed is read by MPI only after the compute stream
-  (the caller's current CuPy stream) is synchronised: once per exchange that
-  sends a computed payload, right before its ``Isend``;
-* a forwarded payload (a buffer this transport received) was written by MPI,
-  not by a kernel: its receive is completed, no stream sync is needed;
-* receives are posted (``Irecv``) as soon as the engine asks, and a
-  :class:`~.ops.Claim` completes one only when a kernel is about to read it,
-  so the transfer of one tile overlaps the kernel of the next, as on the
-  NCCL path (here the host waits where NCCL would make the stream wait);
-* before the first receive of a call the stream is synchronised once too:
-  a kernel of the previous call may still read a workspace buffer that this
-  call receives into;
-* a receive never lands on a send still in flight: the all-gather receives
-  the final sum of a tile into the wire slot whose partial sum this rank sent
-  in the reduce-scatter.  Causality already orders the two (the final sum
-  exists only after the partial one arrived), but MPI forbids touching a
-  send buffer before its request completes, so that send is completed first
-  (at no cost in practice).
-
-Every request is complete when the call ends (the engine's ``done`` mark, or
-:meth:`MPICudaTransport.end_call` on the way out of a failed call), so no
-buffer is in flight between calls.
-
-``xp`` (the array module) and ``synchronize`` (waits for the compute stream)
-are injectable: the CPU tests drive this class under mpiexec with NumPy
-arrays and a fake stream, and compare it with the host-staged transport.
+"""CUDA-aware MPI transport: device buffers handed to mpi4py as they are, the
+host ordering MPI and the streams (docs/cuda_aware_mpi.md); nothing is in
+flight between calls.  ``xp`` and ``synchronize`` are injectable (the CPU
+tests run it on NumPy arrays).
 """
 from __future__ import annotations
 
@@ -51,11 +24,9 @@ class MPICudaTransport(Transport):
     name = "mpi-cuda"
 
     def __init__(self, comm, xp=None, synchronize=None):
-        """``comm``: duplicated here (collective: every rank constructs it in
-        the same call), so our messages never match anybody else's.
-        ``xp``: CuPy by default.  ``synchronize``: a callable that returns once
-        the work enqueued so far on the compute stream is done; by default the
-        current CuPy stream's ``synchronize``."""
+        """``comm``: duplicated here (collective).  ``xp``: CuPy by default.
+        ``synchronize``: returns once the compute stream's work is done
+        (default: the current CuPy stream's)."""
         if xp is None:
             import cupy as xp
         if synchronize is None:
@@ -109,8 +80,7 @@ class MPICudaTransport(Transport):
         return handle
 
     def _settle_sends_under(self, buf):
-        """Complete the sends in flight whose bytes overlap ``buf``; forget
-        the ones already complete (keeps the list short)."""
+        """Complete the sends in flight overlapping ``buf``; forget completed ones."""
         lo = _address(buf)
         hi = lo + buf.nbytes
         keep = []
@@ -131,19 +101,24 @@ class MPICudaTransport(Transport):
         self._complete(handle)
         return handle.buffer
 
-    def _drain(self):
-        """Complete every request of the call (the peers posted theirs)."""
-        from mpi4py import MPI
+    def _pending(self):
+        recvs = [h.token for h in self._recvs if h.token is not None]
+        return recvs + [s[0] for s in self._sends]
 
-        pending = [t for t in (h.token for h in self._recvs) if t is not None]
-        pending += [s[0] for s in self._sends]
-        if pending:
-            MPI.Request.Waitall(pending)
+    def _forget(self):
         for h in self._recvs:
             h.token = None
         self._recvs.clear()
         self._sends.clear()
         self._fresh = True
+
+    def _drain(self):
+        """Complete every request of the call (the peers posted theirs)."""
+        from mpi4py import MPI
+        pending = self._pending()
+        if pending:
+            MPI.Request.Waitall(pending)
+        self._forget()
 
     def _mark(self, name):
         if name == "done":
@@ -155,11 +130,9 @@ class MPICudaTransport(Transport):
             self.profile.mark(name)
 
     def end_call(self, failed: bool = False, patience: float = 30.0):
-        """Called when a call ends (normally a no-op: the ``done`` mark
-        drained).  After a failure the requests still posted are completed if
-        the peers complete them within ``patience`` seconds (an error the
-        ranks agreed on: everybody posted everything); otherwise they are
-        dropped with a warning rather than hiding the error behind a hang."""
+        """When a call ends; after a failure the requests still posted are
+        completed within ``patience`` seconds, else dropped with a warning
+        rather than hiding the error behind a hang."""
         if not self._sends and not self._recvs:
             self._fresh = True
             return
@@ -167,9 +140,7 @@ class MPICudaTransport(Transport):
             self._drain()
             return
         from mpi4py import MPI
-
-        pending = [t for t in (h.token for h in self._recvs) if t is not None]
-        pending += [s[0] for s in self._sends]
+        pending = self._pending()
         deadline = time.monotonic() + patience
         while pending and not MPI.Request.Testall(pending):
             if time.monotonic() > deadline:
@@ -177,11 +148,7 @@ class MPICudaTransport(Transport):
                               "complete; their buffers may still be written", RuntimeWarning)
                 break
             time.sleep(1e-3)
-        for h in self._recvs:
-            h.token = None
-        self._recvs.clear()
-        self._sends.clear()
-        self._fresh = True
+        self._forget()
 
     # -- profiling ---------------------------------------------------------------
     def start_profile(self, device=True):

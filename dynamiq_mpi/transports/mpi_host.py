@@ -1,11 +1,6 @@
-"""The host transport ("mpi") over a control plane.
-
-Payload moves by the control plane's own point-to-point: MPI's over an
-mpi4py communicator, the private gloo group's over a torch.distributed one
-(control/).  NumPy buffers go as they are.  Device (CuPy) buffers are staged
-through pinned host buffers that are reused across calls (see ``staging``);
-the CUDA stream is synchronised before a buffer leaves.  Every exchange
-completes before the answer, so a :class:`Claim` returns at once.
+"""The host transport ("mpi"): payload by the control plane's point-to-point,
+device buffers staged through reused pinned host buffers (:class:`HostStager`).
+Every exchange completes before its answer, so a :class:`Claim` returns at once.
 """
 from __future__ import annotations
 
@@ -23,9 +18,7 @@ class HostTransport(Transport):
     name = "mpi"
 
     def __init__(self, comm):
-        """``comm``: a control plane, mpi4py communicator or torch process
-        group; duplicated here (collective), so our traffic never matches the
-        caller's messages."""
+        """``comm``: a control plane, mpi4py communicator or torch group (duplicated)."""
         self.plane = self.agreement = as_plane(comm).dup()
         self.rank, self.size = self.plane.rank, self.plane.size
         self._stager = None
@@ -40,7 +33,6 @@ class HostTransport(Transport):
         if isinstance(payload, np.ndarray):
             return payload
         if self._stager is None:
-            from .staging import HostStager
             self._stager = HostStager()
         return self._stager.to_host(payload)          # synchronises the stream
 
@@ -80,6 +72,42 @@ class HostTransport(Transport):
         if self.plane is not None:
             self.plane.free()
             self.plane = None
+
+
+class HostStager:
+    """Pinned host buffers for device payloads, grown on demand and reused; the
+    stream is synchronised before a buffer goes to MPI and after the copy back."""
+
+    def __init__(self):
+        self._buffers = {}
+
+    def _buffer(self, which: str, nbytes: int) -> np.ndarray:
+        import cupy
+        mem, view = self._buffers.get(which, (None, None))
+        if view is None or view.nbytes < nbytes:
+            size = max(nbytes, 1 << 20, 0 if view is None else 2 * view.nbytes)
+            mem = cupy.cuda.alloc_pinned_memory(size)
+            view = np.frombuffer(mem, dtype=np.uint8, count=size)
+            self._buffers[which] = (mem, view)
+        return view[:nbytes]
+
+    def to_host(self, device_array) -> np.ndarray:
+        import cupy
+        host = self._buffer("send", int(device_array.nbytes))
+        stream = cupy.cuda.get_current_stream()
+        device_array.get(stream=stream, out=host)
+        stream.synchronize()
+        return host
+
+    def recv_buffer(self, nbytes: int) -> np.ndarray:
+        return self._buffer("recv", nbytes)
+
+    def to_device(self, host: np.ndarray, device_array) -> None:
+        """Copy ``host`` into ``device_array`` (same byte size) and wait for it."""
+        import cupy
+        stream = cupy.cuda.get_current_stream()
+        device_array.set(host.view(device_array.dtype).reshape(device_array.shape), stream=stream)
+        stream.synchronize()
 
 
 MPITransport = HostTransport      # the name of earlier versions

@@ -1,23 +1,7 @@
-"""NCCL point-to-point transport through CuPy's NCCL bindings.
-
-Everything is stream-ordered; the host never waits:
-
-* the caller's current CuPy stream is the *compute* stream (our kernels run
-  there, so the result is valid in the caller's stream order);
-* messages go on private *lane* streams, each with its own NCCL communicator;
-  a message larger than ``lane_bytes`` is split over several lanes (several
-  communicators move one exchange in parallel, which raises the throughput of
-  NCCL's socket transport);
-* a send of a computed payload first makes the lanes wait for an event on the
-  compute stream; a forwarded payload (a buffer this transport received) is
-  already ordered on its lane;
-* :class:`~.ops.Claim` makes the compute stream wait for the receive's events
-  only when a kernel is about to read it, so the kernel of one tile overlaps
-  the transfer of the previous one.
-
-The NCCL unique ids are broadcast over the Collective's control plane (MPI
-or a torch.distributed group); the communicators are created once per
-Collective and device.
+"""NCCL point-to-point transport through CuPy (docs/design.md's table): the
+caller's stream computes, private *lane* streams (a communicator each) carry
+the messages, a :class:`~.ops.Claim` makes the compute stream wait on the
+receive's events; the host never waits.
 """
 from __future__ import annotations
 
@@ -31,16 +15,13 @@ from .ops import Received, payload_array
 _status_lock = threading.Lock()
 _status = None
 
-# The NCCL communicators made here and not destroyed yet.  ncclCommDestroy is
-# collective among the ranks of a node: NCCL's proxy thread lives until every
-# other rank of the node has dropped the same communicator, and the destroy
-# joins it.  CuPy's NcclCommunicator destroys itself when it is deallocated, so
-# a communicator of an object dropped without free() (a HookState and its
-# Collective sit in a reference cycle) would be destroyed by the garbage
-# collector, at a moment of each rank's own: the first rank to collect waits
-# there, inside whatever call it was making, for ranks that wait for it in
-# their next collective (a hang).  Held here, such a communicator waits for
-# free() or for the interpreter's exit (every rank alike).
+# NCCL communicators made here and not destroyed yet.  ncclCommDestroy waits
+# until every other rank of the node has dropped the same communicator, and
+# CuPy's communicator destroys itself when deallocated: one dropped without
+# free() (a HookState and its Collective sit in a reference cycle) would be
+# destroyed by the garbage collector at each rank's own moment, the first rank
+# waiting inside its call for peers that wait for it (a hang).  Held here, it
+# waits for free() or the interpreter's exit, every rank alike.
 _HELD: list = []
 
 
@@ -54,7 +35,7 @@ def new_communicator(nccl, size: int, uid, rank: int):
 
 def destroy_communicator(comm) -> None:
     """Destroy a communicator of :func:`new_communicator` (collective: every
-    rank of it, in the same order) and let it go."""
+    rank of it, in the same order), ignoring errors, and let it go."""
     try:
         comm.destroy()
     except Exception:
@@ -65,18 +46,23 @@ def destroy_communicator(comm) -> None:
             break
 
 
-# Smallest slice worth a lane of its own.
-MIN_LANE_BYTES = 1 << 20
-# Lane slices start at multiples of this (the wire slots' alignment).
-LANE_ALIGN = 256
-# lanes="auto" on a shared-memory link: 4 communicators, slices of >= 4 MiB
-# (measured on 2x H200, docs/benchmarks.md: 4 lanes took 2^26-2^28
-# from 1.9-2.3x to 2.1-2.6x NCCL's all-reduce, while slicing the 2.6 MB
-# messages of 2^23 cost a third; 4 MiB slices leave those whole).
+MIN_LANE_BYTES = 1 << 20     # the smallest slice worth a lane of its own
+LANE_ALIGN = 256             # lane slices start at multiples of this
+# lanes="auto" on a shared-memory link (2x H200, docs/benchmarks.md): 4 lanes
+# took 2^26-2^28 from 1.9-2.3x to 2.1-2.6x NCCL's all-reduce; slicing the 2.6 MB
+# messages of 2^23 cost a third, so slices of at least 4 MiB.
 SHM_LANES, SHM_LANE_BYTES = 4, 4 << 20
-# The NCCL data type of each input dtype its own collectives sum.
 NCCL_TYPES = {"bfloat16": "NCCL_BFLOAT16", "float16": "NCCL_FLOAT16",
               "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64"}
+_TYPES: dict = {}
+
+
+def nccl_type(nccl, dtype):
+    """``nccl``'s data type of an array dtype its collectives sum."""
+    key = (id(nccl), dtype)
+    if key not in _TYPES:
+        _TYPES[key] = getattr(nccl, NCCL_TYPES[dtype_name(dtype)])
+    return _TYPES[key]
 
 
 def _env_on(value) -> bool:
@@ -84,8 +70,7 @@ def _env_on(value) -> bool:
 
 
 def link_record(environ=None) -> dict:
-    """What this rank knows of the link NCCL will use for it (gathered by
-    every rank to choose the lanes alike)."""
+    """What this rank knows of its NCCL link (gathered to choose lanes alike)."""
     import socket
 
     from ..settings import environment
@@ -95,12 +80,9 @@ def link_record(environ=None) -> dict:
 
 
 def auto_lanes(records) -> tuple:
-    """(lanes, lane_bytes, why) for ``lanes="auto"``, a pure function of every
-    rank's :func:`link_record`: more lanes only where NCCL links the ranks
-    through shared memory (one host, point-to-point disabled, shared memory
-    not), where NCCL gives a peer 2 point-to-point channels and several
-    communicators win the link back; one lane elsewhere (NVLink, sockets:
-    measured slower with more)."""
+    """(lanes, lane_bytes, why) for ``lanes="auto"`` from every rank's
+    :func:`link_record`: more lanes only over shared memory, where NCCL gives
+    a peer 2 channels; one lane elsewhere (measured slower with more)."""
     one_host = len({r["host"] for r in records}) == 1
     if (len(records) > 1 and one_host and all(r["p2p_disabled"] for r in records)
             and not any(r["shm_disabled"] for r in records)):
@@ -127,8 +109,7 @@ def nccl_status():
 
 
 def describe_sharing(keys) -> str:
-    """'' when the per-rank GPU keys (host, PCI bus id) are all distinct, else
-    which ranks share a GPU."""
+    """Which ranks share a GPU by their (host, PCI bus id) keys ('' if none)."""
     groups = {}
     for rank, key in enumerate(keys):
         groups.setdefault(tuple(key), []).append(rank)
@@ -137,10 +118,8 @@ def describe_sharing(keys) -> str:
 
 
 def ranks_sharing_a_gpu(plane, device_id: int) -> str:
-    """Collective over the control plane: which ranks drive the same GPU (''
-    if none).  NCCL refuses a communicator with two ranks on one GPU (invalid
-    usage), so such ranks must stage through host memory; every rank gets the
-    same answer."""
+    """Which ranks drive the same GPU ('' if none), alike on every rank
+    (collective): NCCL refuses them, so they stage through host memory."""
     import cupy
 
     from ..control import as_plane
@@ -171,9 +150,8 @@ class _Profile:
         return self.cupy.cuda.get_elapsed_time(self.ref, event)
 
     def summary(self):
-        """Seconds, inside the data phases (from the reduce-scatter mark on):
-        kernel time (compute-stream intervals that hold no wait), wire time
-        (union of the lanes' message intervals), and the union of both."""
+        """Seconds inside the data phases: kernels (compute-stream intervals
+        holding no wait), wire (the lanes' messages) and their union."""
         times = [(kind, self.ms(e)) for kind, e in self.compute]
         start = next((t for kind, t in times if kind == "mark:reduce-scatter"), 0.0)
         kernels, busy = 0.0, []
@@ -222,18 +200,11 @@ class NCCLTransport(Transport):
 
     def __init__(self, plane, device_id: int, lanes=1, lane_bytes: int | None = None,
                  modules=None, pair_allgather=None):
-        """``plane``: the control plane that bootstraps the communicators and
-        carries the agreement (an mpi4py communicator is taken as its plane).
-        ``modules``: (cupy, cupy.cuda.nccl) or stand-ins with the same
-        interface (the CPU tests drive this class with a fake that maps NCCL
-        point-to-point onto MPI).  ``pair_allgather`` (two ranks only, off by
-        default): an exchange with the one peer as an NCCL all-gather of the
-        two messages instead of a send/receive pair, to use the collective's
-        channels; measured slower on NVLink and shared memory, and better or
-        worse on sockets depending on the host, kept
-        as an option for other fabrics.  ``lanes="auto"``: see
-        :func:`auto_lanes` (the ranks gather their :func:`link_record`);
-        ``lane_bytes`` then defaults to the rule's."""
+        """``plane``: the control plane (or an mpi4py communicator);
+        ``modules``: (cupy, cupy.cuda.nccl) or the CPU tests' stand-ins;
+        ``pair_allgather`` (two ranks, off by default): an exchange as one
+        NCCL all-gather (slower on NVLink and shared memory; for other
+        fabrics); ``lanes="auto"``: :func:`auto_lanes`."""
         if modules is None:
             import cupy
             from cupy.cuda import nccl
@@ -262,15 +233,12 @@ class NCCLTransport(Transport):
         self._retired = []
         self._cuts = {}
         self._native = None      # the communicator of the native all-reduce (made on first use)
-        self._native_types = {}  # array dtype -> NCCL data type
         self._join_events = None
 
-    # -- requests --------------------------------------------------------------
     def _slices(self, nbytes):
-        """Byte ranges of a message per lane: a pure function of its size, so
-        sender and receiver cut it alike.  (One lane with the pair all-gather:
-        a forwarded buffer must stay on the lane that received it.)  Kept per
-        size: the messages of steady calls repeat."""
+        """Byte ranges of a message per lane, a function of its size (both ends
+        cut alike); one lane with the pair all-gather (a forwarded buffer
+        stays on the lane that received it)."""
         cut = self._cuts.get(nbytes)
         if cut is None:
             if len(self._cuts) > 256:
@@ -281,17 +249,14 @@ class NCCLTransport(Transport):
     def _cut(self, nbytes):
         lanes = 1 if self.pair_allgather else self.lanes
         k = min(lanes, max(1, nbytes // self.lane_bytes))
-        # cuts at multiples of 256 bytes: a slice that starts off a 16-byte
-        # boundary takes NCCL's slow copy path (a DynamiQ message is records
-        # of 82, 146 or 274 bytes, so its halves rarely are)
+        # a slice off a 16-byte boundary takes NCCL's slow copy path
         cuts = [0] + [(i * nbytes // k) // LANE_ALIGN * LANE_ALIGN for i in range(1, k)] + [nbytes]
         return list(zip(cuts[:-1], cuts[1:]))
 
     def _buffer(self, name, nbytes):
         buf = self._scratch.get(name)
         if buf is None or buf.nbytes < nbytes:
-            # grown and then reused: every use is on lane 0, in stream order; a
-            # replaced buffer is kept, as work already enqueued may still read it
+            # used on lane 0 only; a replaced buffer is kept (enqueued work may read it)
             if buf is not None:
                 self._retired.append(buf)
             self._scratch[name] = buf = _Scratch(self.cupy, max(nbytes, 1 << 20), self.device_id)
@@ -302,10 +267,8 @@ class NCCLTransport(Transport):
             self.cupy.cuda.runtime.memcpyAsync(dst_ptr, src_ptr, nbytes, 3, stream.ptr)  # D2D
 
     def _pair_exchange(self, send, recv):
-        """Both ranks' messages through one all-gather on lane 0: the message
-        of rank r lands at r * count of a scratch buffer (count = the larger
-        of the two, so both ranks call with the same count), and the peer's
-        part is copied to ``recv``."""
+        """Both ranks' messages through one all-gather on lane 0 (rank r's at
+        r * count, count the larger of the two); the peer's copied to ``recv``."""
         nccl, lane = self.nccl, self.streams[0]
         count = max(send.nbytes, recv.nbytes)
         src = _ptr(send)
@@ -322,8 +285,7 @@ class NCCLTransport(Transport):
         cupy, nccl = self.cupy, self.nccl
         compute = cupy.cuda.get_current_stream()
         if req.send is not None and not isinstance(req.send, Received):
-            ready = cupy.cuda.Event(block=False, disable_timing=True)
-            ready.record(compute)
+            ready = self._record(compute, timing=False)
             for lane in self.streams:
                 lane.wait_event(ready)
         if self.profile is not None:
@@ -364,31 +326,22 @@ class NCCLTransport(Transport):
         return Received(req.recv, done)
 
     def _native_allreduce(self, send, recv):
-        """NCCL's own all-reduce (sum) of ``buffer`` in place, on the caller's
-        stream.  A communicator of its own, so that it never shares one with
-        the lanes' point-to-point on other streams; every rank reaches its
-        first native call in the same call (the path is agreed), so it is
-        made there."""
+        """NCCL's own all-reduce on the caller's stream and a communicator of its
+        own, made by the first native call (agreed: alike on every rank)."""
         nccl = self.nccl
         if self._native is None:
             uid = self.plane.bcast(nccl.get_unique_id() if self.rank == 0 else None, root=0)
             with self.cupy.cuda.Device(self.device_id):
                 self._native = new_communicator(nccl, self.size, uid, self.rank)
         compute = self.cupy.cuda.get_current_stream()
-        wire = self._native_types.get(recv.dtype)
-        if wire is None:
-            wire = self._native_types[recv.dtype] = getattr(
-                nccl, NCCL_TYPES[dtype_name(recv.dtype)])
-        self._native.allReduce(_ptr(send), _ptr(recv), recv.size, wire, nccl.NCCL_SUM,
-                               compute.ptr)
+        self._native.allReduce(_ptr(send), _ptr(recv), recv.size, nccl_type(nccl, recv.dtype),
+                               nccl.NCCL_SUM, compute.ptr)
         return recv
 
     def join(self, fresh=False):
-        """The caller's stream waits for every lane's last work.  A send that
-        no claim waited for (a lane carrying more slices one way than the
-        other) must end before the next call rewrites its buffer, and a call
-        captured as a CUDA graph must join every stream it forked (``fresh``:
-        new events, for a capture)."""
+        """The caller's stream waits for every lane's last work: an unclaimed
+        send must end before its buffer is rewritten, a capture must join
+        every stream it forked (``fresh``: new events, for a capture)."""
         compute = self.cupy.cuda.get_current_stream()
         if fresh or self._join_events is None:
             events = [self.cupy.cuda.Event(block=False, disable_timing=True) for _ in self.streams]

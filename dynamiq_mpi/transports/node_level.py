@@ -1,40 +1,17 @@
-"""The in-node level of the hierarchical call (hierarchy.py): an uncompressed
-reduce-scatter and all-gather among the ranks of one node.
-
-Both kinds take the same shape of work: every local rank passes a
-``(K, segment)`` array whose row ``l`` is its part for local rank ``l``;
-the reduce-scatter returns the sum of row ``local`` over the node, the
-all-gather stacks every rank's ``segment`` elements into ``(K, segment)``.
-
-* :class:`StagedNodeLevel` (host arrays): K-1 shifted exchanges over the
-  node's control plane (MPI, or gloo over a torch group); the sum is added
-  left to right in local-rank order, in the input's dtype, so a reference
-  written from the definition gets the same bits.
-* :class:`NCCLNodeLevel` (device arrays, one GPU per rank): NCCL's own
-  ``ncclReduceScatter`` / ``ncclAllGather`` on the caller's stream, in the
-  input's dtype, over NVLink where the node has it.  NCCL chooses its own
-  order of summation (the same on every rank of the node), so only the
-  rail level is bit-exact against a reference, given the same in-node sums.
-
-:func:`node_level_for` decides which serves device arrays, alike on every
-rank: NCCL when it loads on every rank, no two ranks drive one GPU (NCCL
-refuses them) and ``$DYNAMIQ_NODE_NCCL`` is not 0.
+"""The in-node level of the hierarchical call (docs/design.md): every local
+rank passes ``(K, segment)`` rows, row ``l`` its part for local rank ``l``;
+the reduce-scatter returns the node's sum of row ``local``, the all-gather
+stacks every rank's segment.  :func:`node_level_for` picks NCCL's own or the
+control plane's (a left-to-right sum), alike on every rank.
 """
 from __future__ import annotations
 
 import numpy as np
 
-from ..backend import dtype_name
+from ..backend import array_module
 from ..settings import env_switch
 
 ENV = "DYNAMIQ_NODE_NCCL"
-
-
-def _xp(a):
-    if isinstance(a, np.ndarray):
-        return np
-    import cupy
-    return cupy
 
 
 class StagedNodeLevel:
@@ -47,8 +24,8 @@ class StagedNodeLevel:
         self.plane, self.local, self.k = node_plane, local, node_size
 
     def _exchange_all(self, payload_for, count, dtype):
-        """{local rank: ``count`` elements received from it} after sending
-        ``payload_for(j)`` to every other local rank j, in K-1 shifted steps."""
+        """{local rank j: ``count`` elements from j}, ``payload_for(j)`` sent to
+        every other j, in K-1 shifted steps."""
         k, me = self.k, self.local
         got = {}
         for s in range(1, k):
@@ -61,8 +38,7 @@ class StagedNodeLevel:
         return got
 
     def reduce_scatter(self, rows):
-        """The node's sum of row ``local`` of every rank's ``rows``, added
-        left to right in local-rank order in ``rows.dtype``."""
+        """The node's sum of row ``local`` of every rank's ``rows``, left to right by rank."""
         got = self._exchange_all(lambda j: rows[j], rows.shape[1], rows.dtype)
         got[self.local] = rows[self.local]
         acc = np.array(got[0], copy=True)
@@ -84,9 +60,8 @@ class StagedNodeLevel:
 
 
 class NCCLNodeLevel:
-    """NCCL's own reduce-scatter and all-gather among the node's ranks, one
-    GPU each, on the caller's current stream.  ``modules``: (cupy,
-    cupy.cuda.nccl) or the CPU tests' stand-ins (tests/fake_nccl.py)."""
+    """NCCL's own reduce-scatter and all-gather on the caller's stream, a GPU
+    per rank; ``modules``: (cupy, cupy.cuda.nccl) or tests/fake_nccl.py's."""
 
     name = "nccl"
     device_arrays = True
@@ -102,22 +77,18 @@ class NCCLNodeLevel:
         uid = node_plane.bcast(self.nccl.get_unique_id() if self.local == 0 else None, root=0)
         with self.cupy.cuda.Device(int(device_id)):
             self.comm = new_communicator(self.nccl, self.k, uid, self.local)
-        self._types = {}
 
     def _wire(self, dtype):
-        wire = self._types.get(dtype)
-        if wire is None:
-            from .nccl import NCCL_TYPES
-            wire = self._types[dtype] = getattr(self.nccl, NCCL_TYPES[dtype_name(dtype)])
-        return wire
+        from .nccl import nccl_type
+        return nccl_type(self.nccl, dtype)
 
     def _stream(self):
         return self.cupy.cuda.get_current_stream().ptr
 
     def reduce_scatter(self, rows):
         from .nccl import _ptr
-        rows = _xp(rows).ascontiguousarray(rows)
-        out = _xp(rows).empty(rows.shape[1], dtype=rows.dtype)
+        rows = array_module(rows).ascontiguousarray(rows)
+        out = array_module(rows).empty(rows.shape[1], dtype=rows.dtype)
         if out.size:
             self.comm.reduceScatter(_ptr(rows), _ptr(out), out.size, self._wire(rows.dtype),
                                     self.nccl.NCCL_SUM, self._stream())
@@ -125,8 +96,8 @@ class NCCLNodeLevel:
 
     def all_gather(self, part):
         from .nccl import _ptr
-        part = _xp(part).ascontiguousarray(part)
-        out = _xp(part).empty((self.k, part.shape[0]), dtype=part.dtype)
+        part = array_module(part).ascontiguousarray(part)
+        out = array_module(part).empty((self.k, part.shape[0]), dtype=part.dtype)
         if part.size:
             self.comm.allGather(_ptr(part), _ptr(out), part.size, self._wire(part.dtype),
                                 self._stream())
@@ -138,10 +109,9 @@ class NCCLNodeLevel:
 
 
 def node_level_for(plane, node_plane, device_id: int, staged, modules=None):
-    """(level, why) for device arrays on ``device_id``: NCCL inside the node
-    where it can run, else ``staged``.  Collective over the whole ``plane``
-    (every rank gets the same answer, so a node never splits between the
-    two)."""
+    """(level, why) for device arrays on ``device_id``: NCCL where it loads on
+    every rank, no two ranks drive one GPU and ``$DYNAMIQ_NODE_NCCL`` is not
+    0, else ``staged``; collective over ``plane``, so alike on every rank."""
     from .nccl import describe_sharing, nccl_status
     wanted = env_switch(ENV)
     if modules is None:

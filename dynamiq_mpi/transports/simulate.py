@@ -1,12 +1,7 @@
-"""All ranks of a collective in one process.
-
-Used for statistical studies over many seeds and for error studies at large
-world sizes without mpiexec.  Each rank program runs until it must wait: on a
-:class:`Claim` whose message has not been sent yet, or on an :class:`Agree`
-that not every rank has reached.  Messages are matched per (source,
-destination) pair in the order they were posted, as MPI and NCCL match them;
-a size mismatch is an error, as it would be on a real transport, and so is a
-state where no rank can move (a deadlock of the schedule).
+"""All ranks of a collective in one process: each program runs until it
+waits for a message or an agreement; messages match per (source,
+destination) in posting order, as MPI and NCCL match them; a size mismatch
+is an error, and so is a deadlock.
 """
 from __future__ import annotations
 

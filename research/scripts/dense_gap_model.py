@@ -171,7 +171,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     import dynamiq_mpi as dq
-    from dynamiq_mpi.codecs.allocation import allocate_xp, record_bits
+    from dynamiq_mpi.codecs.allocation import record_bits
+    from tests.allocation_ref import allocate_xp
     from research.errorstudy import real_gradients
     grads, meta = real_gradients(args.cache)
     xs = np.asarray(grads[:args.ranks, meta["dense_start"]:], dtype=np.float32)

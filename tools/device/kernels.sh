@@ -33,7 +33,7 @@ if has gpu-mpi; then
 fi
 if has kernels; then
   echo "== bench"; t0=$(date +%s)
-  timeout 240 $PY -m dynamiq_mpi.bench.kernels --sizes $SIZES $BENCH_ARGS --json "$OUT/kernel_bench_$GPU_TAG.json" 2>&1 \
+  timeout 240 $PY -m research kernels --sizes $SIZES $BENCH_ARGS --json "$OUT/kernel_bench_$GPU_TAG.json" 2>&1 \
     | tee "$OUT/kernel_bench_$GPU_TAG.txt" | tail -75
   echo "bench took $(( $(date +%s) - t0 )) s"
 fi

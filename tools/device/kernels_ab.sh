@@ -4,9 +4,10 @@
 # drift hit both alike (a time measured on another day or machine compares nothing).
 #   git archive <rev> dynamiq_mpi pyx src_cuda setup.py setup.cfg pyproject.toml | tar -x -C .ab_old
 #   OLD_DIR=.ab_old bash tools/device.sh build kernels-ab      ([AB_ROUNDS=2] [SIZES=26,28])
-# Builds OLD_DIR in place, then per round runs `python -m dynamiq_mpi.bench.kernels`
-# old then new (PYTHONSAFEPATH=1, so `python -m` cannot put the new package first; each
-# side prints the package it imported).  Output under $OUT/kernels_ab.txt and JSON.
+# Builds OLD_DIR in place, then per round runs the working tree's `python -m research kernels`
+# on the old package, then the new (PYTHONSAFEPATH=1 and the package's directory first on
+# PYTHONPATH, so `python -m` cannot put the new package first; each side prints the package
+# it imported).  Output under $OUT/kernels_ab.txt and JSON.
 set -o pipefail
 OLD=${1:?old source directory}; ROUNDS=${2:-2}
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
@@ -22,7 +23,7 @@ for r in $(seq "$ROUNDS"); do
     P=$PWD; [ "$v" = old ] && P=$OLD
     echo "== $v (round $r): $(PYTHONPATH=$P $PY -c 'import dynamiq_mpi; print(dynamiq_mpi.__file__)')" \
       | tee -a "$OUT/kernels_ab.txt"
-    PYTHONPATH=$P timeout 200 $PY -m dynamiq_mpi.bench.kernels --sizes "$SIZES" --no-variant \
+    PYTHONPATH=$P:$PWD timeout 200 $PY -m research kernels --sizes "$SIZES" --no-variant \
       --json "$OUT/kernels_ab_${v}_$r.json" 2>&1 | grep -E "^ +2\^" | tee -a "$OUT/kernels_ab.txt"
   done
 done

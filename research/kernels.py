@@ -1,6 +1,6 @@
 """Kernel benchmark: DynamiQ codec kernels against the GPU's copy roofline.
 
-    python -m dynamiq_mpi.bench.kernels --sizes 20,22,24,26,28 --json out.json
+    python -m research kernels --sizes 20,22,24,26,28 --json out.json
 
 For each size 2^k elements of a BF16 gradient-like input (centred through a
 super-group map, as the engine reads it), times compress, decompress,
@@ -33,7 +33,8 @@ SUPER = 256
 
 
 def _parse(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m research kernels",
+                                 description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="20,22,24,26,28", help="log2 of element counts")
     ap.add_argument("--widths", default="4,2,8", help="code widths (the first is the main one)")
     ap.add_argument("--repeats", type=int, default=30)
@@ -132,15 +133,15 @@ def main(argv=None):
     try:
         import cupy as cp
     except Exception as exc:
-        sys.exit(f"python -m dynamiq_mpi kernels needs CuPy: {exc}")
-    from .. import cuda
+        sys.exit(f"python -m research kernels needs CuPy: {exc}")
+    from dynamiq_mpi import cuda
     if not cuda.has_cuda():
-        sys.exit(f"python -m dynamiq_mpi kernels needs the CUDA kernels and a GPU: {cuda.why_not()}")
+        sys.exit(f"python -m research kernels needs the CUDA kernels and a GPU: {cuda.why_not()}")
     import ml_dtypes
 
-    from .. import _gpu
-    from ..codecs.levels import build_tables
-    from ..rng import call_keys
+    from dynamiq_mpi import _gpu
+    from dynamiq_mpi.codecs.levels import build_tables
+    from dynamiq_mpi.rng import call_keys
 
     BF16 = np.dtype(ml_dtypes.bfloat16)
     dev = cp.cuda.Device()
@@ -290,7 +291,7 @@ def main(argv=None):
     if args.json:
         meta = dict(device=device_name, sms=props["multiProcessorCount"],
                     date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                    command=" ".join([sys.executable, "-m", "dynamiq_mpi.bench.kernels"] + sys.argv[1:]),
+                    command=" ".join([sys.executable, "-m", "research", "kernels"] + sys.argv[1:]),
                     cupy=cp.__version__, python=platform.python_version(),
                     repeats=args.repeats, warmup=args.warmup,
                     note=("bytes = each input read once + each output written once; "
