@@ -116,11 +116,12 @@ def test_joint_costs_on_the_grid_equal_a_brute_force_and_plan_alone(bf16_class):
     """The joint rail budget's rule (joint_costs_on_grid from each part's
     grid_summary): the smallest grid threshold whose total fits, parts under
     their caps; equal to a brute force over every grid value, within the
-    budget, each part's cost found again by its own planner, and within a
-    percent of the exact candidates' spend."""
+    budget, each part's cost found again by its own planner, and over the
+    draws within 3 % of the exact candidates' spend."""
     from dynamiq_mpi.codecs.allocation import grid_summary, joint_costs, joint_costs_on_grid
     from helpers import capped_joint_costs
     rng = np.random.default_rng()
+    spent = [0, 0]          # the grid's and the exact candidates', over the trials
     for trial in range(3):
         sizes = [int(m) for m in rng.integers(1, 50, size=int(rng.integers(2, 6)))]
         parts = [norms(rng, m) for m in sizes]
@@ -138,7 +139,12 @@ def test_joint_costs_on_the_grid_equal_a_brute_force_and_plan_alone(bf16_class):
                                          bf16_class=bf16_class, grid=True)
         assert sum(got) <= budget
         exact = joint_costs(parts, budget, padded, stats, True, True, bf16_class, caps)
-        assert sum(got) >= 0.97 * sum(exact)
+        # one grid step of a few small parts can leave a few percent unspent
+        # (worst 0.930 in 6000 such draws); over three draws, worst 0.987 in 2000
+        assert sum(got) >= 0.90 * sum(exact)
+        spent[0] += sum(got)
+        spent[1] += sum(exact)
         for p, c, sb in zip(parts, got, stats):
             assert allocate(p, c + 0.5, sb, True, padded_budget_bits=padded,
                             bf16_class=bf16_class).total_bits == c
+    assert spent[0] >= 0.97 * spent[1]
