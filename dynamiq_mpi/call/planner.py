@@ -113,13 +113,23 @@ class CallPlanner:
         if hierarchy == "nodes" and self.size > 1:
             return Plan(hierarchy="nodes", route="levels")
         plan = Plan(collective="reduce_scatter")
-        if (self.use_graphs and out is not None and not (want_report or profile)
-                and type(x).__module__.startswith("cupy")):
-            plan.graph_key = call_graph_key(x, out, call, "reduce_scatter")
-            entry = self.graphs.get(plan.graph_key) if plan.graph_key is not None else None
-            if entry is not None and not entry.failed:
-                plan.route, plan.steady = "graph", entry
+        if not (want_report or profile):
+            self._find_graph(plan, x, out, call)
         return plan
+
+    def _find_graph(self, plan, x, out, call) -> bool:
+        """For a quiet call on device arrays with ``out``: its graph key in
+        ``plan`` (remembered after an engine run) and, when a usable graph
+        plan exists, the graph route.  True when routed to it."""
+        if not (self.use_graphs and out is not None
+                and type(x).__module__.startswith("cupy")):   # graphs replay device work only
+            return False
+        plan.graph_key = call_graph_key(x, out, call, plan.collective)
+        entry = self.graphs.get(plan.graph_key) if plan.graph_key is not None else None
+        if entry is None or entry.failed:
+            return False
+        plan.route, plan.steady = "graph", entry
+        return True
 
     def _plan_flat(self, x, out, call, want_report, profile, plan):
         requested = call["path"]
@@ -137,13 +147,8 @@ class CallPlanner:
             if steady is not None:
                 plan.route, plan.steady, plan.path = "steady", steady, "native"
                 return plan
-        if (self.use_graphs and out is not None and requested != "native" and quiet
-                and type(x).__module__.startswith("cupy")):   # graphs replay device work only
-            plan.graph_key = call_graph_key(x, out, call)
-            entry = self.graphs.get(plan.graph_key) if plan.graph_key is not None else None
-            if entry is not None and not entry.failed:
-                plan.route, plan.steady = "graph", entry
-                return plan
+        if requested != "native" and quiet and self._find_graph(plan, x, out, call):
+            return plan
         plan.route = "engine"
         plan.key, plan.path, plan.why, plan.timed = self._choose_path(x, call)
         if plan.path == "native" and not plan.timed and call["nonfinite"] != "raise":

@@ -81,8 +81,7 @@ class CallRunner:
         program = rank_program_rs(rt.rank, rt.size, x, spec, out, rt.workspace,
                                   detailed_report=want_report)
         out, report = rt.drive(program, x, profile, want_report, self.planner.route)
-        meta = rt.last_metas[rt.rank] if rt.last_metas else None
-        self.planner.remember(plan, report, meta, call["codec"], backend_for(x))
+        self._remember(plan, report, call, x)
         return out, report
 
     def _run_engine(self, plan, x, out, want_report, profile, call, plan_hook):
@@ -102,9 +101,14 @@ class CallRunner:
             self.planner.record_path(plan, time.perf_counter() - t0, report)
         if not report.path_reason:
             report.path_reason = plan.why
+        self._remember(plan, report, call, x)
+        return out, (report if want_report else None)
+
+    def _remember(self, plan, report, call, x):
+        """What an engine call taught the planner (its steady or graph plan)."""
+        rt = self.runtime
         meta = rt.last_metas[rt.rank] if rt.last_metas else None
         self.planner.remember(plan, report, meta, call["codec"], backend_for(x))
-        return out, (report if want_report else None)
 
     def _run_steady(self, steady, x, out, counter, op):
         rt = self.runtime

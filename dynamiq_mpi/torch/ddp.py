@@ -234,11 +234,7 @@ class HookState:
         # use and continues from the current call counter.
         self.settle()
         with self._lock:
-            old = self._collective
-            if old is not None:
-                self._counter = old.counter
-                old.free()              # its NCCL communicators and MPI duplicate
-            self._collective = None
+            self._drop_collective()
             self._comm = comm
             self._plane = None
             self._buckets.close()
@@ -362,10 +358,14 @@ class HookState:
         self.settle()
         self.close()
         with self._lock:
-            old, self._collective = self._collective, None
-            if old is not None:
-                self._counter = old.counter
-                old.free()
+            self._drop_collective()
+
+    def _drop_collective(self):
+        """Free the collective (collective; under the lock), keeping its counter."""
+        old, self._collective = self._collective, None
+        if old is not None:
+            self._counter = old.counter
+            old.free()              # its graphs, NCCL communicators and MPI duplicate
 
     @property
     def _workers(self) -> dict:
