@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from ..backend import BFLOAT16
-from ..call.paths import SAMPLES, WARMUP
+from ..call.paths import measuring_calls
 from ..codecs.base import DEFAULT_TILE_BYTES
 from ..settings import environment
 from ..transports import TRANSPORTS
@@ -30,7 +30,7 @@ DTYPES = {"bf16": BFLOAT16, "bfloat16": BFLOAT16, "f32": np.dtype(np.float32),
           "float32": np.dtype(np.float32), "f16": np.dtype(np.float16)}
 NCCL_ENV_PREFIXES = ("NCCL_", "DYNAMIQ_", "OMPI_MCA_hwloc")
 # warm-up calls of a path="auto" row: past the calls that measure both paths
-AUTO_CALLS = 2 * (WARMUP + SAMPLES) + 1
+AUTO_CALLS = measuring_calls(graphs=True) + 1
 
 
 def parse_size(text: str) -> int:

@@ -178,7 +178,8 @@ class SteadyCompressed:
     """One steady compressed call of a Collective (see the module's doc):
     seen once (``graph`` None), then captured, then replayed."""
 
-    __slots__ = ("record", "static", "transport", "collective", "graph", "failed", "_digests")
+    __slots__ = ("record", "static", "transport", "collective", "graph", "failed", "measuring",
+                 "_digests")
 
     def __init__(self, record: dict, transport: str, collective: str = "allreduce"):
         self.record = {k: v for k, v in record.items() if k != "counter"}
@@ -187,6 +188,7 @@ class SteadyCompressed:
         self.collective = collective    # "allreduce", or "reduce_scatter" (staged)
         self.graph = None           # CallGraph once captured
         self.failed = ""            # why this call cannot be a graph ('' : it can)
+        self.measuring = False      # made while its class of calls measures its path
         self._digests = None
 
     def agree(self, comm, counter) -> bool:

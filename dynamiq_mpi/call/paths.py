@@ -5,9 +5,10 @@ measures itself.
 
 With ``path="auto"`` the first calls of each *class* (array backend, dtype,
 size as floor(log2(length)), codec, topology, transport asked for, op) run
-both paths in turn: one untimed call of each (workspace, communicators and
-graphs are made there), then ``SAMPLES`` timed calls of each, every one
-synchronised before and after.  The ranks then agree on the slowest rank's
+both paths in turn: untimed calls of each (workspace, communicators and
+graphs are made there: ``warmup_calls``), then ``SAMPLES`` timed calls of
+each, every one synchronised before and after; with CUDA graphs on, quiet
+compressed calls on device arrays are timed as graph replays.  The ranks then agree on the slowest rank's
 median time of each path (one small MPI all-reduce, at the same call on
 every rank since every rank makes the same calls), and the class keeps the
 faster path from then on.  The compressed path must win by ``MARGIN``: on a
@@ -32,6 +33,18 @@ PATH_CHOICES = ("auto", "compressed", "native")
 WARMUP = 1          # untimed calls of each path per class
 SAMPLES = 2         # timed calls of each path per class
 MARGIN = 1.05       # compressed only when at least 5 % faster
+
+
+def warmup_calls(graphs: bool) -> int:
+    """Untimed calls of each path per class: with CUDA graphs a class's
+    second compressed call is the capture, so one more, and the timed calls
+    are replays, as the class's calls run once decided."""
+    return WARMUP + 1 if graphs else WARMUP
+
+
+def measuring_calls(graphs: bool) -> int:
+    """The calls a class spends measuring both paths before its choice."""
+    return 2 * (warmup_calls(graphs) + SAMPLES)
 
 
 def default_path(value=None) -> str:

@@ -33,7 +33,7 @@ from ..transports import choose_transport, explain_transport, native_wires
 from ..transports.ops import Routed, compressed_route
 from . import native, prediction
 from .graphs import SteadyCompressed, call_graph_key
-from .paths import WARMUP, PathChooser, StepChooser, size_class
+from .paths import PathChooser, StepChooser, size_class, warmup_calls
 from .wire import wire_dtype
 
 # Steady plans kept per kind before the oldest are dropped (a job has a few
@@ -84,7 +84,7 @@ class CallPlanner:
         self.comm = comm
         self.gpu_sharing = {}       # device -> which ranks share a GPU ('' : none), asked once
         self.auto_layout = auto_layout
-        self.paths = PathChooser(plane)
+        self.paths = PathChooser(plane, warmup=warmup_calls(graphs))
         self.hierarchies = PathChooser(plane, options=("nodes", "flat"))
         self.measured = None        # PathChooser of the classes a caller times (class_choice)
         self.steps = None           # StepChooser of whole training steps (step_choice)
@@ -147,10 +147,23 @@ class CallPlanner:
             if steady is not None:
                 plan.route, plan.steady, plan.path = "steady", steady, "native"
                 return plan
+        chosen = None
         if requested != "native" and quiet and self._find_graph(plan, x, out, call):
-            return plan
-        plan.route = "engine"
-        plan.key, plan.path, plan.why, plan.timed = self._choose_path(x, call)
+            if not plan.steady.measuring:
+                return plan
+            # a graph made while its class measures: compressed calls are
+            # timed as replays, as the class's calls run once decided
+            chosen = self._choose_path(x, call)
+            if chosen[1] == "compressed":
+                plan.key, plan.path, plan.why, plan.timed = chosen
+                plan.steady.measuring = plan.timed
+                return plan
+            if not chosen[3]:       # native won: the graph is not needed
+                entry = self.graphs.pop(plan.graph_key)
+                if entry.graph is not None:
+                    entry.graph.free()
+        plan.route, plan.steady = "engine", None
+        plan.key, plan.path, plan.why, plan.timed = chosen or self._choose_path(x, call)
         if plan.path == "native" and not plan.timed and call["nonfinite"] != "raise":
             plan.steady_key = steady_key      # (a steady native call checks no NaN)
         return plan
@@ -240,10 +253,8 @@ class CallPlanner:
     # of the comm, never the calls' plane (the DDP hook's worker calls meanwhile)
     def class_choice(self) -> PathChooser:
         if self.measured is None:
-            # with graphs, a class's second compressed call is the capture:
-            # one more untimed call each, so that replays are what is timed
             self.measured = PathChooser(as_plane(self.comm).dup(),
-                                        warmup=WARMUP + 1 if self.use_graphs else WARMUP)
+                                        warmup=warmup_calls(self.use_graphs))
         return self.measured
 
     def step_choice(self, options, elapsed, **schedule) -> StepChooser:
@@ -266,8 +277,11 @@ class CallPlanner:
         return out
 
     # -- learning from a call that ran
-    def record_path(self, plan, seconds, report):
-        if plan.timed and not report.nonfinite:
+    def record_path(self, plan, seconds, report=None):
+        """A timed call's seconds (``report`` None: a graph replay, compressed)."""
+        if report is None:
+            self.paths.record(plan.key, plan.path, seconds, plan.path)
+        elif plan.timed and not report.nonfinite:
             self.paths.record(plan.key, plan.path, seconds, report.path, report.path_reason)
 
     def record_hierarchy(self, plan, seconds, report):
@@ -286,12 +300,13 @@ class CallPlanner:
                 self.steady.clear()
             self.steady[plan.steady_key] = native.SteadyNative(
                 meta, codec, report.transport, report.codec_info["wire"], backend)
-        if (plan.graph_key is not None and not plan.timed and report.path == "compressed"
+        if (plan.graph_key is not None and report.path == "compressed"
                 and report.sync_free and report.transport == "nccl"
                 and plan.graph_key not in self.graphs):
             if len(self.graphs) >= MAX_STEADY:
                 self.free_graphs()
-            self.graphs[plan.graph_key] = SteadyCompressed(meta, "nccl", plan.collective)
+            entry = self.graphs[plan.graph_key] = SteadyCompressed(meta, "nccl", plan.collective)
+            entry.measuring = plan.timed
 
     def forget_paths(self):
         for chooser in filter(None, (self.paths, self.measured)):   # the step choice stands

@@ -59,7 +59,13 @@ class CallRunner:
         if plan.route == "steady":
             return self._run_steady(plan.steady, x, out, call["counter"], call["op"]), None
         if plan.route == "graph":       # (a failed capture runs the agreed call eagerly)
+            if plan.timed:
+                sync(x)
+                t0 = time.perf_counter()
             self.graphs.run(plan.steady, x, out, call)
+            if plan.timed:
+                sync(x)
+                self.planner.record_path(plan, time.perf_counter() - t0)
             return out, None
         return self._run_engine(plan, x, out, want_report, profile, call, plan_hook)
 

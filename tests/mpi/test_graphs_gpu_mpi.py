@@ -91,6 +91,44 @@ def test_reduce_scatter_graph_takes_fresh_buffers_and_equals_eager_calls(cp, dty
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("winner", ["compressed", "native"])
+def test_auto_times_compressed_calls_as_graph_replays(cp, winner):
+    """path="auto" on quiet device calls: the class's compressed calls are
+    captured while it measures, and timed as replays (as they run once
+    decided), bit for bit the eager call of the same counter; a class that
+    decides native frees its graph.  The margin forces the winner."""
+    from dynamiq_mpi.call.paths import measuring_calls
+    seed = shared_seed(comm)
+    codec = dq.DynamiQ(small_input=0)
+    auto = dq.Collective(comm, graphs=True, path="auto")
+    auto._runner.planner.paths.margin = 0.0 if winner == "compressed" else 1e9
+    eager = dq.Collective(comm, graphs=False, path="compressed")
+    measuring = measuring_calls(True)
+    length = 256 * 5000 + 3
+    x = cp.zeros(length, dtype=np.float32)
+    out = cp.zeros_like(x)
+    for call in range(measuring + 3):
+        host = rank_inputs(seed + call, N, length, dtype=np.float32)[comm.rank]
+        x.set(host)
+        auto.allreduce(x, codec=codec, seed=seed % 1000, out=out)
+        want = eager.allreduce(cp.asarray(host), codec=codec, seed=seed % 1000)
+        compressed = call % 2 == 0 if call < measuring else winner == "compressed"
+        if compressed:
+            assert digest(cp.asnumpy(out)) == digest(cp.asnumpy(want)), (seed, call)
+        assert len(set(comm.allgather(digest(cp.asnumpy(out))))) == 1
+        stats = auto.graph_stats()
+        if call == 2:           # the class's second compressed call: captured
+            assert stats == {"captured": 1, "replays": 1, "failed": []}, stats
+    (path, why), = auto.path_decisions().values()
+    assert path == winner and "measured" in why
+    assert auto.graph_stats() == ({"captured": 1, "replays": measuring // 2 - 1 + 3, "failed": []}
+                                  if winner == "compressed" else
+                                  {"captured": 0, "replays": 0, "failed": []})
+    auto.free()
+    eager.free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_a_rank_that_differs_makes_every_rank_raise(cp):
     coll = dq.Collective(comm, graphs=True, path="compressed")
     x = cp.asarray(rank_inputs(shared_seed(comm), N, 256 * 3000)[comm.rank])

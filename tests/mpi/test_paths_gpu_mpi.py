@@ -10,7 +10,7 @@ from mpi4py import MPI
 
 import dynamiq_mpi as dq
 from dynamiq_mpi.backend import BFLOAT16
-from dynamiq_mpi.call.paths import SAMPLES, WARMUP
+from dynamiq_mpi.call.paths import measuring_calls
 
 from helpers import shared_seed
 
@@ -79,7 +79,7 @@ def test_native_exact_keeps_float32(cp):
 @pytest.mark.mpi(min_size=2)
 def test_auto_path_on_nccl_measures_and_agrees(cp):
     coll = dq.Collective(comm, path="auto")
-    calls = 2 * (WARMUP + SAMPLES)
+    calls = measuring_calls(coll.graphs)
     seen = []
     for i in range(calls + 2):
         x = my_input(cp, 1000 + i, 1 << 16, BFLOAT16)

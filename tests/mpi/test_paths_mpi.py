@@ -11,7 +11,7 @@ from mpi4py import MPI
 
 import dynamiq_mpi as dq
 from dynamiq_mpi.backend import BFLOAT16
-from dynamiq_mpi.call.paths import SAMPLES, WARMUP
+from dynamiq_mpi.call.paths import measuring_calls
 
 from helpers import fresh_seed, shared_seed
 
@@ -77,7 +77,7 @@ def test_native_exact_keeps_float32_and_dynamiq_compressed_differs():
 def test_auto_measures_both_paths_then_keeps_one_agreed_choice():
     coll = dq.Collective(comm, path="auto")
     seed = fresh_seed()
-    calls = 2 * (WARMUP + SAMPLES)
+    calls = measuring_calls(coll.graphs)
     paths = []
     for i in range(calls + 3):
         x = my_input(seed + i, 5000)
