@@ -17,27 +17,35 @@ _COUNTER_STEP = 0x9E3779B97F4A7C15
 _STATIC_DIGESTS: dict = {}     # frozen record (no counter) -> its hash: steady calls repeat one
 
 
-def _frozen(value):
+_AS_IS = {str, type(None)}           # a record's values that key themselves
+_TAGGED = {bool, int, float}         # and those keyed with their type (1, True, 1.0 differ)
+
+
+def _frozen(value, skip=None):
+    """A hashable key of ``value`` (a dict's items sorted, less the key ``skip``)."""
     if isinstance(value, dict):
-        return tuple((k, _frozen(v)) for k, v in sorted(value.items()))
+        return tuple([(k, v if type(v) in _AS_IS else (type(v).__name__, v)
+                       if type(v) in _TAGGED else _frozen(v))
+                      for k, v in sorted(value.items()) if k != skip])
     if isinstance(value, list):
-        return ("list",) + tuple(_frozen(v) for v in value)
+        return ("list",) + tuple([_frozen(v) for v in value])
     return (type(value).__name__, value) if isinstance(value, (bool, int, float)) else value
 
 
 def record_digest(value) -> int:
     """64-bit digest of an agreement value: a (cached) hash of it without its
     ``counter``, plus the counter times an odd constant."""
-    counter = 0
+    counter, skip = 0, None
     if isinstance(value, dict) and "counter" in value:
-        counter = int(value["counter"])
-        value = {k: v for k, v in value.items() if k != "counter"}
+        counter, skip = int(value["counter"]), "counter"
     try:
-        key = _frozen(value)
+        key = _frozen(value, skip)
         static = _STATIC_DIGESTS.get(key)
     except TypeError:           # an unhashable part: hash it every time
         key = static = None
     if static is None:
+        if skip is not None:
+            value = {k: v for k, v in value.items() if k != skip}
         raw = hashlib.blake2b(pickle.dumps(value, protocol=4), digest_size=8).digest()
         static = int.from_bytes(raw, "little")
         if key is not None:
