@@ -31,15 +31,16 @@ class Transport:
     agreement = None
 
     def answer(self, request):
-        if isinstance(request, Exchange):
+        kind = type(request)            # (by exact type: no isinstance per request)
+        if kind is Exchange:
             return self._exchange(request)
-        if isinstance(request, Claim):
+        if kind is Claim:
             return self._claim(request.handle)
-        if isinstance(request, Agree):
-            return agree(self.agreement, request.value)
-        if isinstance(request, Mark):
+        if kind is Mark:
             return self._mark(request.name)
-        if isinstance(request, NativeAllreduce):
+        if kind is Agree:
+            return agree(self.agreement, request.value)
+        if kind is NativeAllreduce:
             return self._native_allreduce(request.send, request.recv)
         raise RuntimeError(f"unknown request {request!r}")
 
