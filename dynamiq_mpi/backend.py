@@ -37,15 +37,21 @@ def array_module(x):
     return np if isinstance(x, np.ndarray) else __import__("cupy")
 
 
+_CPU_BACKEND = None
+
+
 def _cpu_backend() -> Backend:
-    from . import _cpu
-    return Backend("cpu", np, _cpu)
+    global _CPU_BACKEND
+    if _CPU_BACKEND is None:        # (kept once the extension imports)
+        from . import _cpu
+        _CPU_BACKEND = Backend("cpu", np, _cpu)
+    return _CPU_BACKEND
 
 
 def backend_for(x) -> Backend:
     """The backend of an input array (NumPy -> cpu, CuPy -> gpu)."""
     if isinstance(x, np.ndarray):
-        return _cpu_backend()
+        return _CPU_BACKEND or _cpu_backend()
     module = type(x).__module__
     if module.startswith("cupy"):
         return gpu_backend()
