@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -15,7 +15,7 @@ from ..backend import BFLOAT16, SUPPORTED_DTYPES, backend_for, dtype_name
 from ..codecs.base import DEFAULT_TILE_BYTES, LAYOUTS, Codec, align_up, signature_of
 from ..codecs.plain import ByteMaxPlan, ElementwisePlan, exact_sum_into
 from ..errors import InputMismatchError, InvalidInputError, NonFiniteInputError, SumOverflowError
-from ..settings import env_choice
+from ..settings import env_choice, env_text
 from ..report import Report
 from ..transports import TRANSPORTS, transport_capabilities
 from ..transports.ops import Agree, Claim, Exchange, Mark
@@ -29,6 +29,12 @@ NATIVE_DTYPES = SUPPORTED_DTYPES[:2]
 # The phase boundaries a program marks, each request made once (never changed)
 MARKS = {m: Mark(m) for m in ("statistics", "plan", "reduce-scatter", "all-gather", "finish",
                               "done")}
+
+
+def decode_into_output() -> bool:
+    """Whether a plan may decode straight into the caller's buffer: unless
+    ``$DYNAMIQ_DECODE_INTO_OUTPUT`` is "0" (two passes, the same bits; for A/B runs)."""
+    return env_text("DYNAMIQ_DECODE_INTO_OUTPUT") != "0"
 
 
 @dataclass(frozen=True)
@@ -45,9 +51,11 @@ class CallSpec:
     layout: str = "auto"            # the stream's layout (resolve_layout)
     # local details, not agreed: the device address of the generator keys of a
     # call captured as a CUDA graph (else 0); a rail's ``plan_hook(codec,
-    # reduced statistics, backend)``, the codec to plan with (rail_budget.py)
+    # reduced statistics, backend)``, the codec to plan with (rail_budget.py);
+    # whether the plan may decode into the result (a call runner reads it once)
     keys_at: int = 0
     plan_hook: object = None
+    decode_into: bool = field(default_factory=decode_into_output)
 
 
 def resolve_layout(spec: CallSpec, backend_name) -> str:
@@ -220,7 +228,7 @@ def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
     # a small input sent uncompressed keeps the codec's contract: its sum is checked
     raise_check = (codec is not spec.codec and getattr(spec.codec, "rejects_nonfinite", False)
                    and spec.nonfinite == "raise")
-    if result.dtype in NATIVE_DTYPES:   # the plan may decode straight into the result
+    if spec.decode_into and result.dtype in NATIVE_DTYPES:  # the plan may decode into it
         table.bind(result, divisor, raise_check)
     yield MARKS["reduce-scatter"]
     sent += yield from table.hops(schedule, rank)

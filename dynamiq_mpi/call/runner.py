@@ -12,7 +12,7 @@ from ..backend import backend_for
 from .engine import rank_program
 from .graphs import GraphCalls, graph_stats
 from .hierarchy import NodeCalls
-from .phases import CallSpec
+from .phases import CallSpec, decode_into_output
 from .planner import CallPlanner
 from .runtime import Runtime, sync
 
@@ -26,6 +26,7 @@ class CallRunner:
     def __init__(self, runtime: Runtime, layout, graphs: bool, node_size=None,
                  rail_budget="joint", links=None):
         self.runtime, self.layout = runtime, layout
+        self.decode_into = decode_into_output()     # read once, as the layout
 
         def make_rail(plane):           # a rail is flat, on a runtime of its own
             return CallRunner(Runtime(plane, runtime.lanes, runtime.lane_bytes), layout,
@@ -77,7 +78,8 @@ class CallRunner:
         rt = self.runtime
         spec = CallSpec(call["codec"], call["topology"], call["op"], call["seed"],
                         call["counter"], call["transport"], call["tile_bytes"],
-                        nonfinite=call["nonfinite"], layout=self.layout)
+                        nonfinite=call["nonfinite"], layout=self.layout,
+                        decode_into=self.decode_into)
         program = rank_program_rs(rt.rank, rt.size, x, spec, out, rt.workspace,
                                   detailed_report=want_report)
         out, report = rt.drive(program, x, profile, want_report, self.planner.route)
@@ -88,7 +90,8 @@ class CallRunner:
         rt = self.runtime
         spec = CallSpec(call["codec"], call["topology"], call["op"], call["seed"],
                         call["counter"], call["transport"], call["tile_bytes"], path=plan.path,
-                        nonfinite=call["nonfinite"], layout=self.layout, plan_hook=plan_hook)
+                        nonfinite=call["nonfinite"], layout=self.layout, plan_hook=plan_hook,
+                        decode_into=self.decode_into)
         program = rank_program(rt.rank, rt.size, x, spec, out, rt.workspace,
                                detailed_report=want_report)
         if plan.timed:

@@ -13,7 +13,6 @@ import numpy as np
 
 from ..backend import as_float32
 from ..errors import NonFiniteInputError, SumOverflowError
-from ..settings import env_text
 from .allocation import BF16_WIDTH, CLASSES, WIDTHS, record_bits, summarise, theta_to_u, widths_of
 from .base import (Plan, StreamLayout, align_up, current_layout, fixed_tiling, planned_chunks,
                    tile_stream)
@@ -356,9 +355,7 @@ class _DynamiQPlan(Plan):
 
     def bind_output(self, out, divisor):
         """Decode straight into the caller's layout, one pass, the same bits
-        (``DYNAMIQ_DECODE_INTO_OUTPUT=0`` keeps two passes, for A/B runs)."""
-        if env_text("DYNAMIQ_DECODE_INTO_OUTPUT") == "0":
-            return False
+        (unbound, the plan decodes in two passes: ``CallSpec.decode_into``)."""
         self._bound = (out, float(divisor))
         return True
 
