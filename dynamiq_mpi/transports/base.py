@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ..control.agreement import agree
+from ..control.agreement import Digests, agree
 from .ops import Agree, Claim, Exchange, Mark, NativeAllreduce
 
 
@@ -29,6 +29,7 @@ class Transport:
 
     profile = None
     agreement = None
+    digests = None          # the agreement's Digests, made at the first Agree
 
     def answer(self, request):
         kind = type(request)            # (by exact type: no isinstance per request)
@@ -39,7 +40,9 @@ class Transport:
         if kind is Mark:
             return self._mark(request.name)
         if kind is Agree:
-            return agree(self.agreement, request.value)
+            if self.digests is None:
+                self.digests = Digests(self.agreement)
+            return agree(self.agreement, request.value, self.digests)
         if kind is NativeAllreduce:
             return self._native_allreduce(request.send, request.recv)
         raise RuntimeError(f"unknown request {request!r}")
