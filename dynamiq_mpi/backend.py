@@ -3,6 +3,7 @@ CuPy arrays on the CUDA kernels (``dynamiq_mpi._gpu``) when they were built.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,21 +38,16 @@ def array_module(x):
     return np if isinstance(x, np.ndarray) else __import__("cupy")
 
 
-_CPU_BACKEND = None
-
-
+@functools.cache         # (kept once the extension imports)
 def _cpu_backend() -> Backend:
-    global _CPU_BACKEND
-    if _CPU_BACKEND is None:        # (kept once the extension imports)
-        from . import _cpu
-        _CPU_BACKEND = Backend("cpu", np, _cpu)
-    return _CPU_BACKEND
+    from . import _cpu
+    return Backend("cpu", np, _cpu)
 
 
 def backend_for(x) -> Backend:
     """The backend of an input array (NumPy -> cpu, CuPy -> gpu)."""
     if isinstance(x, np.ndarray):
-        return _CPU_BACKEND or _cpu_backend()
+        return _cpu_backend()
     module = type(x).__module__
     if module.startswith("cupy"):
         return gpu_backend()

@@ -44,12 +44,11 @@ class Runtime:
         try:
             request = program.send(None)
             while True:
-                kind = type(request)
-                if kind is Agree:
+                if type(request) is Agree:
                     answer = self.host.answer(request)
                     if metas is None:       # the call's records (later ones: flags)
                         metas = self.last_metas = answer
-                elif kind is Route:
+                elif type(request) is Route:
                     answer, why = choose(request, metas, x, want_report)
                     data = self.route(answer.transport, x)
                     if profile:
