@@ -27,13 +27,11 @@ LAYOUT_CHOICES = ("auto",) + LAYOUTS
 # Input dtypes the codecs read directly; others are converted to float32 first.
 NATIVE_DTYPES = SUPPORTED_DTYPES[:2]
 # The phase boundaries a program marks, each request made once (never changed)
-MARKS = {m: Mark(m) for m in ("statistics", "plan", "reduce-scatter", "all-gather", "finish",
-                              "done")}
+MARKS = {m: Mark(m) for m in "statistics plan reduce-scatter all-gather finish done".split()}
 
 
 def decode_into_output() -> bool:
-    """Whether a plan may decode straight into the caller's buffer: unless
-    ``$DYNAMIQ_DECODE_INTO_OUTPUT`` is "0" (two passes, the same bits; for A/B runs)."""
+    """Unless ``$DYNAMIQ_DECODE_INTO_OUTPUT`` is "0" (two passes, the same bits: A/B runs)."""
     return env_text("DYNAMIQ_DECODE_INTO_OUTPUT") != "0"
 
 
@@ -164,11 +162,10 @@ def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
                    detailed_report: bool):
     """Generator: one rank's call of the collective ``table`` describes,
     returning (output, Report): the local checks (``table.check``), the local
-    statistics (``table.start``: a device computes while the host agrees),
-    the agreement, ``Route``, then the native phases (``table.native``) or
-    the compressed ones, in line (no delegating generator to resume per
-    request): the statistics reduced exactly, the plans (``table.plan`` sets
-    ``codec``, ``plans``, ``own``), the hops, the finish, the report."""
+    statistics (``table.start``: a device computes while the host agrees), the
+    agreement, ``Route``, then ``table.native`` or, in line (no generator to
+    resume per request), the compressed phases: the statistics reduced
+    exactly, the plans (``table.plan`` sets ``codec``, ``plans``, ``own``), the hops."""
     t0 = time.perf_counter()
     error = None
     try:
