@@ -3,6 +3,7 @@ CuPy arrays on the CUDA kernels (``dynamiq_mpi._gpu``) when they were built.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +38,7 @@ def array_module(x):
     return np if isinstance(x, np.ndarray) else __import__("cupy")
 
 
+@functools.cache         # (kept once the extension imports)
 def _cpu_backend() -> Backend:
     from . import _cpu
     return Backend("cpu", np, _cpu)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -15,7 +15,7 @@ from ..backend import BFLOAT16, SUPPORTED_DTYPES, backend_for, dtype_name
 from ..codecs.base import DEFAULT_TILE_BYTES, LAYOUTS, Codec, align_up, signature_of
 from ..codecs.plain import ByteMaxPlan, ElementwisePlan, exact_sum_into
 from ..errors import InputMismatchError, InvalidInputError, NonFiniteInputError, SumOverflowError
-from ..settings import env_choice
+from ..settings import env_choice, env_text
 from ..report import Report
 from ..transports import TRANSPORTS, transport_capabilities
 from ..transports.ops import Agree, Claim, Exchange, Mark
@@ -26,6 +26,13 @@ NONFINITE = ("propagate", "raise")
 LAYOUT_CHOICES = ("auto",) + LAYOUTS
 # Input dtypes the codecs read directly; others are converted to float32 first.
 NATIVE_DTYPES = SUPPORTED_DTYPES[:2]
+# The phase boundaries a program marks, each request made once (never changed)
+MARKS = {m: Mark(m) for m in "statistics plan reduce-scatter all-gather finish done".split()}
+
+
+def decode_into_output() -> bool:
+    """Unless ``$DYNAMIQ_DECODE_INTO_OUTPUT`` is "0" (two passes, the same bits: A/B runs)."""
+    return env_text("DYNAMIQ_DECODE_INTO_OUTPUT") != "0"
 
 
 @dataclass(frozen=True)
@@ -42,9 +49,11 @@ class CallSpec:
     layout: str = "auto"            # the stream's layout (resolve_layout)
     # local details, not agreed: the device address of the generator keys of a
     # call captured as a CUDA graph (else 0); a rail's ``plan_hook(codec,
-    # reduced statistics, backend)``, the codec to plan with (rail_budget.py)
+    # reduced statistics, backend)``, the codec to plan with (rail_budget.py);
+    # whether the plan may decode into the result (a call runner reads it once)
     keys_at: int = 0
     plan_hook: object = None
+    decode_into: bool = field(default_factory=decode_into_output)
 
 
 def resolve_layout(spec: CallSpec, backend_name) -> str:
@@ -81,8 +90,8 @@ def check_local(x, out, spec: CallSpec, n: int):
     flat_out = None
     if out is not None:
         check_out_buffer(out, x, backend, out.shape == x.shape,
-                         f"have the input's shape {x.shape} and dtype {x.dtype}, "
-                         f"got {out.shape} {out.dtype}")
+                         lambda: f"have the input's shape {x.shape} and dtype {x.dtype}, "
+                                 f"got {out.shape} {out.dtype}")
         flat_out = out.reshape(-1)
     return x.reshape(-1), flat_out, backend
 
@@ -97,19 +106,19 @@ def check_scatter(x, out, flat, backend, n: int):
         return None
     m = flat.shape[0] // n
     check_out_buffer(out, x, backend, out.size == m,
-                     f"hold len(x) / n = {m} elements of dtype {x.dtype}, "
-                     f"got {out.size} of {out.dtype}")
+                     lambda: f"hold len(x) / n = {m} elements of dtype {x.dtype}, "
+                             f"got {out.size} of {out.dtype}")
     return out.reshape(-1)
 
 
-def check_out_buffer(out, x, backend, size_ok: bool, expected: str) -> None:
+def check_out_buffer(out, x, backend, size_ok: bool, expected) -> None:
     """Every ``out=``'s checks: x's type, dtype and device, its size
-    (``size_ok``; ``expected``: what was wanted and got), C-contiguous."""
+    (``size_ok``; ``expected()``: what was wanted and got), C-contiguous."""
     if type(out) is not type(x):
         raise TypeError(f"out must be a {type(x).__name__} like the input, "
                         f"got {type(out).__name__}")
     if not size_ok or out.dtype != x.dtype:
-        raise ValueError(f"out must {expected}")
+        raise ValueError(f"out must {expected()}")
     if not out.flags.c_contiguous:
         raise ValueError("out must be C-contiguous")
     if backend.name == "gpu" and out.device.id != x.device.id:
@@ -128,7 +137,7 @@ _FLAT_DEFAULTS = {"collective": "allreduce", "hierarchy": "flat"}
 def check_agreement(metas: list, what: str = "all-reduce") -> None:
     """Raise alike on every rank where one reported an error or the records differ."""
     first = metas[0]
-    if not first.get("error") and all(m is first for m in metas):
+    if not first.get("error") and all([m is first for m in metas]):
         return      # the agreement matched digests and handed back one record
     if any("error" not in m for m in metas):    # hierarchy.NodeCalls.auto_layout's record
         raise InputMismatchError("ranks disagree on hierarchy: some ask 'auto', others not")
@@ -153,8 +162,10 @@ def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
                    detailed_report: bool):
     """Generator: one rank's call of the collective ``table`` describes,
     returning (output, Report): the local checks (``table.check``), the local
-    statistics (``table.start``: a device computes while the host agrees),
-    the agreement, ``Route``, then the native or the compressed phases."""
+    statistics (``table.start``: a device computes while the host agrees), the
+    agreement, ``Route``, then ``table.native`` or, in line (no generator to
+    resume per request), the compressed phases: the statistics reduced
+    exactly, the plans (``table.plan`` sets ``codec``, ``plans``, ``own``), the hops."""
     t0 = time.perf_counter()
     error = None
     try:
@@ -181,32 +192,25 @@ def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
     output = out if out is not None else table.shaped(result, x)
     if n == 1 or length == 0:
         result[...] = flat
-    else:
-        report.path, report.path_reason = routed.path, routed.reason
-        if routed.path == "native":     # only where the table's Route asked for it
-            yield from table.native(n, flat, result, spec, routed, backend, workspace, report,
-                                    detailed_report)
-        else:
-            yield from compressed_phases(table, rank, n, flat, result, spec, backend,
-                                         workspace, report, detailed_report)
-    report.seconds = time.perf_counter() - t0
-    return output, report
+        report.seconds = time.perf_counter() - t0
+        return output, report
+    report.path, report.path_reason = routed.path, routed.reason
+    if routed.path == "native":     # only where the table's Route asked for it
+        yield from table.native(n, flat, result, spec, routed, backend, workspace, report,
+                                detailed_report)
+        report.seconds = time.perf_counter() - t0
+        return output, report
 
-
-def compressed_phases(table, rank, n, flat, result, spec: CallSpec, backend, workspace, report,
-                      detailed_report):
-    """Generator: the statistics reduced exactly, the plans (``table.plan``
-    sets ``codec``, ``plans``, ``own``), the hops, the finish, the report."""
     xp = backend.xp
     divisor = n if spec.op == "mean" else 1
     stats = table.statistics(flat, spec, backend, workspace)
     schedule = schedules.build(spec.topology, n)
-    yield Mark("statistics")
+    yield MARKS["statistics"]
     reduced, sent, stats_total = None, 0, 0
     if stats is not None:
         reduced, sent, stats_total = yield from reduce_stats(
             stats, n, rank, schedule, backend, workspace, spec.tile_bytes)
-    yield Mark("plan")
+    yield MARKS["plan"]
     try:
         table.plan(reduced, rank, n, spec, backend, workspace)
         fixed = getattr(table.own, "fixed", False)
@@ -215,27 +219,28 @@ def compressed_phases(table, rank, n, flat, result, spec: CallSpec, backend, wor
                 raise_refusal(p.refusal())
     except (NonFiniteInputError, SumOverflowError) as exc:
         propagate_nonfinite(exc, spec, result, report, stats_total, sent)
-        return
+        report.seconds = time.perf_counter() - t0
+        return output, report
     codec = table.codec
     # a small input sent uncompressed keeps the codec's contract: its sum is checked
     raise_check = (codec is not spec.codec and getattr(spec.codec, "rejects_nonfinite", False)
                    and spec.nonfinite == "raise")
-    if result.dtype in NATIVE_DTYPES:   # the plan may decode straight into the result
+    if spec.decode_into and result.dtype in NATIVE_DTYPES:  # the plan may decode into it
         table.bind(result, divisor, raise_check)
-    yield Mark("reduce-scatter")
+    yield MARKS["reduce-scatter"]
     sent += yield from table.hops(schedule, rank)
-    yield Mark("finish")
+    yield MARKS["finish"]
     if raise_check:
         yield from table.check_sum()
     finish_into(table.own, divisor, result, workspace, xp)
-    yield Mark("done")
+    yield MARKS["done"]
 
     chunk_bytes = [sum(p.chunk_nbytes) for p in table.plans]
     report.wire_bytes_total = stats_total + table.halves * (n - 1) * sum(chunk_bytes)
     report.stats_bytes_total = stats_total
     report.bytes_sent = sent
-    report.tiles_per_chunk = max(len(p.chunk_tiles[0]) for p in table.plans)
-    report.sync_free = (all(getattr(p, "sync_free", False) for p in table.plans)
+    report.tiles_per_chunk = max([len(p.chunk_tiles[0]) for p in table.plans])
+    report.sync_free = (all([getattr(p, "sync_free", False) for p in table.plans])
                         and not raise_check and spec.nonfinite == "propagate")
     info = report_plan(report, table.own, fixed, stats is not None, detailed_report, xp, result)
     info.update(table.info(chunk_bytes))
@@ -243,6 +248,8 @@ def compressed_phases(table, rank, n, flat, result, spec: CallSpec, backend, wor
         info["fallback"] = (f"{codec.name}: {report.length} elements < small_input="
                             f"{getattr(spec.codec, 'small_input', '?')}")
     report.codec_info = info
+    report.seconds = time.perf_counter() - t0
+    return output, report
 
 
 def reduce_tile(plan, tile, received, event):
@@ -291,7 +298,7 @@ def run_schedule(plan, schedule, rank):
     for step in steps:
         if step.phase == schedules.GATHER and not finalised:
             # the first all-gather step sends the chunk just reduced
-            yield Mark("all-gather")
+            yield MARKS["all-gather"]
             finalised = True
             sent += yield from _finish_and_send(plan, schedule, rank, step, pending, held)
             continue

@@ -12,7 +12,7 @@ from ..backend import backend_for
 from .engine import rank_program
 from .graphs import GraphCalls, graph_stats
 from .hierarchy import NodeCalls
-from .phases import CallSpec
+from .phases import CallSpec, decode_into_output
 from .planner import CallPlanner
 from .runtime import Runtime, sync
 
@@ -25,7 +25,9 @@ class CallRunner:
 
     def __init__(self, runtime: Runtime, layout, graphs: bool, node_size=None,
                  rail_budget="joint", links=None):
-        self.runtime, self.layout = runtime, layout
+        self.runtime = runtime
+        # every CallSpec's layout and decode_into (read once, as the layout)
+        self.settings = dict(layout=layout, decode_into=decode_into_output())
 
         def make_rail(plane):           # a rail is flat, on a runtime of its own
             return CallRunner(Runtime(plane, runtime.lanes, runtime.lane_bytes), layout,
@@ -83,7 +85,7 @@ class CallRunner:
         rt = self.runtime
         spec = CallSpec(call["codec"], call["topology"], call["op"], call["seed"],
                         call["counter"], call["transport"], call["tile_bytes"],
-                        nonfinite=call["nonfinite"], layout=self.layout)
+                        nonfinite=call["nonfinite"], **self.settings)
         program = rank_program_rs(rt.rank, rt.size, x, spec, out, rt.workspace,
                                   detailed_report=want_report)
         out, report = rt.drive(program, x, profile, want_report, self.planner.route)
@@ -94,7 +96,7 @@ class CallRunner:
         rt = self.runtime
         spec = CallSpec(call["codec"], call["topology"], call["op"], call["seed"],
                         call["counter"], call["transport"], call["tile_bytes"], path=plan.path,
-                        nonfinite=call["nonfinite"], layout=self.layout, plan_hook=plan_hook)
+                        nonfinite=call["nonfinite"], plan_hook=plan_hook, **self.settings)
         program = rank_program(rt.rank, rt.size, x, spec, out, rt.workspace,
                                detailed_report=want_report)
         if plan.timed:

@@ -44,11 +44,11 @@ class Runtime:
         try:
             request = program.send(None)
             while True:
-                if isinstance(request, Agree):
+                if type(request) is Agree:
                     answer = self.host.answer(request)
                     if metas is None:       # the call's records (later ones: flags)
                         metas = self.last_metas = answer
-                elif isinstance(request, Route):
+                elif type(request) is Route:
                     answer, why = choose(request, metas, x, want_report)
                     data = self.route(answer.transport, x)
                     if profile:

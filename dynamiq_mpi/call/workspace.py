@@ -17,7 +17,7 @@ class Workspace:
 
     def take(self, xp, name: str, count: int, dtype):
         """A flat ``dtype`` view of ``count`` elements of the buffer ``name``."""
-        key = (xp.__name__, _device_of(xp), name)
+        key = (xp.__name__, -1 if xp is np else _device_of(xp), name)
         # the same view object for steady calls (a device slice costs us)
         vkey = (key, count, dtype)
         cached = self._views.get(vkey)

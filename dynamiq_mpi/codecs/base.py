@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from dataclasses import dataclass, field
 
 # Bytes per message: a tile's kernel overlaps the previous tile's transfer but
@@ -108,7 +109,7 @@ class Tiling:
     # what codecs derive from this tiling alone (shared by calls of the same runs)
     derived: dict = field(default_factory=dict, repr=False, compare=False)
 
-    @property
+    @functools.cached_property      # (a Tiling is never modified)
     def chunk_nbytes(self):
         return [sum(self.nbytes[t] for t in tiles) for tiles in self.chunk_tiles]
 

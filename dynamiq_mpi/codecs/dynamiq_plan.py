@@ -13,7 +13,6 @@ import numpy as np
 
 from ..backend import as_float32
 from ..errors import NonFiniteInputError, SumOverflowError
-from ..settings import env_text
 from .allocation import BF16_WIDTH, CLASSES, WIDTHS, record_bits, summarise, theta_to_u, widths_of
 from .base import (Plan, StreamLayout, align_up, current_layout, fixed_tiling, planned_chunks,
                    tile_stream)
@@ -188,7 +187,7 @@ class _DynamiQPlan(Plan):
         if not means_ok:
             raise SumOverflowError("the sum of the inputs' super-group means exceeds the float32 range")
         counts = self.counts
-        n_live = sum(counts[w] for w in self.widths)
+        n_live = sum([counts[w] for w in self.widths])
         if n_live * SUPER >= 2 ** 32:
             raise ValueError("too many coordinates for one call (2^32 limit of the generator)")
         self.order = self._order_full[:n_live]
@@ -356,9 +355,7 @@ class _DynamiQPlan(Plan):
 
     def bind_output(self, out, divisor):
         """Decode straight into the caller's layout, one pass, the same bits
-        (``DYNAMIQ_DECODE_INTO_OUTPUT=0`` keeps two passes, for A/B runs)."""
-        if env_text("DYNAMIQ_DECODE_INTO_OUTPUT") == "0":
-            return False
+        (unbound, the plan decodes in two passes: ``CallSpec.decode_into``)."""
         self._bound = (out, float(divisor))
         return True
 
@@ -405,7 +402,7 @@ class _DynamiQPlan(Plan):
                 "threshold_u": theta_to_u(self.theta) if variable else float("nan"),
                 "threshold_theta": self.theta, "budget_bits": self.budget_bits,
                 "planned_budget_bits": self.planned_bits,
-                "budget_binds": sum(c[w] for w in self.widths[:-1]) > 0,
+                "budget_binds": sum([c[w] for w in self.widths[:-1]]) > 0,
                 "budget_exceeded": self.exceeded}
         if self.fixed:
             table = self.backend.to_host(self.table).reshape(-1, self.k.TILE_INTS)

@@ -15,29 +15,33 @@ from . import as_plane
 _COUNTER_STEP = 0x9E3779B97F4A7C15
 
 _STATIC_DIGESTS: dict = {}     # frozen record (no counter) -> its hash: steady calls repeat one
+_AS_IS, _TAGGED = {str, type(None)}, {bool, int, float}     # keyed as is, or with their type
 
 
-def _frozen(value):
+def _frozen(value, skip=None):
+    """A hashable key of ``value`` (1, True and 1.0 differ), less a dict's key ``skip``."""
     if isinstance(value, dict):
-        return tuple((k, _frozen(v)) for k, v in sorted(value.items()))
+        return tuple([(k, v if type(v) in _AS_IS else (type(v).__name__, v)
+                       if type(v) in _TAGGED else _frozen(v))
+                      for k, v in sorted(value.items()) if k != skip])
     if isinstance(value, list):
-        return ("list",) + tuple(_frozen(v) for v in value)
+        return ("list",) + tuple([_frozen(v) for v in value])
     return (type(value).__name__, value) if isinstance(value, (bool, int, float)) else value
 
 
 def record_digest(value) -> int:
     """64-bit digest of an agreement value: a (cached) hash of it without its
     ``counter``, plus the counter times an odd constant."""
-    counter = 0
+    counter, skip = 0, None
     if isinstance(value, dict) and "counter" in value:
-        counter = int(value["counter"])
-        value = {k: v for k, v in value.items() if k != "counter"}
+        counter, skip = int(value["counter"]), "counter"
     try:
-        key = _frozen(value)
+        key = _frozen(value, skip)
         static = _STATIC_DIGESTS.get(key)
     except TypeError:           # an unhashable part: hash it every time
         key = static = None
     if static is None:
+        value = {k: v for k, v in value.items() if k != skip} if skip else value
         raw = hashlib.blake2b(pickle.dumps(value, protocol=4), digest_size=8).digest()
         static = int.from_bytes(raw, "little")
         if key is not None:
@@ -51,14 +55,9 @@ def digest_with_counter(static: int, counter: int) -> int:
     return (static + counter * _COUNTER_STEP) & 0xFFFFFFFFFFFFFFFF
 
 
-def digests_match(plane, digest: int) -> bool:
-    """One fixed-size all-gather of every rank's digest: all equal?"""
-    return Digests(plane).match(digest)
-
-
 class Digests:
-    """:func:`digests_match` with its buffers kept (no allocation per call);
-    ``plane``: a control plane or an mpi4py communicator."""
+    """One fixed-size all-gather of every rank's digest (:meth:`match`: all
+    equal?), its buffers kept; ``plane``: a control plane or an mpi4py communicator."""
 
     def __init__(self, plane):
         self.plane = as_plane(plane)
@@ -71,9 +70,10 @@ class Digests:
         return self.everyone.tolist().count(digest) == self.everyone.shape[0]
 
 
-def agree(plane, value):
-    """Every rank's small picklable ``value``; where all digests match, none is sent."""
-    plane = as_plane(plane)
-    if digests_match(plane, record_digest(value)):
-        return [value] * plane.size
-    return plane.allgather(value)
+def agree(plane, value, digests=None):
+    """Every rank's small picklable ``value``; where all digests match, none is
+    sent (``digests``: the caller's :class:`Digests` of ``plane``, kept across calls)."""
+    digests = digests or Digests(plane)
+    if digests.match(record_digest(value)):
+        return [value] * digests.plane.size
+    return digests.plane.allgather(value)

@@ -1,6 +1,8 @@
 """The MPI control plane: an mpi4py communicator."""
 from __future__ import annotations
 
+from mpi4py import MPI
+
 from . import ControlPlane
 
 _TAG = 0x5D17
@@ -17,7 +19,6 @@ class MPIPlane(ControlPlane):
     @property
     def thread_safe(self) -> bool:
         # calls from the DDP hook's worker and from the hook's thread
-        from mpi4py import MPI
         return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
 
     def allgather(self, value) -> list:
@@ -30,11 +31,9 @@ class MPIPlane(ControlPlane):
         self.mpi_comm.Allgather(mine, everyone)
 
     def allreduce_max(self, mine, out) -> None:
-        from mpi4py import MPI
         self.mpi_comm.Allreduce(mine, out, op=MPI.MAX)
 
     def sendrecv(self, send, dest, recv, source) -> None:
-        from mpi4py import MPI
         if send is not None and recv is not None:
             self.mpi_comm.Sendrecv([send, MPI.BYTE], dest, _TAG, [recv, MPI.BYTE], source, _TAG)
         elif send is not None:
@@ -43,7 +42,6 @@ class MPIPlane(ControlPlane):
             self.mpi_comm.Recv([recv, MPI.BYTE], source, _TAG)
 
     def allreduce_sum(self, send, recv) -> None:
-        from mpi4py import MPI
         # out=x arrives as two views of one memory: MPI forbids aliased buffers
         same = send is recv or (send.__array_interface__["data"][0]
                                 == recv.__array_interface__["data"][0])
@@ -53,7 +51,6 @@ class MPIPlane(ControlPlane):
         self.mpi_comm.Barrier()
 
     def node_name(self) -> str:
-        from mpi4py import MPI
         return MPI.Get_processor_name()
 
     def dup(self) -> "MPIPlane":
@@ -65,7 +62,6 @@ class MPIPlane(ControlPlane):
 
     def shared_memory_leader(self) -> int:
         """This node's lowest rank of the plane (``MPI_Comm_split_type(SHARED)``; collective)."""
-        from mpi4py import MPI
         local = self.mpi_comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         try:
             return local.allreduce(self.rank, op=MPI.MIN)

@@ -7,6 +7,8 @@ unusable is the same error on every rank.
 from __future__ import annotations
 
 from ..errors import InvalidInputError
+from ..settings import env_text
+from .cuda_aware import ENV, _mpi_running, cuda_aware_mpi
 
 
 def _nccl():
@@ -51,8 +53,6 @@ _CAPABILITIES: dict = {}
 def transport_capabilities(backend) -> dict:
     """What this rank could use (part of the agreement record; CUDA-awareness
     for host arrays too, so ``mpi-cuda`` refuses alike); a copy of the kept."""
-    from ..settings import env_text
-    from .cuda_aware import ENV, _mpi_running
     name = None if backend is None else backend.name
     nccl = None
     if name == "gpu":
@@ -66,7 +66,6 @@ def transport_capabilities(backend) -> dict:
 
 
 def _capabilities(backend) -> dict:
-    from .cuda_aware import cuda_aware_mpi
     aware = cuda_aware_mpi()
     can = {"mpi_cuda": aware.aware, "mpi_cuda_why": aware.why}
     if backend is None or backend.name != "gpu":
@@ -134,7 +133,7 @@ _CHOSEN: dict = {}
 def choose_transport(requested: str, metas: list) -> str:
     """The transport of a call from the agreement records (kept where one record decides)."""
     first = metas[0]
-    if not all(m is first for m in metas):
+    if not all([m is first for m in metas]):
         return explain_transport(requested, metas)[0]
     key = (requested, len(metas), first["backend"], tuple(sorted(first["can"].items())))
     chosen = _CHOSEN.get(key)

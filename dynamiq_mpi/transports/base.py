@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from ..control.agreement import agree
+from ..control.agreement import Digests, agree
 from .ops import Agree, Claim, Exchange, Mark, NativeAllreduce
 
 
@@ -29,17 +29,21 @@ class Transport:
 
     profile = None
     agreement = None
+    digests = None          # the agreement's Digests, made at the first Agree
 
     def answer(self, request):
-        if isinstance(request, Exchange):
+        kind = type(request)            # (by exact type: no isinstance per request)
+        if kind is Exchange:
             return self._exchange(request)
-        if isinstance(request, Claim):
+        if kind is Claim:
             return self._claim(request.handle)
-        if isinstance(request, Agree):
-            return agree(self.agreement, request.value)
-        if isinstance(request, Mark):
+        if kind is Mark:
             return self._mark(request.name)
-        if isinstance(request, NativeAllreduce):
+        if kind is Agree:
+            if self.digests is None:
+                self.digests = Digests(self.agreement)
+            return agree(self.agreement, request.value, self.digests)
+        if kind is NativeAllreduce:
             return self._native_allreduce(request.send, request.recv)
         raise RuntimeError(f"unknown request {request!r}")
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..control import as_plane
 from .base import Timeline, Transport
-from .ops import Received, payload_array
+from .ops import Received
 
 
 class HostTransport(Transport):
@@ -29,23 +29,18 @@ class HostTransport(Transport):
         """The mpi4py communicator of the MPI plane (None on the torch plane)."""
         return self.plane.mpi_comm if self.plane is not None else None
 
-    def _stage_out(self, payload):
-        if isinstance(payload, np.ndarray):
-            return payload
-        if self._stager is None:
-            self._stager = HostStager()
-        return self._stager.to_host(payload)          # synchronises the stream
-
     def _exchange(self, req):
-        send = payload_array(req.send) if req.send is not None else None
-        recv = req.recv
+        send, recv = req.send, req.recv
+        if type(send) is Received:                    # (a forwarded payload)
+            send = send.buffer
+        if send is not None and not isinstance(send, np.ndarray):     # a device payload
+            if self._stager is None:
+                self._stager = HostStager()
+            send = self._stager.to_host(send)         # synchronises the stream
         on_device = recv is not None and not isinstance(recv, np.ndarray)
-        send_host = self._stage_out(send) if send is not None else None
-        recv_host = None
-        if recv is not None:
-            recv_host = self._stager.recv_buffer(recv.nbytes) if on_device else recv
-        if send_host is not None or recv_host is not None:
-            self.plane.sendrecv(send_host, req.dest, recv_host, req.source)
+        recv_host = self._stager.recv_buffer(recv.nbytes) if on_device else recv
+        if send is not None or recv_host is not None:
+            self.plane.sendrecv(send, req.dest, recv_host, req.source)
         if recv is None:
             return None
         if on_device:
