@@ -5,6 +5,7 @@ no collective; under ``mpiexec -n N`` rank 0 lists every rank's host and GPUs.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -207,8 +208,7 @@ def default_choices(found: dict) -> dict:
         what = codec.for_length(n) if hasattr(codec, "for_length") else codec
         why = (f" (below DynamiQ's small_input of 2^{threshold.bit_length() - 1})"
                if n < threshold else "")
-        label = (f"DynamiQ at {what.bits:g} bits" if what.name == "dynamiq"
-                 else what.name.upper())
+        label = f"DynamiQ at {what.bits:g} bits" if what.name == "dynamiq" else what.name.upper()
         out[f"codec for 2^{n.bit_length() - 1} elements"] = f"{label}{why}"
     for key, read in (("hierarchy", default_hierarchy), ("graphs", default_graphs)):
         try:
@@ -221,15 +221,13 @@ def default_choices(found: dict) -> dict:
 # ---------------------------------------------------------------- ranks
 def _this_rank() -> dict:
     me = {"host": socket.gethostname(), "gpus": []}
-    try:
+    with contextlib.suppress(Exception):        # no CuPy or no GPU: the host alone
         import cupy
         runtime = cupy.cuda.runtime
         for d in range(runtime.getDeviceCount()):
             props = runtime.getDeviceProperties(d)
             name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
             me["gpus"].append(f"{name} (bus {runtime.deviceGetPCIBusId(d)})")
-    except Exception:       # no CuPy or no GPU: the host alone
-        pass
     return me
 
 

@@ -6,6 +6,7 @@ segment's name once every member attached: nothing is left in /dev/shm.
 """
 from __future__ import annotations
 
+import contextlib
 import platform
 import time
 
@@ -65,10 +66,8 @@ class SharedSlots:
     def release_name(self):
         """Once every member attached: remove the segment's name (the mappings stay)."""
         if self._owner and self._shm is not None:
-            try:
+            with contextlib.suppress(Exception):
                 self._shm.unlink()
-            except Exception:
-                pass
             self._owner = False
 
     def close(self):
@@ -77,19 +76,15 @@ class SharedSlots:
         if shm is None:
             return
         self.seq = self.data = None
-        try:
+        with contextlib.suppress(Exception):
             shm.close()
             if self._owner:
                 shm.unlink()
-        except Exception:
-            pass
 
 
 def _untrack(shm):
     """Leave the segment's removal to its creator (Python < 3.13's resource
     tracker would remove it when an attaching process exits)."""
-    try:
+    with contextlib.suppress(Exception):
         from multiprocessing import resource_tracker
         resource_tracker.unregister(shm._name, "shared_memory")
-    except Exception:
-        pass

@@ -6,6 +6,7 @@ bytes is n - 1 steps of send-k / receive-k; all members use it or none.
 """
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import time
@@ -104,9 +105,7 @@ class SocketRing:
     def close(self):
         for s in (self.inbound, self.outbound):
             if s is not None:
-                try:
+                with contextlib.suppress(OSError):
                     s.close()
-                except OSError:
-                    pass
         self.inbound = self.outbound = None
         self.ok = False

@@ -238,12 +238,10 @@ class TorchPlane(ControlPlane):
                                     self.timeout))
 
     def free(self) -> None:
-        if self._ring is not None:
-            self._ring.close()
-            self._ring = None
-        if self._slots is not None:
-            self._slots.close()
-            self._slots = None
+        for fast in (self._ring, self._slots):
+            if fast is not None:
+                fast.close()
+        self._ring = self._slots = None
         self._pg = None         # gloo closes its pairs when the group is collected
 
 

@@ -6,34 +6,22 @@ unusable is the same error on every rank.
 """
 from __future__ import annotations
 
+import importlib
+
 from ..errors import InvalidInputError
 from ..settings import env_text
 from .cuda_aware import ENV, _mpi_running, cuda_aware_mpi
 
-
-def _nccl():
-    from .nccl import NCCLTransport
-    return NCCLTransport
-
-
-def _mpi_cuda():
-    from .mpi_cuda import MPICudaTransport
-    return MPICudaTransport
-
-
-def _host():
-    from .mpi_host import HostTransport
-    return HostTransport
-
-
-# The transports a call may name, imported on first use (NCCL's needs CuPy).
-REGISTRY = {"nccl": _nccl, "mpi-cuda": _mpi_cuda, "mpi": _host}
+# The transports a call may name: (module, class), imported on first use (NCCL's needs CuPy).
+REGISTRY = {"nccl": ("nccl", "NCCLTransport"), "mpi-cuda": ("mpi_cuda", "MPICudaTransport"),
+            "mpi": ("mpi_host", "HostTransport")}
 TRANSPORTS = ("auto",) + tuple(REGISTRY)
 
 
 def transport_class(name: str):
     """The class of the transport called ``name`` (a key of REGISTRY)."""
-    return REGISTRY[name]()
+    module, cls = REGISTRY[name]
+    return getattr(importlib.import_module(f".{module}", __name__), cls)
 
 
 # The wire dtypes of the transports' own all-reduce per backend (MPI: no BF16 sum).
@@ -61,19 +49,11 @@ def transport_capabilities(backend) -> dict:
     key = (name, env_text(ENV, ""), _mpi_running(), nccl)
     can = _CAPABILITIES.get(key)
     if can is None:
-        can = _CAPABILITIES[key] = _capabilities(backend)
+        aware = cuda_aware_mpi()
+        can = _CAPABILITIES[key] = {"mpi_cuda": aware.aware, "mpi_cuda_why": aware.why}
+        if nccl is not None:
+            can.update(nccl=nccl[0], nccl_why=nccl[1])
     return dict(can)
-
-
-def _capabilities(backend) -> dict:
-    aware = cuda_aware_mpi()
-    can = {"mpi_cuda": aware.aware, "mpi_cuda_why": aware.why}
-    if backend is None or backend.name != "gpu":
-        return can
-    from .nccl import nccl_status
-    ok, why = nccl_status()
-    can.update(nccl=ok, nccl_why=why)
-    return can
 
 
 def _by_reason(pairs) -> str:

@@ -5,6 +5,7 @@ injectable; :func:`cuda_aware_mpi` probes MPI once, never uninitialised.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
@@ -54,10 +55,8 @@ def detect(environ=None, info=None, libraries=None) -> CudaAwareness:
 
 def _from_env(value: str):
     value = value.strip()
-    if value == "1":
-        return CudaAwareness(True, "env", f"{ENV}=1")
-    if value == "0":
-        return CudaAwareness(False, "env", f"{ENV}=0")
+    if value in ("0", "1"):
+        return CudaAwareness(value == "1", "env", f"{ENV}={value}")
     if value:
         # never raise here: this runs before the agreement, on one rank only
         return CudaAwareness(False, "env", f"{ENV} must be 0 or 1, got {value!r}")
@@ -83,9 +82,8 @@ def _alloc_kinds(info):
 def _lists_cuda_device(kinds) -> bool:
     """``cuda`` (every restrictor) or ``cuda:device`` in a comma list;
     ``cuda:host`` or ``cuda:managed`` alone do not cover cudaMalloc'd buffers."""
-    if not kinds:
-        return False
-    return any(k.strip().lower() in ("cuda", "cuda:device") for k in str(kinds).split(","))
+    return bool(kinds) and any(k.strip().lower() in ("cuda", "cuda:device")
+                               for k in str(kinds).split(","))
 
 
 def _query(libraries):
@@ -94,22 +92,18 @@ def _query(libraries):
         gpu = _symbol(lib, GPU_QUERY)
         if gpu is not None:
             flag = ctypes.c_int(0)
-            try:
+            with contextlib.suppress(AttributeError, TypeError):
                 gpu.restype = ctypes.c_int
                 gpu.argtypes = (ctypes.c_int, ctypes.POINTER(ctypes.c_int))
-            except (AttributeError, TypeError):
-                pass
             rc = gpu(MPIX_GPU_SUPPORT_CUDA, ctypes.byref(flag))
             aware = rc == 0 and flag.value == 1
             call = f"{GPU_QUERY}(CUDA) " + (f"= {flag.value}" if rc == 0 else f"failed ({rc})")
             return aware, call, name
         cuda = _symbol(lib, CUDA_QUERY)
         if cuda is not None:
-            try:
+            with contextlib.suppress(AttributeError, TypeError):
                 cuda.restype = ctypes.c_int
                 cuda.argtypes = ()
-            except (AttributeError, TypeError):
-                pass
             value = int(cuda())
             return value == 1, f"{CUDA_QUERY}() = {value}", name
     return None
@@ -126,21 +120,16 @@ def loaded_mpi_library_paths() -> list:
     """The MPI library files mapped into this process, ``libmpi.so*`` first,
     then mpi4py's extension module (its dependencies are its MPI)."""
     paths = []
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split()
-                if len(fields) >= 6 and "libmpi" in os.path.basename(fields[-1]):
-                    if fields[-1] not in paths:
-                        paths.append(fields[-1])
-    except OSError:      # not Linux
-        pass
+    with contextlib.suppress(OSError), open("/proc/self/maps") as maps:     # OSError: not Linux
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and "libmpi" in os.path.basename(fields[-1]):
+                if fields[-1] not in paths:
+                    paths.append(fields[-1])
     paths.sort(key=lambda p: (not os.path.basename(p).startswith("libmpi.so"), p))
-    try:
+    with contextlib.suppress(Exception):
         from mpi4py import MPI
         paths.append(MPI.__file__)
-    except Exception:
-        pass
     return paths
 
 

@@ -5,6 +5,7 @@ receive's events; the host never waits.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -36,14 +37,9 @@ def new_communicator(nccl, size: int, uid, rank: int):
 def destroy_communicator(comm) -> None:
     """Destroy a communicator of :func:`new_communicator` (collective: every
     rank of it, in the same order), ignoring errors, and let it go."""
-    try:
+    with contextlib.suppress(Exception):
         comm.destroy()
-    except Exception:
-        pass
-    for i, held in enumerate(_HELD):
-        if held is comm:
-            del _HELD[i]
-            break
+    _HELD[:] = [held for held in _HELD if held is not comm]
 
 
 MIN_LANE_BYTES = 1 << 20     # the smallest slice worth a lane of its own
@@ -133,18 +129,13 @@ class _Profile:
 
     def __init__(self, cupy, compute):
         self.cupy = cupy
-        self.ref = self._event(compute)
+        self.ref = _event(cupy, compute)
         self.compute = []        # (kind, event): kind of the request that recorded it
         self.wire = []           # (start event, end event, bytes sent, bytes received) per lane
         self.marks = []          # (name, host time) after synchronising
 
-    def _event(self, stream):
-        e = self.cupy.cuda.Event()
-        e.record(stream)
-        return e
-
     def at(self, kind, stream):
-        self.compute.append((kind, self._event(stream)))
+        self.compute.append((kind, _event(self.cupy, stream)))
 
     def ms(self, event):
         return self.cupy.cuda.get_elapsed_time(self.ref, event)
@@ -180,9 +171,14 @@ class _Scratch:
 
 def _ptr(array) -> int:
     """Address of an array's first byte (CuPy; NumPy for the CPU tests' fake)."""
-    if type(array).__module__ == "numpy":
-        return array.ctypes.data
-    return array.data.ptr
+    return array.ctypes.data if type(array).__module__ == "numpy" else array.data.ptr
+
+
+def _event(cupy, stream, timing=True):
+    """A CUDA event recorded on ``stream`` (``timing``: its elapsed time may be read)."""
+    e = cupy.cuda.Event(block=False, disable_timing=not timing)
+    e.record(stream)
+    return e
 
 
 def _union(intervals):
@@ -285,7 +281,7 @@ class NCCLTransport(Transport):
         cupy, nccl = self.cupy, self.nccl
         compute = cupy.cuda.get_current_stream()
         if req.send is not None and not isinstance(req.send, Received):
-            ready = self._record(compute, timing=False)
+            ready = _event(cupy, compute, timing=False)
             for lane in self.streams:
                 lane.wait_event(ready)
         if self.profile is not None:
@@ -298,7 +294,7 @@ class NCCLTransport(Transport):
         used = range(1 if pair else max(len(sends), len(recvs)))
         starts = []
         if self.profile is not None:
-            starts = [self._record(self.streams[i]) for i in used]
+            starts = [_event(cupy, self.streams[i]) for i in used]
         if pair:
             self._pair_exchange(send, req.recv)
             recvs = recvs[:1]
@@ -319,10 +315,10 @@ class NCCLTransport(Transport):
             for i, start in zip(used, starts):
                 sent = sends[i][1] - sends[i][0] if i < len(sends) else 0
                 got = recvs[i][1] - recvs[i][0] if i < len(recvs) else 0
-                self.profile.wire.append((start, self._record(self.streams[i]), sent, got))
+                self.profile.wire.append((start, _event(cupy, self.streams[i]), sent, got))
         if req.recv is None:
             return None
-        done = [self._record(self.streams[i], timing=False) for i in range(len(recvs))]
+        done = [_event(cupy, self.streams[i], timing=False) for i in range(len(recvs))]
         return Received(req.recv, done)
 
     def _native_allreduce(self, send, recv):
@@ -352,11 +348,6 @@ class NCCLTransport(Transport):
         for lane, e in zip(self.streams, events):
             e.record(lane)
             compute.wait_event(e)
-
-    def _record(self, stream, timing=True):
-        e = self.cupy.cuda.Event(block=False, disable_timing=not timing)
-        e.record(stream)
-        return e
 
     def _claim(self, handle):
         compute = self.cupy.cuda.get_current_stream()
