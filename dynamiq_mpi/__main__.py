@@ -23,9 +23,8 @@ def _world():
 def _codec_rows(n):
     from . import BF16, DynamiQ, Exact
     # small_input=0: the demo's 2^20 elements would go as BF16
-    rows = [("exact", Exact()), ("bf16", BF16())] + [
+    return [("exact", Exact()), ("bf16", BF16())] + [
         (f"dynamiq b={b:g}", DynamiQ(bits=b, small_input=0)) for b in (3, 5, 8.25)]
-    return rows
 
 
 def _widths(report) -> str:
@@ -58,10 +57,9 @@ def cmd_demo(args):
         x = cupy.asarray(x)
         where = f"GPU (CuPy, {cupy.cuda.runtime.getDeviceCount()} device(s), host-staged MPI)"
     norm = float(np.sum(exact ** 2))
-    topologies = ["ring", "butterfly"]
     rows = []
     for name, codec in _codec_rows(n):
-        for topo in topologies:
+        for topo in ("ring", "butterfly"):
             if topo == "butterfly" and n & (n - 1):
                 rows.append((name, topo, None, None, None, None, ""))
                 continue

@@ -169,8 +169,7 @@ class Collective:
             call = dict(codec=codec, topology=topology, op=op, seed=seed, counter=counter,
                         transport=transport, tile_bytes=tile_bytes, path=requested,
                         nonfinite=nonfinite)
-            out, report = self._runner.allreduce(x, out, call, hierarchy, return_report,
-                                                 profile)
+            out, report = self._runner.allreduce(x, out, call, hierarchy, return_report, profile)
         return (out, report) if return_report else out
 
     def reduce_scatter(self, x, *, codec=None, topology="ring", op="sum", seed=0, out=None,

@@ -28,9 +28,7 @@ class Backend:
         return self.xp.zeros(shape, dtype=dtype)
 
     def to_host(self, array):
-        if self.name == "cpu":
-            return array
-        return self.xp.asnumpy(array)
+        return array if self.name == "cpu" else self.xp.asnumpy(array)
 
 
 def array_module(x):
@@ -48,8 +46,7 @@ def backend_for(x) -> Backend:
     """The backend of an input array (NumPy -> cpu, CuPy -> gpu)."""
     if isinstance(x, np.ndarray):
         return _cpu_backend()
-    module = type(x).__module__
-    if module.startswith("cupy"):
+    if type(x).__module__.startswith("cupy"):
         return gpu_backend()
     raise TypeError(f"unsupported array type {type(x).__name__}: pass a NumPy or CuPy array "
                     "(or use dynamiq_mpi.torch for torch tensors)")

@@ -94,8 +94,7 @@ class AllReduce:
     def info(self, chunk_bytes):
         return {}
 
-    def native(self, n, flat, result, spec, routed, backend, workspace, report,
-               detailed_report):
+    def native(self, n, flat, result, spec, routed, backend, workspace, report, detailed_report):
         """Generator: the transport's own all-reduce of ``flat`` into ``result``, and the report."""
         xp = backend.xp
         divisor = n if spec.op == "mean" else 1

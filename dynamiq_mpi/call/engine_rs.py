@@ -98,8 +98,7 @@ def rank_program_rs(rank: int, n: int, x, spec: CallSpec, out=None, workspace=FR
                     detailed_report: bool = True, budget: str = "per-chunk"):
     """Generator: one rank's reduce-scatter.  Returns (output, Report): the
     output is flat, ``len(x) / n`` elements of x's dtype (``out`` if given)."""
-    return run_collective(ReduceScatter(budget), rank, n, x, spec, out, workspace,
-                          detailed_report)
+    return run_collective(ReduceScatter(budget), rank, n, x, spec, out, workspace, detailed_report)
 
 
 class ReduceScatter:
@@ -155,9 +154,7 @@ class ReduceScatter:
         return self.combined
 
     def reduced_of(self, reduced, b):
-        if reduced is None:
-            return None
-        return reduced[self.bounds[b]:self.bounds[b + 1]]
+        return None if reduced is None else reduced[self.bounds[b]:self.bounds[b + 1]]
 
     def tails(self, reduced):
         """Every block's reduced (non-finite flag, sum of max |x|): the last two

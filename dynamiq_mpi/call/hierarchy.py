@@ -100,8 +100,7 @@ def find_nodes(plane, node_size=None) -> NodeLayout:
             "hierarchy='flat')")
     table = tuple(tuple(r for r, k in enumerate(keys) if k == key) for key in order)
     node = order.index(keys[plane.rank])
-    return NodeLayout(node, table[node].index(plane.rank), len(order), n // len(order), how,
-                      table)
+    return NodeLayout(node, table[node].index(plane.rank), len(order), n // len(order), how, table)
 
 
 def rail_topology(topology: str, nodes: int) -> str:
@@ -421,23 +420,18 @@ class NodeCalls:
         from ..errors import InputMismatchError
         from ..control.agreement import agree
         from .phases import check_agreed
-        mine = {"hierarchy": "auto", "node_size": k, "links": self.links}
-        asks = agree(self.plane, mine)
+        asks = agree(self.plane, {"hierarchy": "auto", "node_size": k, "links": self.links})
         if any(not isinstance(a, dict) or a.get("hierarchy") != "auto" for a in asks):
             raise InputMismatchError("ranks disagree on hierarchy: some ask 'auto', others not")
         for field in ("node_size", "links"):
             check_agreed([a.get(field) for a in asks], f"the {field} of hierarchy='auto'")
-        layout = None
         if k is None:
             try:
                 layout = find_nodes(self.plane, None)
             except InvalidInputError:       # unequal nodes: flat (the same on every rank)
                 layout = None
             if layout is not None and 1 < layout.node_size < n:
-                self._found = layout
-                k = layout.node_size
-            else:
-                k = None
+                self._found, k = layout, layout.node_size
         self._auto = (n // k, k) if k else False
         return self._auto or None
 
@@ -450,8 +444,7 @@ class NodeCalls:
         levels = self.levels()
         if collective == "reduce_scatter":
             call.pop("path")
-            return levels.reduce_scatter(self, x, out, agreed, return_report=return_report,
-                                         **call)
+            return levels.reduce_scatter(self, x, out, agreed, return_report=return_report, **call)
         return levels.allreduce(self, x, out, agreed, return_report=return_report, **call)
 
     def levels(self) -> Levels:

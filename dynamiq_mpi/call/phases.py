@@ -307,8 +307,7 @@ def run_schedule(plan, schedule, rank):
                                         plan.chunk_tiles[step.recv_chunk]):
             nbytes = plan.tile_nbytes(recv_tile)
             if step.phase == schedules.REDUCE:
-                payload = yield from reduce_tile(plan, send_tile, pending.pop(send_tile, []),
-                                                  event)
+                payload = yield from reduce_tile(plan, send_tile, pending.pop(send_tile, []), event)
                 recv = plan.sub(arena, arena_used, arena_used + nbytes)
                 arena_used += align_up(nbytes)      # aligned slots, like the wire buffer
             else:
@@ -421,5 +420,3 @@ def holds_nonfinite(xp, a) -> bool:
 def default_layout(value=None) -> str:
     """``value``, else ``$DYNAMIQ_LAYOUT``, else "auto" (:func:`resolve_layout`)."""
     return env_choice(value, "DYNAMIQ_LAYOUT", LAYOUT_CHOICES, "layout")
-
-

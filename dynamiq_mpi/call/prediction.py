@@ -53,9 +53,7 @@ def model_codec(codec, length: int):
     below ``small_input`` runs as BF16), or None where the model has none."""
     name = getattr(codec, "name", None)
     if name == "dynamiq":
-        if length < codec.small_input:
-            return "bf16", 16.0
-        return "dynamiq", float(codec.bits)
+        return ("bf16", 16.0) if length < codec.small_input else ("dynamiq", float(codec.bits))
     if name in ("bf16", "exact"):
         return name, 16.0 if name == "bf16" else 32.0
     if name == "mxfp":

@@ -99,6 +99,4 @@ FRESH = _Fresh()
 
 
 def _device_of(xp):
-    if xp is np:
-        return -1
-    return xp.cuda.runtime.getDevice()
+    return -1 if xp is np else xp.cuda.runtime.getDevice()

@@ -31,8 +31,7 @@ def codec_from_string(spec: str):
     ``omnireduce:0.25`` (density)."""
     name, *rest = spec.strip().split(":")
     name = name.lower()
-    kwargs = {}
-    positional = []
+    kwargs, positional = {}, []
     for item in rest:
         if "=" in item:
             key, val = item.split("=", 1)

@@ -60,8 +60,7 @@ def summarise(widths, theta: float, total_bits: int, budget_bits: float, exceede
     widths = np.asarray(widths)
     u = theta_to_u(theta) if variable else float("nan")
     binds = bool(np.any((widths > 0) & (widths < widest)))
-    return Allocation(widths, u, int(total_bits), float(budget_bits), binds, bool(exceeded),
-                      widest)
+    return Allocation(widths, u, int(total_bits), float(budget_bits), binds, bool(exceeded), widest)
 
 
 def joint_costs(norms, budget_bits: float, padded_budget_bits: float, stats_bits,
@@ -110,8 +109,7 @@ def joint_costs(norms, budget_bits: float, padded_budget_bits: float, stats_bits
         if caps is not None and caps[i] is not None and cost(i, 0.0) > caps[i]:
             limit[i] = smallest(candidates(parts[i][0]), lambda t, i=i: cost(i, t) <= caps[i])
     everyone = np.unique(np.concatenate([candidates(p[0]) for p in parts]))
-    theta = smallest(everyone, lambda t: sum(cost(i, max(t, limit[i])) for i in range(k))
-                     <= budget)
+    theta = smallest(everyone, lambda t: sum(cost(i, max(t, limit[i])) for i in range(k)) <= budget)
     return [cost(i, max(theta, limit[i])) for i in range(k)]
 
 
@@ -138,10 +136,7 @@ def grid_summary(norm2, zero_class: bool = True, bf16_class: bool = False) -> tu
     out = []
     for s, _ in _width_steps(True, bf16_class)[1]:
         keys = np.clip((s * live).view(np.int64) >> GRID_SHIFT, 0, GRID_SIZE - 1)
-        if keys.shape[0] == 0:
-            out.append((0, np.zeros(0, dtype=np.int64)))
-            continue
-        lo = int(keys.min())
+        lo = int(keys.min()) if keys.shape[0] else 0
         out.append((lo, np.bincount(keys - lo).astype(np.int64)))
     return int(live.shape[0]), out
 
