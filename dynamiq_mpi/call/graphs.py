@@ -188,7 +188,7 @@ class SteadyCompressed:
         self.collective = collective    # "allreduce", or "reduce_scatter" (staged)
         self.graph = None           # CallGraph once captured
         self.failed = ""            # why this call cannot be a graph ('' : it can)
-        self.measuring = False      # made while its class of calls measures its path
+        self.measuring = None       # the path choice's class key while it measures
         self._digests = None
 
     def agree(self, comm, counter) -> bool:
@@ -251,8 +251,8 @@ class GraphCalls:
     """The graph route of a call runner: a steady compressed call replayed
     (or captured) on its runtime (runtime.py)."""
 
-    def __init__(self, runtime, layout):
-        self.runtime, self.layout = runtime, layout
+    def __init__(self, runtime, settings):
+        self.runtime, self.settings = runtime, settings     # CallSpec's layout, decode_into
 
     def run(self, entry, x, out, call):
         """Replay (or capture, on its second occurrence) a steady compressed
@@ -279,7 +279,7 @@ class GraphCalls:
         def program(keys_at, workspace, src=x, dst=out):   # (a replay needs none)
             spec = CallSpec(call["codec"], call["topology"], call["op"], call["seed"], counter,
                             call["transport"], call["tile_bytes"], path="compressed",
-                            nonfinite=call["nonfinite"], layout=self.layout, keys_at=keys_at)
+                            nonfinite=call["nonfinite"], keys_at=keys_at, **self.settings)
             return (make(rt.rank, rt.size, src, spec, dst, workspace, detailed_report=False),
                     entry.metas(counter, rt.size), rt.route(entry.transport, x))
         rt.fence_stream()

@@ -7,8 +7,9 @@ With ``path="auto"`` the first calls of each *class* (array backend, dtype,
 size as floor(log2(length)), codec, topology, transport asked for, op) run
 both paths in turn: untimed calls of each (workspace, communicators and
 graphs are made there: ``warmup_calls``), then ``SAMPLES`` timed calls of
-each, every one synchronised before and after; with CUDA graphs on, quiet
-compressed calls on device arrays are timed as graph replays.  The ranks then agree on the slowest rank's
+each, every one synchronised before and after; where graphs replay a
+class's steady compressed calls (graphs.py), its compressed calls are timed
+as replays.  The ranks then agree on the slowest rank's
 median time of each path (one small MPI all-reduce, at the same call on
 every rank since every rank makes the same calls), and the class keeps the
 faster path from then on.  The compressed path must win by ``MARGIN``: on a
@@ -35,16 +36,16 @@ SAMPLES = 2         # timed calls of each path per class
 MARGIN = 1.05       # compressed only when at least 5 % faster
 
 
-def warmup_calls(graphs: bool) -> int:
-    """Untimed calls of each path per class: with CUDA graphs a class's
-    second compressed call is the capture, so one more, and the timed calls
-    are replays, as the class's calls run once decided."""
-    return WARMUP + 1 if graphs else WARMUP
+def warmup_calls(replayed: bool) -> int:
+    """Untimed calls of each path per class; one more where the class's
+    compressed calls replay as CUDA graphs (the second is the capture), so
+    that the timed ones are replays, as the class's calls run once decided."""
+    return WARMUP + 1 if replayed else WARMUP
 
 
-def measuring_calls(graphs: bool) -> int:
+def measuring_calls(replayed: bool) -> int:
     """The calls a class spends measuring both paths before its choice."""
-    return 2 * (warmup_calls(graphs) + SAMPLES)
+    return 2 * (warmup_calls(replayed) + SAMPLES)
 
 
 def default_path(value=None) -> str:
@@ -63,6 +64,7 @@ class _Class:
     choice: str | None = None
     why: str = ""
     order: tuple = ()           # the options in the order they are measured
+    warmup: int = WARMUP        # untimed calls of each option
     predicted: str = ""         # the prediction that seeded the class, if any
     note: str = ""              # and what it decided
 
@@ -74,13 +76,16 @@ class PathChooser:
     size_class = staticmethod(size_class)   # the size part of a class key
 
     def __init__(self, comm, warmup: int = WARMUP, samples: int = SAMPLES,
-                 margin: float = MARGIN, options=("compressed", "native")):
+                 margin: float = MARGIN, options=("compressed", "native"), warmup_of=None):
         """``options``: (the candidate, the baseline it must beat by
-        ``margin``): the paths, or the hierarchies ("nodes", "flat")."""
+        ``margin``): the paths, or the hierarchies ("nodes", "flat").
+        ``warmup_of(key)``: a class's untimed calls of each option, if not
+        ``warmup`` (from the key alone: alike on every rank)."""
         self.options = tuple(options)
         from ..control import as_plane
         self.plane = as_plane(comm)     # the ranks' control plane (agreeing on timings)
         self.warmup, self.samples, self.margin = int(warmup), int(samples), float(margin)
+        self.warmup_of = warmup_of
         self._classes: dict = {}
 
     def choose(self, key, predict=None) -> tuple:
@@ -94,12 +99,13 @@ class PathChooser:
         c = self._classes.get(key)
         if c is None:
             c = self._classes[key] = self._new_class(predict)
+            c.warmup = self.warmup_of(key) if self.warmup_of else self.warmup
         if c.choice is not None:
             return c.choice, c.why, False
         a, b = c.order
         na, nb = len(c.times[a]), len(c.times[b])
         path = a if na <= nb else b
-        total = 2 * (self.warmup + self.samples)
+        total = 2 * (c.warmup + self.samples)
         seed = f"; {c.note}" if c.note else ""
         return path, f"auto: measuring both {first} and {second} (call {na + nb + 1} of " \
                      f"{total}){seed}", True
@@ -127,11 +133,11 @@ class PathChooser:
             c.choice, c.why = ran, ran_why or f"{path} unavailable"
             return
         c.times[path].append(float(seconds))
-        need = self.warmup + self.samples
+        need = c.warmup + self.samples
         if any(len(t) < need for t in c.times.values()):
             return
         first, second = self.options
-        mine = np.array([statistics.median(c.times[p][self.warmup:]) for p in self.options],
+        mine = np.array([statistics.median(c.times[p][c.warmup:]) for p in self.options],
                         dtype=np.float64)
         worst = np.empty_like(mine)
         self.plane.allreduce_max(mine, worst)
@@ -140,6 +146,11 @@ class PathChooser:
         c.why = (f"auto: measured {first} {tc * 1e3:.3f} ms, {second} {tn * 1e3:.3f} ms "
                  f"(slowest rank, median of {self.samples}) for 2^{key[2]}+ elements"
                  + (f"; {c.predicted}" if c.predicted else ""))
+
+    def choice_of(self, key):
+        """The option ``key``'s class decided, or None."""
+        c = self._classes.get(key)
+        return None if c is None else c.choice
 
     def decisions(self) -> dict:
         """{class key: (choice, why)} of the classes decided so far."""

@@ -163,9 +163,9 @@ def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
     """Generator: one rank's call of the collective ``table`` describes,
     returning (output, Report): the local checks (``table.check``), the local
     statistics (``table.start``: a device computes while the host agrees), the
-    agreement, ``Route``, then ``table.native`` or, in line (no generator to
-    resume per request), the compressed phases: the statistics reduced
-    exactly, the plans (``table.plan`` sets ``codec``, ``plans``, ``own``), the hops."""
+    agreement and ``Route``; then ``table.native``, or the compressed phases:
+    the statistics reduced exactly, the plans (``table.plan`` sets ``codec``,
+    ``plans``, ``own``), the hops, the finish and the report."""
     t0 = time.perf_counter()
     error = None
     try:

@@ -84,7 +84,9 @@ class CallPlanner:
         self.comm = comm
         self.gpu_sharing = {}       # device -> which ranks share a GPU ('' : none), asked once
         self.auto_layout = auto_layout
-        self.paths = PathChooser(plane, warmup=warmup_calls(graphs))
+        # a device class over NCCL may replay its compressed calls (key: _choose_path)
+        self.paths = PathChooser(plane, warmup_of=lambda key: warmup_calls(
+            graphs and key[0] == "gpu" and key[5] in ("auto", "nccl")))
         self.hierarchies = PathChooser(plane, options=("nodes", "flat"))
         self.measured = None        # PathChooser of the classes a caller times (class_choice)
         self.steps = None           # StepChooser of whole training steps (step_choice)
@@ -149,19 +151,16 @@ class CallPlanner:
                 return plan
         chosen = None
         if requested != "native" and quiet and self._find_graph(plan, x, out, call):
-            if not plan.steady.measuring:
+            if plan.steady.measuring is None:
                 return plan
-            # a graph made while its class measures: compressed calls are
-            # timed as replays, as the class's calls run once decided
-            chosen = self._choose_path(x, call)
-            if chosen[1] == "compressed":
+            # a graph made while its class measures: the class's compressed
+            # calls are timed as replays, as they run once decided
+            _, path, _, timed = chosen = self._choose_path(x, call)
+            if path == "compressed":
                 plan.key, plan.path, plan.why, plan.timed = chosen
-                plan.steady.measuring = plan.timed
+                if not timed:
+                    plan.steady.measuring = None
                 return plan
-            if not chosen[3]:       # native won: the graph is not needed
-                entry = self.graphs.pop(plan.graph_key)
-                if entry.graph is not None:
-                    entry.graph.free()
         plan.route, plan.steady = "engine", None
         plan.key, plan.path, plan.why, plan.timed = chosen or self._choose_path(x, call)
         if plan.path == "native" and not plan.timed and call["nonfinite"] != "raise":
@@ -277,12 +276,24 @@ class CallPlanner:
         return out
 
     # -- learning from a call that ran
-    def record_path(self, plan, seconds, report=None):
-        """A timed call's seconds (``report`` None: a graph replay, compressed)."""
-        if report is None:
-            self.paths.record(plan.key, plan.path, seconds, plan.path)
-        elif plan.timed and not report.nonfinite:
-            self.paths.record(plan.key, plan.path, seconds, report.path, report.path_reason)
+    def record_path(self, plan, seconds, report):
+        """A timed engine call's seconds, counted whether or not it met NaN
+        (a replay knows no report: every rank counts alike)."""
+        if plan.timed:
+            self._record_path(plan, seconds, report.path, report.path_reason)
+
+    def record_replay(self, plan, seconds):
+        """A timed graph replay's seconds (compressed)."""
+        self._record_path(plan, seconds, plan.path, "")
+
+    def _record_path(self, plan, seconds, ran, why):
+        self.paths.record(plan.key, plan.path, seconds, ran, why)
+        if self.paths.choice_of(plan.key) == "native":   # its graphs are not needed
+            for graph_key, entry in list(self.graphs.items()):
+                if entry.measuring == plan.key:
+                    del self.graphs[graph_key]
+                    if entry.graph is not None:
+                        entry.graph.free()
 
     def record_hierarchy(self, plan, seconds, report):
         if plan.hierarchy_timed and not report.nonfinite:
@@ -306,7 +317,7 @@ class CallPlanner:
             if len(self.graphs) >= MAX_STEADY:
                 self.free_graphs()
             entry = self.graphs[plan.graph_key] = SteadyCompressed(meta, "nccl", plan.collective)
-            entry.measuring = plan.timed
+            entry.measuring = plan.key if plan.timed else None
 
     def forget_paths(self):
         for chooser in filter(None, (self.paths, self.measured)):   # the step choice stands

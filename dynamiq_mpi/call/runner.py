@@ -24,16 +24,17 @@ class CallRunner:
     hierarchy's (see the Collective)."""
 
     def __init__(self, runtime: Runtime, layout, graphs: bool, node_size=None,
-                 rail_budget="joint", links=None):
+                 rail_budget="joint", links=None, decode_into=None):
         self.runtime = runtime
         # every CallSpec's layout and decode_into (read once, as the layout)
-        self.settings = dict(layout=layout, decode_into=decode_into_output())
+        self.settings = dict(layout=layout, decode_into=decode_into_output()
+                             if decode_into is None else decode_into)
 
         def make_rail(plane):           # a rail is flat, on a runtime of its own
             return CallRunner(Runtime(plane, runtime.lanes, runtime.lane_bytes), layout,
-                              graphs)
+                              graphs, decode_into=self.settings["decode_into"])
         self.nodes = NodeCalls(runtime, layout, node_size, rail_budget, links, make_rail)
-        self.graphs = GraphCalls(runtime, layout)
+        self.graphs = GraphCalls(runtime, self.settings)
         self.planner = CallPlanner(runtime.plane, runtime.size, graphs, links,
                                    self.nodes.auto_layout, runtime.comm)
 
@@ -67,7 +68,7 @@ class CallRunner:
             self.graphs.run(plan.steady, x, out, call)
             if plan.timed:
                 sync(x)
-                self.planner.record_path(plan, time.perf_counter() - t0)
+                self.planner.record_replay(plan, time.perf_counter() - t0)
             return out, None
         return self._run_engine(plan, x, out, want_report, profile, call, plan_hook)
 

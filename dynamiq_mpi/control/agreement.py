@@ -20,9 +20,10 @@ _AS_IS, _TAGGED = {str, type(None)}, {bool, int, float}     # keyed as is, or wi
 
 def _frozen(value, skip=None):
     """A hashable key of ``value`` (1, True and 1.0 differ), less a dict's key ``skip``."""
-    if isinstance(value, dict):
-        return tuple([(k, v if type(v) in _AS_IS else (type(v).__name__, v)
-                       if type(v) in _TAGGED else _frozen(v))
+    if isinstance(value, dict):         # (in line: every field of every call's record)
+        return tuple([(k, v if type(v) in _AS_IS
+                       else (type(v).__name__, v) if type(v) in _TAGGED
+                       else _frozen(v))
                       for k, v in sorted(value.items()) if k != skip])
     if isinstance(value, list):
         return ("list",) + tuple([_frozen(v) for v in value])

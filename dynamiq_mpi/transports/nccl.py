@@ -39,7 +39,8 @@ def destroy_communicator(comm) -> None:
     rank of it, in the same order), ignoring errors, and let it go."""
     with contextlib.suppress(Exception):
         comm.destroy()
-    _HELD[:] = [held for held in _HELD if held is not comm]
+    with contextlib.suppress(ValueError):
+        _HELD.remove(comm)
 
 
 MIN_LANE_BYTES = 1 << 20     # the smallest slice worth a lane of its own
