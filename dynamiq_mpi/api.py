@@ -220,6 +220,12 @@ class Collective:
         with self._lock:
             self._runner.forget_paths()
 
+    @property
+    def last_bits_per_coord(self):
+        """``Report.bits_per_coord`` of this collective's last call, also when
+        it returned no report (a replay: its graph's call's); None if unknown."""
+        return self._runner.last_bits
+
     def graph_stats(self) -> dict:
         """{"captured": graphs made, "replays": their launches, "failed": [why, ...]}."""
         with self._lock:

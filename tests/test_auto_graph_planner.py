@@ -50,7 +50,7 @@ def run(planner, x, out, counter, seconds, transport="auto"):
             planner.record_replay(plan, seconds[plan.path])
         return plan.route, "compressed", plan.timed
     report = SimpleNamespace(path=plan.path, path_reason="", nonfinite=False, sync_free=True,
-                             transport="nccl", codec_info={"wire": "bfloat16"})
+                             transport="nccl", codec_info={"wire": "bfloat16"}, bits_per_coord=5.0)
     if plan.timed:
         planner.record_path(plan, seconds[plan.path], report)
     planner.remember(plan, report, {"counter": counter, "length": x.size}, None, None)

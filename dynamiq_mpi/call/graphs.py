@@ -179,7 +179,7 @@ class SteadyCompressed:
     seen once (``graph`` None), then captured, then replayed."""
 
     __slots__ = ("record", "static", "transport", "collective", "graph", "failed", "measuring",
-                 "_digests")
+                 "bits", "_digests")
 
     def __init__(self, record: dict, transport: str, collective: str = "allreduce"):
         self.record = {k: v for k, v in record.items() if k != "counter"}
@@ -189,6 +189,7 @@ class SteadyCompressed:
         self.graph = None           # CallGraph once captured
         self.failed = ""            # why this call cannot be a graph ('' : it can)
         self.measuring = None       # the path choice's class key while it measures
+        self.bits = None            # Report.bits_per_coord of the call (every replay's)
         self._digests = None
 
     def agree(self, comm, counter) -> bool:

@@ -30,6 +30,7 @@ class SteadyNative:
         self.static = record_digest(self.record)
         self.codec, self.transport, self.wire, self.backend = codec, transport, wire, backend
         self._digests = None        # the digest exchange's buffers (made on first use)
+        self.bits = None            # Report.bits_per_coord of the call
 
     def run(self, comm, route, x, out, counter, op, n, workspace):
         """The result (``out`` or a new array of ``x``'s shape); raises the

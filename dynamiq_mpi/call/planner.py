@@ -309,8 +309,9 @@ class CallPlanner:
         if plan.steady_key is not None and report.path == "native":
             if len(self.steady) > MAX_STEADY:
                 self.steady.clear()
-            self.steady[plan.steady_key] = native.SteadyNative(
+            steady = self.steady[plan.steady_key] = native.SteadyNative(
                 meta, codec, report.transport, report.codec_info["wire"], backend)
+            steady.bits = report.bits_per_coord
         if (plan.graph_key is not None and report.path == "compressed"
                 and report.sync_free and report.transport == "nccl"
                 and plan.graph_key not in self.graphs):
@@ -318,6 +319,7 @@ class CallPlanner:
                 self.free_graphs()
             entry = self.graphs[plan.graph_key] = SteadyCompressed(meta, "nccl", plan.collective)
             entry.measuring = plan.key if plan.timed else None
+            entry.bits = report.bits_per_coord
 
     def forget_paths(self):
         for chooser in filter(None, (self.paths, self.measured)):   # the step choice stands

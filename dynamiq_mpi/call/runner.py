@@ -37,6 +37,7 @@ class CallRunner:
         self.graphs = GraphCalls(runtime, self.settings)
         self.planner = CallPlanner(runtime.plane, runtime.size, graphs, links,
                                    self.nodes.auto_layout, runtime.comm)
+        self.last_bits = None       # Report.bits_per_coord of the last call, reported or not
 
     def allreduce(self, x, out, call, hierarchy, want_report, profile, plan_hook=None):
         """One all-reduce (``call``: its normalised arguments, counter
@@ -58,7 +59,11 @@ class CallRunner:
 
     def _run_allreduce(self, plan, x, out, want_report, profile, call, plan_hook):
         if plan.route == "levels":
-            return self.nodes.run("allreduce", x, out, return_report=want_report, **call)
+            out, report = self.nodes.run("allreduce", x, out, return_report=want_report, **call)
+            self.last_bits = None if report is None else report.bits_per_coord
+            return out, report
+        if plan.route in ("steady", "graph"):       # as the engine call that made the plan
+            self.last_bits = plan.steady.bits
         if plan.route == "steady":
             return self._run_steady(plan.steady, x, out, call["counter"], call["op"]), None
         if plan.route == "graph":       # (a failed capture runs the agreed call eagerly)
@@ -81,6 +86,7 @@ class CallRunner:
                                   return_report=want_report, **call)
         if plan.route == "graph":
             self.graphs.run(plan.steady, x, out, call)
+            self.last_bits = plan.steady.bits
             return out, None
         from .engine_rs import rank_program_rs
         rt = self.runtime
@@ -116,6 +122,7 @@ class CallRunner:
     def _remember(self, plan, report, call, x):
         """What an engine call taught the planner (its steady or graph plan)."""
         rt = self.runtime
+        self.last_bits = report.bits_per_coord
         meta = rt.last_metas[rt.rank] if rt.last_metas else None
         self.planner.remember(plan, report, meta, call["codec"], backend_for(x))
 

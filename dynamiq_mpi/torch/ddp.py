@@ -286,7 +286,7 @@ class HookState:
             start = self._start_timer(t.device)
             report = self._reduce_array(coll, arr, path)
             self._stop_timer(t.device, start)
-        self._count_call(t.numel(), report, buckets=buckets,
+        self._count_call(t.numel(), report, bits=coll.last_bits_per_coord, buckets=buckets,
                          path=report.path if report is not None else path or self.path)
         if exact is not None:
             self.record_error(t, exact)
@@ -444,8 +444,9 @@ class HookState:
         """Totals since the last call, then reset: ``calls`` (collective calls
         and the group's all-reduces), ``buckets`` (DDP buckets) and ``paths``
         (buckets per path: "compressed", "native", "plain"), ``coords``,
-        ``bits_per_coord`` (coordinate-weighted over the calls that returned a
-        report or a wire width; None if none did), ``comm_s`` (time inside the all-reduce when
+        ``bits_per_coord`` (coordinate-weighted over the calls whose bits are
+        known: every call but a hierarchical one without a report; None if
+        none), ``comm_s`` (time inside the all-reduce when
         ``timing`` is on; waits for its CUDA events) and ``vnmse`` (None
         unless measured).  With ``timing`` on, call it every step or so."""
         self.settle()

@@ -182,7 +182,7 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
                                       nonfinite=self.nonfinite)
             self._stop_timer(input.device, start)
         self._count_call(input.numel(), res[1] if self.reports else None,
-                         path="compressed")
+                         bits=coll.last_bits_per_coord, path="compressed")
         if exact is not None:
             self.record_error(output, exact)
         return output

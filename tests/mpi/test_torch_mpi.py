@@ -678,3 +678,25 @@ def test_free_releases_the_collective_and_a_later_call_continues_the_counter():
             assert freed._collective is None and freed.counter == kept.counter
     kept.free()
     freed.free()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_quiet_hook_counts_the_bits_its_reporting_twin_reports():
+    """A HookState asking for no report (the default) still counts its wire
+    bits (Collective.last_bits_per_coord): the same as a reporting state's
+    for the same calls, and the native path's float32 width."""
+    x = torch.from_numpy(np.random.default_rng(shared_seed(comm) + comm.rank)
+                         .standard_normal(256 * 300).astype(np.float32))
+    stats = {}
+    for reports in (True, False):
+        state = dqt.HookState(dq.DynamiQ(small_input=0), comm=comm, path="compressed",
+                              reports=reports)
+        for _ in range(2):
+            state.allreduce_(x.clone())
+        stats[reports] = state.pop_stats()
+        state.free()
+    assert 4.9 < stats[True]["bits_per_coord"] == stats[False]["bits_per_coord"] <= 5.0
+    native = dqt.HookState(comm=comm, path="plain", reports=False)
+    native.allreduce_(x.clone())
+    assert native.pop_stats()["bits_per_coord"] == 32.0
+    native.free()
