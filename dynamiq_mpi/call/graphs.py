@@ -25,6 +25,7 @@ tries its graph again.  Graphs are on by default (``graphs=False`` or
 from __future__ import annotations
 
 import gc
+import time
 import weakref
 
 from ..codecs.base import signature_of
@@ -258,8 +259,11 @@ class GraphCalls:
     def run(self, entry, x, out, call):
         """Replay (or capture, on its second occurrence) a steady compressed
         call (a failed capture runs it on the engine: the same messages in
-        the same order, so peers replaying their graphs still match)."""
+        the same order, so peers replaying their graphs still match).
+        Returns the seconds the capture took (0.0 for a replay): a timed call
+        counts its replay alone."""
         rt = self.runtime
+        captured = 0.0
         counter = call["counter"]
         if not entry.agree(rt.plane, counter):
             from .phases import check_agreement      # every rank raises, as on the engine's path
@@ -287,6 +291,7 @@ class GraphCalls:
         try:
             try:
                 if entry.graph is None:
+                    t0 = time.perf_counter()        # (a capture runs nothing on the device)
                     graph = CallGraph(len(keys) if isinstance(keys, list) else 1)
                     try:
                         staged = (graph.stage(x, out) if entry.collective == "reduce_scatter"
@@ -300,6 +305,7 @@ class GraphCalls:
                         graph.free()
                         raise
                     entry.graph = graph
+                    captured = time.perf_counter() - t0
                 entry.graph.launch(keys, stream, x, out)
             except Exception as exc:
                 # Whatever failed after the agreement failed on this rank alone
@@ -314,6 +320,7 @@ class GraphCalls:
                 drive_agreed(*program(0, rt.workspace), capturing=False)
         finally:
             rt.record_stream()
+        return captured
 
 
 def graph_stats(entries) -> dict:

@@ -289,11 +289,7 @@ class CallPlanner:
     def _record_path(self, plan, seconds, ran, why):
         self.paths.record(plan.key, plan.path, seconds, ran, why)
         if self.paths.choice_of(plan.key) == "native":   # its graphs are not needed
-            for graph_key, entry in list(self.graphs.items()):
-                if entry.measuring == plan.key:
-                    del self.graphs[graph_key]
-                    if entry.graph is not None:
-                        entry.graph.free()
+            self.free_graphs(lambda entry: entry.measuring == plan.key)
 
     def record_hierarchy(self, plan, seconds, report):
         if plan.hierarchy_timed and not report.nonfinite:
@@ -327,9 +323,9 @@ class CallPlanner:
         self.steady.clear()         # their path came from the choices just forgotten
         self.free_graphs()
 
-    def free_graphs(self):
-        for e in self.graphs.values():
-            if e.graph is not None:
-                e.graph.free()
-        self.graphs.clear()
+    def free_graphs(self, which=lambda entry: True):
+        for key in [k for k, e in self.graphs.items() if which(e)]:
+            entry = self.graphs.pop(key)
+            if entry.graph is not None:
+                entry.graph.free()
 
