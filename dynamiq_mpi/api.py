@@ -157,18 +157,15 @@ class Collective:
         ``report.phases`` (slower: for breakdowns, not for production).
         ``path``, ``nonfinite`` and ``hierarchy`` override the collective's
         (see the class)."""
-        codec = DEFAULT_CODEC if codec is None else codec
-        transport = self.transport if transport is None else transport
-        nonfinite = self.nonfinite if nonfinite is None else nonfinite
-        requested = self.path if path is None else default_path(path)
-        tile_bytes = self.tile_bytes if tile_bytes is None else tile_bytes
+        call = {"codec": DEFAULT_CODEC if codec is None else codec, "topology": topology,
+                "op": op, "seed": seed, "path": self.path if path is None else default_path(path),
+                "transport": self.transport if transport is None else transport,
+                "tile_bytes": self.tile_bytes if tile_bytes is None else tile_bytes,
+                "nonfinite": self.nonfinite if nonfinite is None else nonfinite}
         hierarchy = self.hierarchy if hierarchy is None else default_hierarchy(hierarchy)
         with self._lock:
-            counter = self._counter
+            call["counter"] = self._counter
             self._counter += 1
-            call = dict(codec=codec, topology=topology, op=op, seed=seed, counter=counter,
-                        transport=transport, tile_bytes=tile_bytes, path=requested,
-                        nonfinite=nonfinite)
             out, report = self._runner.allreduce(x, out, call, hierarchy, return_report, profile)
         return (out, report) if return_report else out
 
@@ -178,16 +175,14 @@ class Collective:
         """Reduce-scatter ``x`` (see :func:`reduce_scatter`); always compressed
         (``path`` does not apply).  Shares the call counter with
         :meth:`allreduce`.  ``hierarchy="nodes"``: hierarchy.py."""
-        codec = DEFAULT_CODEC if codec is None else codec
-        transport = self.transport if transport is None else transport
-        nonfinite = self.nonfinite if nonfinite is None else nonfinite
+        call = {"codec": DEFAULT_CODEC if codec is None else codec, "topology": topology,
+                "op": op, "seed": seed, "transport": self.transport if transport is None
+                else transport, "nonfinite": self.nonfinite if nonfinite is None else nonfinite,
+                "tile_bytes": self.tile_bytes if tile_bytes is None else tile_bytes}
         hierarchy = self.hierarchy if hierarchy is None else default_hierarchy(hierarchy)
         with self._lock:
-            counter = self._counter
+            call["counter"] = self._counter
             self._counter += 1
-            call = dict(codec=codec, topology=topology, op=op, seed=seed, counter=counter,
-                        transport=transport, nonfinite=nonfinite,
-                        tile_bytes=self.tile_bytes if tile_bytes is None else tile_bytes)
             out, report = self._runner.reduce_scatter(x, out, call, hierarchy, return_report,
                                                       profile)
         return (out, report) if return_report else out

@@ -269,8 +269,7 @@ class GraphCalls:
             from .phases import check_agreement      # every rank raises, as on the engine's path
             check_agreement(rt.plane.allgather(dict(entry.record, counter=counter)))
             raise InvalidInputError("ranks disagree on the call")
-        import cupy
-        stream = cupy.cuda.get_current_stream()
+        stream = rt.fence_stream()
         keys = call_keys(int(call["seed"]), counter)
         if entry.collective == "reduce_scatter":
             from .engine_rs import block_keys
@@ -287,7 +286,6 @@ class GraphCalls:
                             nonfinite=call["nonfinite"], keys_at=keys_at, **self.settings)
             return (make(rt.rank, rt.size, src, spec, dst, workspace, detailed_report=False),
                     entry.metas(counter, rt.size), rt.route(entry.transport, x))
-        rt.fence_stream()
         try:
             try:
                 if entry.graph is None:
@@ -319,7 +317,7 @@ class GraphCalls:
                     entry.graph = None
                 drive_agreed(*program(0, rt.workspace), capturing=False)
         finally:
-            rt.record_stream()
+            rt.record_stream(stream)
         return captured
 
 

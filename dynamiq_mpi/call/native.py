@@ -5,47 +5,62 @@ another digest; then every rank raises the engine's error.
 """
 from __future__ import annotations
 
-from ..codecs.base import signature_of
+from operator import itemgetter
+
+from numpy import ndarray as _NDARRAY
+
+from ..codecs.base import Codec, signature_of
 from ..errors import InputMismatchError
 from ..control.agreement import Digests, digest_with_counter, record_digest
 from .wire import from_wire, to_wire
 
+_FIELDS = itemgetter("topology", "op", "seed", "transport", "tile_bytes", "nonfinite", "path")
+_IDS: dict = {}     # codec signature -> a number in steady keys: a tuple's hash is not cached
 
-def steady_key(x, out, codec, topology, op, seed, transport, tile_bytes, nonfinite, path):
+
+def steady_key(x, out, call):
     """What must equal a steady call's for its agreement to carry over
     (the record but the counter, from local facts; ``path``: as asked)."""
-    dev = getattr(getattr(x, "device", None), "id", None)
-    out_key = None if out is None else (
-        type(out), out.shape, out.dtype, out.flags.c_contiguous,
-        getattr(getattr(out, "device", None), "id", None), out is x)
-    return (type(x), x.shape, x.dtype, x.flags.c_contiguous, dev, out_key, signature_of(codec),
-            topology, op, seed, transport, tile_bytes, nonfinite, path)
+    codec = call["codec"]
+    sid = codec.__dict__.get("_steady_id") if isinstance(codec, Codec) else signature_of(codec)
+    if sid is None:
+        sid = codec.cached_signature()
+        if len(_IDS) < 1024:        # (else the signature itself)
+            sid = codec.__dict__["_steady_id"] = _IDS.setdefault(sid, len(_IDS))
+    return _facts(x), None if out is None else "x" if out is x else _facts(out), sid, _FIELDS(call)
+
+
+def _facts(a):      # (a NumPy array has no device: NumPy 2's says "cpu")
+    return (type(a), a.shape, a.dtype, a.flags.c_contiguous, None if type(a) is _NDARRAY
+            else getattr(getattr(a, "device", None), "id", None))
 
 
 class SteadyNative:
     """The native path of a call agreed before (see the module's doc)."""
 
-    def __init__(self, record: dict, codec, transport: str, wire: str, backend):
+    def __init__(self, record: dict, codec, transport: str, wire: str, backend, plane):
         self.record = {k: v for k, v in record.items() if k != "counter"}
         self.static = record_digest(self.record)
         self.codec, self.transport, self.wire, self.backend = codec, transport, wire, backend
-        self._digests = None        # the digest exchange's buffers (made on first use)
+        self.casts = wire != record.get("dtype")    # only a cast takes a workspace buffer,
+        self.fenced = self.casts and record.get("backend") == "gpu"     # which the fence guards
+        self._digests = Digests(plane)      # the digest exchange's buffers
         self.bits = None            # Report.bits_per_coord of the call
 
-    def run(self, comm, route, x, out, counter, op, n, workspace):
-        """The result (``out`` or a new array of ``x``'s shape); raises the
-        agreement's error on every rank when some rank's call differs."""
-        if self._digests is None:
-            self._digests = Digests(comm)
-        if not self._digests.match(digest_with_counter(self.static, counter)):
+    def run(self, rt, x, out, call):
+        """The result (``out`` or a new array of ``x``'s shape) on runtime ``rt``; raises
+        the agreement's error on every rank when some rank's call differs."""
+        if not self._digests.match(digest_with_counter(self.static, call["counter"])):
             from .phases import check_agreement
-            check_agreement(comm.allgather(dict(self.record, counter=counter)))
+            check_agreement(rt.plane.allgather(dict(self.record, counter=call["counter"])))
             raise InputMismatchError("ranks disagree on the call")   # (raised above)
-        transport = route(self.transport, x)
-        flat = x.reshape(-1)
-        result = out.reshape(-1) if out is not None else self.backend.empty(flat.shape[0],
-                                                                            flat.dtype)
-        send, recv = to_wire(self.backend, flat, self.wire, result, workspace)
+        transport = rt.route(self.transport, x)
+        flat = x if x.ndim == 1 else x.reshape(-1)      # (reshape costs host time)
+        result = (out if out.ndim == 1 else out.reshape(-1)) if out is not None else \
+            self.backend.empty(flat.shape[0], flat.dtype)
+        send, recv = to_wire(self.backend, flat, self.wire, result, rt.workspace) if self.casts \
+            else (flat, result)
         transport._native_allreduce(send, recv)
-        from_wire(self.backend, recv, n if op == "mean" else 1, result)
-        return out if out is not None else result.reshape(x.shape)
+        if self.casts or call["op"] == "mean":
+            from_wire(self.backend, recv, rt.size if call["op"] == "mean" else 1, result)
+        return out if out is not None else result if x.ndim == 1 else result.reshape(x.shape)

@@ -97,16 +97,18 @@ class CallPlanner:
     def plan_allreduce(self, x, out, call, hierarchy, want_report, profile) -> Plan:
         """The plan of an all-reduce (``call``: the normalised arguments).
         May set ``call["path"]`` to "compressed" while a hierarchy is timed."""
-        plan = Plan()
+        plan = None     # (made where needed: a steady call's is its SteadyNative's)
         if hierarchy == "auto":
+            plan = Plan()
             (hierarchy, plan.hierarchy_key, plan.hierarchy_why,
              plan.hierarchy_timed) = self._choose_hierarchy(x, call)
-        plan.hierarchy = hierarchy
+            plan.hierarchy = hierarchy
         if hierarchy == "nodes" and self.size > 1:
+            plan = plan or Plan(hierarchy="nodes")
             plan.route = "levels"
             return plan
-        return self._plan_flat(x, out, call, want_report or plan.hierarchy_timed, profile,
-                               plan)
+        return self._plan_flat(x, out, call, want_report or (plan is not None and
+                               plan.hierarchy_timed), profile, plan)
 
     def plan_reduce_scatter(self, x, out, call, hierarchy, want_report, profile) -> Plan:
         """The plan of a reduce-scatter: always compressed, on the levels
@@ -140,16 +142,12 @@ class CallPlanner:
         if requested != "compressed" and quiet:
             # a call like one agreed before on the native path: no engine
             try:
-                steady_key = native.steady_key(x, out, call["codec"], call["topology"],
-                                               call["op"], call["seed"], call["transport"],
-                                               call["tile_bytes"], call["nonfinite"], requested)
-                steady = self.steady.get(steady_key)
+                steady = self.steady.get(steady_key := native.steady_key(x, out, call))
             except Exception:   # not an array, unhashable arguments: the engine
                 steady_key = steady = None      # reports them to every rank
             if steady is not None:
-                plan.route, plan.steady, plan.path = "steady", steady, "native"
-                return plan
-        chosen = None
+                return steady.plan
+        plan, chosen = plan or Plan(), None    # (its hierarchy: flat, unless "auto" chose)
         if requested != "native" and quiet and self._find_graph(plan, x, out, call):
             if plan.steady.measuring is None:
                 return plan
@@ -306,8 +304,9 @@ class CallPlanner:
             if len(self.steady) > MAX_STEADY:
                 self.steady.clear()
             steady = self.steady[plan.steady_key] = native.SteadyNative(
-                meta, codec, report.transport, report.codec_info["wire"], backend)
+                meta, codec, report.transport, report.codec_info["wire"], backend, self.plane)
             steady.bits = report.bits_per_coord
+            steady.plan = Plan(route="steady", path="native", steady=steady)
         if (plan.graph_key is not None and report.path == "compressed"
                 and report.sync_free and report.transport == "nccl"
                 and plan.graph_key not in self.graphs):

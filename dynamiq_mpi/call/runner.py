@@ -44,6 +44,14 @@ class CallRunner:
         included): (result, report or None).  ``plan_hook``: a rail's joint
         budget (rail_budget.py)."""
         plan = self.planner.plan_allreduce(x, out, call, hierarchy, want_report, profile)
+        if plan.route == "steady":      # (its bits: the engine call's that made the plan)
+            self.last_bits, rt = plan.steady.bits, self.runtime
+            stream = rt.fence_stream() if plan.steady.fenced else None  # (else takes no workspace)
+            try:
+                return plan.steady.run(rt, x, out, call), None
+            finally:
+                if stream is not None:
+                    rt.record_stream(stream)
         timed = plan.hierarchy_timed
         if timed:
             sync(x)
@@ -62,11 +70,8 @@ class CallRunner:
             out, report = self.nodes.run("allreduce", x, out, return_report=want_report, **call)
             self.last_bits = None if report is None else report.bits_per_coord
             return out, report
-        if plan.route in ("steady", "graph"):       # as the engine call that made the plan
-            self.last_bits = plan.steady.bits
-        if plan.route == "steady":
-            return self._run_steady(plan.steady, x, out, call["counter"], call["op"]), None
         if plan.route == "graph":       # (a failed capture runs the agreed call eagerly)
+            self.last_bits = plan.steady.bits       # as the engine call that made the plan
             if plan.timed:
                 sync(x)
                 t0 = time.perf_counter()
@@ -125,17 +130,6 @@ class CallRunner:
         self.last_bits = report.bits_per_coord
         meta = rt.last_metas[rt.rank] if rt.last_metas else None
         self.planner.remember(plan, report, meta, call["codec"], backend_for(x))
-
-    def _run_steady(self, steady, x, out, counter, op):
-        rt = self.runtime
-        on_device = steady.backend.name == "gpu"
-        if on_device:
-            rt.fence_stream()
-        try:
-            return steady.run(rt.plane, rt.route, x, out, counter, op, rt.size, rt.workspace)
-        finally:
-            if on_device:
-                rt.record_stream()
 
     def graph_stats(self) -> dict:
         return graph_stats(list(self.planner.graphs.values()))

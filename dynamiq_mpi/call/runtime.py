@@ -36,8 +36,7 @@ class Runtime:
         """Run one rank program: (result, report).  ``choose(route, records, x,
         explain)``: the planner's (``Routed``, why) for the ``Route`` request."""
         on_device = type(x).__module__.startswith("cupy")
-        if on_device:
-            self.fence_stream()
+        stream = self.fence_stream() if on_device else None
         t0 = time.perf_counter()
         data, prof, metas, failed, why = self.host, None, None, True, None
         self.last_metas = None
@@ -67,7 +66,7 @@ class Runtime:
             if profile and data.profile is not None:
                 prof = data.stop_profile()
             if on_device:
-                self.record_stream()
+                self.record_stream(stream)
         report.control_plane = self.plane.name
         if prof is not None:
             report.phases = _phases(prof, t0)
@@ -98,16 +97,16 @@ class Runtime:
 
     def fence_stream(self):
         """Workspace buffers are reused in stream order: if the caller's stream
-        changed since the last call, wait for the last call's work first."""
+        changed since the last call, wait for the last call's work first: the stream."""
         import cupy
         stream = cupy.cuda.get_current_stream()
         if self._last_stream is not None and self._last_stream[0] != stream.ptr:
             stream.wait_event(self._last_stream[1])
+        return stream
 
-    def record_stream(self):
+    def record_stream(self, stream):
         # one event, re-recorded (a new Event per call costs host time)
         import cupy
-        stream = cupy.cuda.get_current_stream()
         if self._done_event is None:
             self._done_event = cupy.cuda.Event(block=False, disable_timing=True)
         self._done_event.record(stream)

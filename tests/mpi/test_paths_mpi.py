@@ -233,6 +233,26 @@ def test_steady_native_calls_are_correct_and_every_mismatch_raises_everywhere():
 
 
 @pytest.mark.mpi(min_size=2)
+def test_steady_native_2d_and_1d_agree_and_a_shape_mismatch_raises_everywhere():
+    """A steady call uses a 1-D array as is and reshapes a 2-D one: the same
+    sums; a rank whose 2-D shape holds another length makes every rank raise."""
+    coll = dq.Collective(comm, path="native")
+    x = my_input(shared_seed(comm), 2048)
+    for i in range(3):              # the first call agrees, the later ones are steady
+        flat = coll.allreduce(x, out=np.empty(2048, np.float32))
+        square = coll.allreduce(x.reshape(32, 64), out=np.empty((32, 64), np.float32))
+        new = coll.allreduce(x.reshape(32, 64), op="mean")
+        assert np.array_equal(flat, square.reshape(-1)) and new.shape == (32, 64)
+        assert np.array_equal(new.reshape(-1), (flat / N).astype(np.float32))
+    assert len(coll._runner.planner.steady) == 3
+    with pytest.raises(dq.InputMismatchError) as info:
+        coll.allreduce(my_input(1, 33 * 64).reshape(33, 64) if comm.rank == LAST
+                       else x.reshape(32, 64), op="mean")
+    assert len(set(comm.allgather(str(info.value)))) == 1
+    coll.free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_auto_steady_calls_follow_the_decision_and_forget_paths():
     """path="auto": once a class is decided native, its calls go steady (no
     engine, no path choice) and stay right; forget_paths() drops them, so the
