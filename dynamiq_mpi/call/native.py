@@ -19,8 +19,7 @@ _IDS: dict = {}     # codec signature -> a number in steady keys: a tuple's hash
 
 
 def steady_key(x, out, call):
-    """What must equal a steady call's for its agreement to carry over
-    (the record but the counter, from local facts; ``path``: as asked)."""
+    """What must equal a steady call's for its agreement to carry over (local facts)."""
     codec = call["codec"]
     sid = codec.__dict__.get("_steady_id") if isinstance(codec, Codec) else signature_of(codec)
     if sid is None:
@@ -42,8 +41,8 @@ class SteadyNative:
         self.record = {k: v for k, v in record.items() if k != "counter"}
         self.static = record_digest(self.record)
         self.codec, self.transport, self.wire, self.backend = codec, transport, wire, backend
-        self.casts = wire != record.get("dtype")    # only a cast takes a workspace buffer,
-        self.fenced = self.casts and record.get("backend") == "gpu"     # which the fence guards
+        self.casts = wire != record.get("dtype")    # only a cast takes a workspace buffer
+        self.on_device = record.get("backend") == "gpu"
         self._digests = Digests(plane)      # the digest exchange's buffers
         self.bits = None            # Report.bits_per_coord of the call
 

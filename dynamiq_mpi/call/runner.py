@@ -46,7 +46,9 @@ class CallRunner:
         plan = self.planner.plan_allreduce(x, out, call, hierarchy, want_report, profile)
         if plan.route == "steady":      # (its bits: the engine call's that made the plan)
             self.last_bits, rt = plan.steady.bits, self.runtime
-            stream = rt.fence_stream() if plan.steady.fenced else None  # (else takes no workspace)
+            stream = rt.fence_stream() if plan.steady.on_device else None   # (no workspace
+            if stream is not None and not plan.steady.casts and rt.last_stream_is(stream):
+                stream = None   # taken, and stream order follows the last call: no event)
             try:
                 return plan.steady.run(rt, x, out, call), None
             finally:

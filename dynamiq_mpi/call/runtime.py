@@ -104,6 +104,9 @@ class Runtime:
             stream.wait_event(self._last_stream[1])
         return stream
 
+    def last_stream_is(self, stream) -> bool:
+        return self._last_stream is not None and self._last_stream[0] == stream.ptr
+
     def record_stream(self, stream):
         # one event, re-recorded (a new Event per call costs host time)
         import cupy
