@@ -95,3 +95,15 @@ def test_only_device_classes_over_nccl_take_the_extra_untimed_call(device_calls)
     calls = measuring_calls(False)
     timed = [run(off, x, np.zeros_like(x), i, seconds)[2] for i in range(calls + 1)]
     assert timed == [True] * calls + [False]
+
+
+def test_inputs_the_codec_sends_as_bf16_go_native_unmeasured_on_device(device_calls):
+    planner = CallPlanner(MPI.COMM_SELF, 2, graphs=True)
+    for x, want in ((np.zeros(1 << 12, dtype=np.float32).view(DeviceLike), "native"),
+                    (np.zeros(1 << 12, dtype=np.float32), None)):     # host: measured
+        call = dict(call_args(0), codec=dq.DynamiQ())    # small_input 2^21: BF16 below
+        plan = planner.plan_allreduce(x, np.zeros_like(x), call, "flat", False, False)
+        if want is None:
+            assert plan.timed
+        else:
+            assert (plan.path, plan.timed) == (want, False) and "same bytes" in plan.why

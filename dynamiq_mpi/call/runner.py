@@ -46,9 +46,9 @@ class CallRunner:
         plan = self.planner.plan_allreduce(x, out, call, hierarchy, want_report, profile)
         if plan.route == "steady":      # (its bits: the engine call's that made the plan)
             self.last_bits, rt = plan.steady.bits, self.runtime
-            stream = rt.fence_stream() if plan.steady.on_device else None   # (no workspace
-            if stream is not None and not plan.steady.casts and rt.last_stream_is(stream):
-                stream = None   # taken, and stream order follows the last call: no event)
+            stream = rt.fence_stream() if plan.steady.on_device else None   # (no workspace taken
+            if stream is not None and not plan.steady.casts and rt.last_stream[0] == stream.ptr:
+                stream = None   # and stream order follows the last call: no event)
             try:
                 return plan.steady.run(rt, x, out, call), None
             finally:
@@ -140,10 +140,9 @@ class CallRunner:
         self.planner.forget_paths()
 
     def free(self):
-        """Everything, collectively: graphs first (a captured NCCL call holds
-        a reference on its communicator, and ncclCommDestroy waits until
-        every graph that holds one is gone), then the transports, workspace and level planes, then the
-        control plane's duplicate."""
+        """Everything, collectively: graphs first (a captured NCCL call holds its
+        communicator: ncclCommDestroy waits for every such graph), then the
+        transports, workspace, level planes and the control plane's duplicate."""
         self.planner.free_graphs()
         self.planner.free_choices()
         self.runtime.free_transports()

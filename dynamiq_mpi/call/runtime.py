@@ -28,7 +28,7 @@ class Runtime:
         self.nccl = {}              # device -> NCCL transport
         self.mpi_cuda = None
         self.last_metas = None      # the agreement records of the last driven call
-        self._last_stream = None    # (stream pointer, event at the end of the last call)
+        self.last_stream = (None, None)  # (stream pointer, event at the end of the last call)
         self._done_event = None
         self._capture_streams = {}  # device -> a private stream for graph captures
 
@@ -100,12 +100,9 @@ class Runtime:
         changed since the last call, wait for the last call's work first: the stream."""
         import cupy
         stream = cupy.cuda.get_current_stream()
-        if self._last_stream is not None and self._last_stream[0] != stream.ptr:
-            stream.wait_event(self._last_stream[1])
+        if self.last_stream[1] is not None and self.last_stream[0] != stream.ptr:
+            stream.wait_event(self.last_stream[1])
         return stream
-
-    def last_stream_is(self, stream) -> bool:
-        return self._last_stream is not None and self._last_stream[0] == stream.ptr
 
     def record_stream(self, stream):
         # one event, re-recorded (a new Event per call costs host time)
@@ -113,7 +110,7 @@ class Runtime:
         if self._done_event is None:
             self._done_event = cupy.cuda.Event(block=False, disable_timing=True)
         self._done_event.record(stream)
-        self._last_stream = (stream.ptr, self._done_event)
+        self.last_stream = (stream.ptr, self._done_event)
 
     def capture_stream(self, stream):
         """The stream a capture records on: the caller's, or a private one for

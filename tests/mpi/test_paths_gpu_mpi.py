@@ -66,6 +66,27 @@ def test_native_nccl_bf16_allreduce(cp, dtype, op):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("dtype", [BFLOAT16, np.float32])
+def test_steady_native_calls_across_streams_are_exact(cp, dtype):
+    """Steady native calls (no event on an unchanged stream) on one stream,
+    then alternating between two: every result exact on every rank, the
+    second stream's calls ordered after the first's."""
+    coll = dq.Collective(comm, path="native")
+    streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+    seed = shared_seed(comm)
+    for i in range(12):
+        rng = np.random.default_rng([seed, i, comm.rank])
+        host = rng.integers(-8, 9, size=1 << 16).astype(dtype)     # exact in BF16 sums
+        expect = np.asarray(comm.allreduce(host.astype(np.float64)))
+        with streams[0] if i < 4 else streams[i % 2]:
+            x = cp.asarray(host)
+            out = coll.allreduce(x.reshape(256, -1) if i % 3 == 0 else x)
+            got = cp.asnumpy(out).astype(np.float64).reshape(-1)
+        assert np.array_equal(got, expect), i
+    coll.free()
+
+
+@pytest.mark.mpi(min_size=2)
 def test_native_exact_keeps_float32(cp):
     x = my_input(cp, shared_seed(comm), 70000)
     out, rep = dq.allreduce(x, codec=dq.Exact(), path="native", return_report=True)
@@ -83,7 +104,7 @@ def test_auto_path_on_nccl_measures_and_agrees(cp):
     seen = []
     for i in range(calls + 2):
         x = my_input(cp, 1000 + i, 1 << 16, BFLOAT16)
-        out, rep = coll.allreduce(x, return_report=True)
+        out, rep = coll.allreduce(x, codec=dq.DynamiQ(small_input=0), return_report=True)
         seen.append(rep.path)
         assert same_on_every_rank(cp, out)
     assert seen[:calls] == ["compressed", "native"] * (calls // 2)
@@ -91,6 +112,11 @@ def test_auto_path_on_nccl_measures_and_agrees(cp):
     assert all(s == seen for s in comm.allgather(seen))
     (_, (path, why)), = coll.path_decisions().items()
     assert "measured" in why and len(set(comm.allgather(why))) == 1
+    # inputs the codec would send as BF16 anyway go to NCCL's BF16 all-reduce unmeasured
+    x = my_input(cp, 999, 1 << 16, BFLOAT16)
+    out, rep = coll.allreduce(x, return_report=True)
+    assert rep.path == "native" and "same bytes" in rep.path_reason
+    assert same_on_every_rank(cp, out)
     coll.free()
 
 
