@@ -96,7 +96,10 @@ def collect(results_dir):
                     if r["codec"] == "nccl all-reduce"]
             runs.append({"label": where, "date": meta.get("date", ""), "link": link_of(env),
                          "env": env, "fit": fit_nccl(nccl) if len(nccl) >= 2 else None,
-                         "nccl_rows": nccl, "rows": run["rows"]})
+                         "nccl_rows": nccl, "rows": run["rows"],
+                         # calls replayed as CUDA graphs: modelled as replays
+                         "graphs": bool(meta.get("graphs")
+                                        and (meta.get("graph_stats") or {}).get("replays"))})
     for r in runs:                       # no reference rows: the nearest run of the link
         if r["fit"] is None:
             same = [o for o in runs if o["fit"] and o["link"] == r["link"]]
@@ -155,7 +158,8 @@ def check(results_dir, rates_name="h200", host="exact"):
             tile_bytes = n_el / 2 * probe.wire_bits / 8 / tiles * (1 + 1e-9)
             p = compressed_allreduce(2, n_el, lambda te: codec_cost(codec, bits, rates, te,
                                                                       widths=widths),
-                                     lambda d: link, rates, "ring", host, tile_bytes)
+                                     lambda d: link, rates, "ring",
+                                     "graph" if run["graphs"] else host, tile_bytes)
             meas = r["time_us"] * 1e-6
             out.append({"run": run["label"], "date": run["date"][:16], "link": run["link"],
                         "lanes": lanes_of(run), "codec": r["codec"], "elements": n_el,
