@@ -98,8 +98,8 @@ def collect(results_dir):
                          "env": env, "fit": fit_nccl(nccl) if len(nccl) >= 2 else None,
                          "nccl_rows": nccl, "rows": run["rows"],
                          # calls replayed as CUDA graphs: modelled as replays
-                         "graphs": bool(meta.get("graphs")
-                                        and (meta.get("graph_stats") or {}).get("replays"))})
+                         "graphs": bool(meta.get("graphs") and (meta.get("graph_stats") or {})
+                                        .get("replays") and not meta["graph_stats"].get("failed"))})
     for r in runs:                       # no reference rows: the nearest run of the link
         if r["fit"] is None:
             same = [o for o in runs if o["fit"] and o["link"] == r["link"]]

@@ -107,3 +107,15 @@ def test_inputs_the_codec_sends_as_bf16_go_native_unmeasured_on_device(device_ca
             assert plan.timed
         else:
             assert (plan.path, plan.timed) == (want, False) and "same bytes" in plan.why
+
+
+def test_steady_keys_follow_the_codecs_signature_through_pickling():
+    """A codec carried across processes (a pickled hook state) keys by its
+    signature: never another codec's steady plan."""
+    import pickle
+    from dynamiq_mpi.call.native import steady_key
+    x = np.zeros(1 << 10, dtype=np.float32)
+    keys = [steady_key(x, None, dict(call_args(0), codec=c)) for c in
+            (dq.Exact(), pickle.loads(pickle.dumps(dq.DynamiQ(bits=6))), dq.DynamiQ(bits=6),
+             pickle.loads(pickle.dumps(dq.Exact())))]
+    assert keys[0] != keys[1] and keys[1] == keys[2] and keys[3] == keys[0]

@@ -15,17 +15,12 @@ from ..control.agreement import Digests, digest_with_counter, record_digest
 from .wire import from_wire, to_wire
 
 _FIELDS = itemgetter("topology", "op", "seed", "transport", "tile_bytes", "nonfinite", "path")
-_IDS: dict = {}     # codec signature -> a number in steady keys: a tuple's hash is not cached
 
 
 def steady_key(x, out, call):
     """What must equal a steady call's for its agreement to carry over (local facts)."""
     codec = call["codec"]
-    sid = codec.__dict__.get("_steady_id") if isinstance(codec, Codec) else signature_of(codec)
-    if sid is None:
-        sid = codec.cached_signature()
-        if len(_IDS) < 1024:        # (else the signature itself)
-            sid = codec.__dict__["_steady_id"] = _IDS.setdefault(sid, len(_IDS))
+    sid = codec.cached_signature() if isinstance(codec, Codec) else signature_of(codec)
     return _facts(x), None if out is None else "x" if out is x else _facts(out), sid, _FIELDS(call)
 
 

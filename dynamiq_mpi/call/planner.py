@@ -189,7 +189,8 @@ class CallPlanner:
             return key, "compressed", "no native all-reduce for these arrays and transport", False
         if on_device and getattr(codec.for_length(int(x.size)), "name", None) == "bf16" \
                 and codec.native_wire == "bfloat16":   # (its own BF16 all-reduce: the same bytes)
-            return key, "native", "auto: BF16 either way; NCCL's sends the same bytes faster", False
+            return (key, "native", "auto: the codec sends BF16; NCCL's BF16 all-reduce "
+                    "sends the same bytes faster", False)
         return (key, *self.paths.choose(key))
 
     def _choose_hierarchy(self, x, call):

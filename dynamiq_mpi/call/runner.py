@@ -48,7 +48,8 @@ class CallRunner:
             self.last_bits, rt = plan.steady.bits, self.runtime
             stream = rt.fence_stream() if plan.steady.on_device else None   # (no workspace taken
             if stream is not None and not plan.steady.casts and rt.last_stream[0] == stream.ptr:
-                stream = None   # and stream order follows the last call: no event)
+                rt.unrecorded, stream = stream, None    # and stream order follows: no event;
+                                                        # a later stream switch records it)
             try:
                 return plan.steady.run(rt, x, out, call), None
             finally:

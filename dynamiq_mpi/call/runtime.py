@@ -30,6 +30,7 @@ class Runtime:
         self.last_metas = None      # the agreement records of the last driven call
         self.last_stream = (None, None)  # (stream pointer, event at the end of the last call)
         self._done_event = None
+        self.unrecorded = None      # the last stream, where work came after that event
         self._capture_streams = {}  # device -> a private stream for graph captures
 
     def drive(self, program, x, profile, want_report, choose):
@@ -101,6 +102,8 @@ class Runtime:
         import cupy
         stream = cupy.cuda.get_current_stream()
         if self.last_stream[1] is not None and self.last_stream[0] != stream.ptr:
+            if self.unrecorded is not None:     # (steady calls that recorded no event)
+                self.last_stream[1].record(self.unrecorded)
             stream.wait_event(self.last_stream[1])
         return stream
 
@@ -110,7 +113,7 @@ class Runtime:
         if self._done_event is None:
             self._done_event = cupy.cuda.Event(block=False, disable_timing=True)
         self._done_event.record(stream)
-        self.last_stream = (stream.ptr, self._done_event)
+        self.last_stream, self.unrecorded = (stream.ptr, self._done_event), None
 
     def capture_stream(self, stream):
         """The stream a capture records on: the caller's, or a private one for

@@ -69,20 +69,23 @@ def test_native_nccl_bf16_allreduce(cp, dtype, op):
 @pytest.mark.parametrize("dtype", [BFLOAT16, np.float32])
 def test_steady_native_calls_across_streams_are_exact(cp, dtype):
     """Steady native calls (no event on an unchanged stream) on one stream,
-    then alternating between two: every result exact on every rank, the
-    second stream's calls ordered after the first's."""
+    then alternating between two with no synchronisation in between: every
+    result exact on every rank (a switch orders the new stream after the
+    old one's calls)."""
     coll = dq.Collective(comm, path="native")
     streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
     seed = shared_seed(comm)
-    for i in range(12):
-        rng = np.random.default_rng([seed, i, comm.rank])
-        host = rng.integers(-8, 9, size=1 << 16).astype(dtype)     # exact in BF16 sums
-        expect = np.asarray(comm.allreduce(host.astype(np.float64)))
-        with streams[0] if i < 4 else streams[i % 2]:
+    hosts = [np.random.default_rng([seed, i, comm.rank]).integers(-8, 9, size=1 << 16)
+             .astype(dtype) for i in range(16)]                        # exact in BF16 sums
+    outs = []
+    for i, host in enumerate(hosts):
+        with streams[0] if i < 4 else streams[(i // 2) % 2]:
             x = cp.asarray(host)
-            out = coll.allreduce(x.reshape(256, -1) if i % 3 == 0 else x)
-            got = cp.asnumpy(out).astype(np.float64).reshape(-1)
-        assert np.array_equal(got, expect), i
+            outs.append(coll.allreduce(x.reshape(256, -1) if i % 3 == 0 else x))
+    cp.cuda.Device().synchronize()
+    for i, (host, out) in enumerate(zip(hosts, outs)):
+        expect = np.asarray(comm.allreduce(host.astype(np.float64)))
+        assert np.array_equal(cp.asnumpy(out).astype(np.float64).reshape(-1), expect), i
     coll.free()
 
 
