@@ -32,8 +32,7 @@ def test_a_stream_switch_waits_for_calls_that_recorded_no_event(monkeypatch):
     rt = Runtime(MPI.COMM_SELF, 1, None)
     rt.record_stream(rt.fence_stream())         # a call that records (stream 1)
     assert log == [("record", 1)] and rt.unrecorded is None
-    rt.fence_stream()                           # the same stream: nothing to wait for
-    rt.unrecorded = current[0]                  # as the runner marks a steady call without event
+    rt.record_stream(rt.fence_stream(), took_workspace=False)   # a steady call: no event
     current[0] = Stream(2)
     rt.record_stream(rt.fence_stream())         # a switch: stream 1's work recorded, then waited
     assert log == [("record", 1), ("record", 1), ("wait", 2), ("record", 2)]

@@ -9,7 +9,7 @@ from operator import itemgetter
 
 from numpy import ndarray as _NDARRAY
 
-from ..codecs.base import Codec, signature_of
+from ..codecs.base import signature_of
 from ..errors import InputMismatchError
 from ..control.agreement import Digests, digest_with_counter, record_digest
 from .wire import from_wire, to_wire
@@ -19,9 +19,8 @@ _FIELDS = itemgetter("topology", "op", "seed", "transport", "tile_bytes", "nonfi
 
 def steady_key(x, out, call):
     """What must equal a steady call's for its agreement to carry over (local facts)."""
-    codec = call["codec"]
-    sid = codec.cached_signature() if isinstance(codec, Codec) else signature_of(codec)
-    return _facts(x), None if out is None else "x" if out is x else _facts(out), sid, _FIELDS(call)
+    return (_facts(x), None if out is None else "x" if out is x else _facts(out),
+            signature_of(call["codec"]), _FIELDS(call))
 
 
 def _facts(a):      # (a NumPy array has no device: NumPy 2's says "cpu")

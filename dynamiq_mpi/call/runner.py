@@ -46,15 +46,12 @@ class CallRunner:
         plan = self.planner.plan_allreduce(x, out, call, hierarchy, want_report, profile)
         if plan.route == "steady":      # (its bits: the engine call's that made the plan)
             self.last_bits, rt = plan.steady.bits, self.runtime
-            stream = rt.fence_stream() if plan.steady.on_device else None   # (no workspace taken
-            if stream is not None and not plan.steady.casts and rt.last_stream[0] == stream.ptr:
-                rt.unrecorded, stream = stream, None    # and stream order follows: no event;
-                                                        # a later stream switch records it)
+            stream = rt.fence_stream() if plan.steady.on_device else None
             try:
                 return plan.steady.run(rt, x, out, call), None
             finally:
-                if stream is not None:
-                    rt.record_stream(stream)
+                if stream is not None:      # (only a cast takes a workspace buffer)
+                    rt.record_stream(stream, took_workspace=plan.steady.casts)
         timed = plan.hierarchy_timed
         if timed:
             sync(x)

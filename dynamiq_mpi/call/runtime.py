@@ -107,8 +107,13 @@ class Runtime:
             stream.wait_event(self.last_stream[1])
         return stream
 
-    def record_stream(self, stream):
-        # one event, re-recorded (a new Event per call costs host time)
+    def record_stream(self, stream, took_workspace=True):
+        # one event, re-recorded (a new Event per call costs host time); a call that
+        # took no workspace on the last call's stream needs none: stream order
+        # follows, and a later switch records it (fence_stream)
+        if not took_workspace and self.last_stream[0] == stream.ptr:
+            self.unrecorded = stream
+            return
         import cupy
         if self._done_event is None:
             self._done_event = cupy.cuda.Event(block=False, disable_timing=True)
