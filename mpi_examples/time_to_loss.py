@@ -32,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -52,7 +53,8 @@ def _pairs(text, what):
 
 
 def run_tag(codec, seed):
-    return f"{codec.replace(':', '')}_s{seed}"
+    """A file-name-safe tag: 'dynamiq:5:centring=false', 0 -> 'dynamiq5centring-false_s0'."""
+    return f"{re.sub(r'[^A-Za-z0-9._-]', '', codec.replace('=', '-'))}_s{seed}"
 
 
 def planned_runs(codecs, seeds, reference):

@@ -70,3 +70,11 @@ def test_bad_reference_and_empty_lists_are_refused():
         ttl._pairs(" , ", "codecs")
     assert ttl.planned_runs(["bf16", "dq"], [0, 1], ["fp32:0"]) == [
         ("bf16", 0), ("dq", 0), ("bf16", 1), ("dq", 1), ("fp32", 0)]
+
+
+def test_run_tags_are_file_name_safe_and_keep_the_old_names():
+    assert ttl.run_tag("dynamiq:5", 2) == "dynamiq5_s2"
+    assert ttl.run_tag("bf16", 0) == "bf16_s0"
+    tag = ttl.run_tag("dynamiq:5:centring=false", 1)
+    assert tag == "dynamiq5centring-false_s1"
+    assert ttl.run_tag("dynamiq:5:centring=true", 1) != tag
