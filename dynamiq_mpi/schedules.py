@@ -13,6 +13,21 @@ GATHER = "gather"   # all-gather step: forward compressed bytes unchanged
 
 TOPOLOGIES = ("ring", "butterfly")
 
+# A call's statistics (a few bytes per 256 elements) over 3 to
+# STATS_DIRECT_RANKS ranks, up to STATS_DIRECT_BYTES, are reduce-scattered and
+# all-gathered directly, every peer at once: two rounds of n - 1 messages
+# instead of the topology's 2 (n - 1) steps, the same bytes per rank (a
+# latency-bound call pays per step).  Larger vectors take the steps: sent
+# directly, more of their bytes would cross a node's NICs.  Two ranks: one
+# exchange.
+STATS_DIRECT_RANKS = 8
+STATS_DIRECT_BYTES = 1 << 20
+
+
+def stats_direct(n: int, nbytes: int, ranks=STATS_DIRECT_RANKS, max_bytes=STATS_DIRECT_BYTES):
+    """Whether ``nbytes`` of statistics over ``n`` ranks travel directly."""
+    return 2 < n <= ranks and nbytes <= max_bytes
+
 
 @dataclass(frozen=True)
 class Step:

@@ -86,7 +86,13 @@ def _compressed_rows(doc):
             yield r
 
 
-def predict_row(r, n, link, rates, host):
+def run_stats_direct(meta):
+    """Up to how many ranks and bytes a run's statistics travelled directly
+    (bench records it; runs without the field took the ring's steps)."""
+    return (meta.get("stats_direct_ranks", 2), meta.get("stats_direct_bytes", 0))
+
+
+def predict_row(r, n, link, rates, host, stats_direct=(2, 0)):
     codec, bits, widths = mc.codec_of(r)
     ne = r["count"]
     tiles = max(1, int(r.get("tiles_per_chunk") or 1))
@@ -94,7 +100,8 @@ def predict_row(r, n, link, rates, host):
     tile_bytes = ne / n * probe.wire_bits / 8 / tiles * (1 + 1e-9)
     return cm.compressed_allreduce(
         n, ne, lambda te: cm.codec_cost(codec, bits, rates, te, widths=widths),
-        lambda d: link, rates, r.get("topology", "ring"), host, tile_bytes)
+        lambda d: link, rates, r.get("topology", "ring"), host, tile_bytes,
+        stats_direct=stats_direct)
 
 
 def _rates(name, per_hop_us=None):
@@ -113,10 +120,11 @@ def fit_host_per_message(results):
     _, eff = _p2p(doc)
     link = cm.Link(c / (2 * (n - 1)), beta * eff)
     rows = [r for r in _compressed_rows(doc) if mc.codec_of(r)[0] == "bf16"]
+    direct = run_stats_direct(doc["meta"])
 
     def loss(p):
         rates = _rates("h100", p)
-        return sum((predict_row(r, n, link, rates, "eager")["seconds"] * 1e6 / r["time_us"] - 1)
+        return sum((predict_row(r, n, link, rates, "eager", direct)["seconds"] * 1e6 / r["time_us"] - 1)
                    ** 2 for r in rows)
     lo, hi = 0.0, 500.0                  # golden-section search, the loss is convex in p
     g = (math.sqrt(5) - 1) / 2
@@ -143,7 +151,7 @@ def check(results=None):
                      "p2p_efficiency": eff, "from": fit_from or "its own NCCL rows",
                      "host_per_message_us": rates["host_us"]["per_hop"]})
         for r in _compressed_rows(doc):
-            p = predict_row(r, n, link, rates, host)
+            p = predict_row(r, n, link, rates, host, run_stats_direct(doc["meta"]))
             in_sample = fname == HOST_FIT_RUN and mc.codec_of(r)[0] == "bf16"
             out.append(_row(fname, doc["meta"], link_name, n, r["codec"], r.get("topology"),
                             r["count"], r["time_us"], p, host, kernels, in_sample,

@@ -60,10 +60,10 @@ from dynamiq_mpi.codecs.dynamiq import DynamiQ
 from dynamiq_mpi.codecs.mxfp import BLOCK as MX_BLOCK
 from dynamiq_mpi.codecs.mxfp import MXFP, padded_blocks
 from dynamiq_mpi.codecs.omnireduce import OmniReduce
-from dynamiq_mpi.codecs.plain import BF16, ElementwisePlan, Exact
+from dynamiq_mpi.codecs.plain import BF16, ElementwisePlan, Exact, exact_sum_into
 from dynamiq_mpi.codecs.thc import THC, range_bytes, rotate, run_signs
 from dynamiq_mpi.rng import call_keys
-from dynamiq_mpi.schedules import trailing_ones
+from dynamiq_mpi.schedules import stats_direct, trailing_ones
 from dynamiq_mpi.call.study import FRESH
 
 # the inputs (rank sources) live in scale_sources.py
@@ -176,6 +176,18 @@ class _DynamiQAdapter:
         nsg = -(-length // SUPER)
         head = 2 * nsg if codec.centring else nsg
         L = head + 2
+        if stats_direct(n, L * 4) and L >= n:
+            # the library's direct exchange: every element summed in rank order
+            reduced = None
+            for r in range(n):
+                st, _ = codec.local_stats(sim.source.rank_vector(xp, r), sim.backend, FRESH,
+                                          keys=sim.keys)
+                if reduced is None:
+                    reduced = st.copy()
+                else:
+                    exact_sum_into(sim.backend, reduced, st, reduced)
+                sim.tick()
+            return reduced, L * 4
         sp = ElementwisePlan(xp.zeros(L, dtype=np.float32), n, sim.backend, FRESH,
                              sim.tile_bytes, prefix="stats")
         units = sp.tiling.layout.count

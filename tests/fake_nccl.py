@@ -75,6 +75,7 @@ class _Nccl:
         self.base = base
         self._group = None
         self.calls = []          # (op, peer, count) of every operation, for the tests
+        self.groups = []         # [(op, peer), ...] of every group, for the tests
 
     def get_unique_id(self):
         return b"fake"
@@ -84,6 +85,7 @@ class _Nccl:
 
     def groupEnd(self):
         ops, self._group = self._group, None
+        self.groups.append([(op, peer) for _, op, _, _, peer in ops])
         requests, landings = [], []
         for comm, op, ptr, count, peer in ops:
             if op == "send":

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from .. import schedules
 from ..backend import BFLOAT16
 from ..call.paths import measuring_calls
 from ..codecs.base import DEFAULT_TILE_BYTES
@@ -272,7 +273,10 @@ def run(args) -> list:
                         env={k: v for k, v in environment().items() if k.startswith(NCCL_ENV_PREFIXES)},
                         python=platform.python_version(), args=vars(args),
                         # CUDA graphs of steady compressed calls ($DYNAMIQ_GRAPHS)
-                        graphs=coll.graphs, graph_stats=coll.graph_stats())
+                        graphs=coll.graphs, graph_stats=coll.graph_stats(),
+                        # up to how many ranks and bytes the statistics travel directly
+                        stats_direct_ranks=schedules.STATS_DIRECT_RANKS,
+                        stats_direct_bytes=schedules.STATS_DIRECT_BYTES)
             with open(args.json, "w") as f:
                 json.dump(dict(meta=meta, rows=rows), f, indent=1, default=_jsonable)
     coll.free()

@@ -18,7 +18,7 @@ from ..errors import InputMismatchError, InvalidInputError, NonFiniteInputError,
 from ..settings import env_choice, env_text
 from ..report import Report
 from ..transports import TRANSPORTS, transport_capabilities
-from ..transports.ops import Agree, Claim, Exchange, Mark
+from ..transports.ops import Agree, Claim, Exchange, ExchangeAll, Mark
 
 OPS = ("sum", "mean")
 PATHS = ("compressed", "native")
@@ -325,8 +325,8 @@ def run_schedule(plan, schedule, rank):
 
 
 def reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
-    """Generator: the statistics' exact float32 sum (uint8: maximum), alike on
-    every rank.  Returns (reduced, bytes sent, bytes sent by all ranks)."""
+    """Generator: the statistics' exact float32 sum (uint8: maximum), the same
+    bits on every rank.  Returns (reduced, bytes sent, bytes sent by all ranks)."""
     xp = backend.xp
     by_max = stats.dtype == np.uint8
     if n == 2:
@@ -341,10 +341,47 @@ def reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
         else:
             exact_sum_into(backend, stats, received, reduced)
         return reduced, stats.nbytes, 2 * stats.nbytes
+    if schedules.stats_direct(n, stats.nbytes) and stats.shape[0] >= n:
+        return (yield from _reduce_stats_direct(stats, n, rank, backend, workspace, by_max))
     plan = (ByteMaxPlan if by_max else ElementwisePlan)(stats, n, backend, workspace, tile_bytes,
                                                        prefix="stats")
     sent = yield from run_schedule(plan, schedule, rank)
     return plan.reduced_values(), sent, 2 * (n - 1) * sum(plan.chunk_nbytes)
+
+
+def _reduce_stats_direct(stats, n, rank, backend, workspace, by_max):
+    """Rank j owns elements [L j / n, L (j + 1) / n): every rank sends each
+    owner its part at once, the owner sums the n parts in rank order, then
+    sends the sum to every rank at once."""
+    xp, length = backend.xp, stats.shape[0]
+    bounds = [length * j // n for j in range(n + 1)]
+    part = lambda a, j: a[bounds[j]:bounds[j + 1]]      # noqa: E731
+    peers = [((rank + k) % n, (rank - k) % n) for k in range(1, n)]     # (dest, source)
+    size = bounds[rank + 1] - bounds[rank]
+    rows = {rank: part(stats, rank)}
+    got = workspace.take(xp, "stats.parts", (n - 1) * size, stats.dtype)
+    handles = yield ExchangeAll([
+        Exchange(part(stats, dest).view(np.uint8), dest,
+                 got[k * size:(k + 1) * size].view(np.uint8), source)
+        for k, (dest, source) in enumerate(peers)])
+    for (_, source), handle in zip(peers, handles):
+        rows[source] = (yield Claim(handle)).view(stats.dtype)
+    reduced = workspace.take(xp, "stats.sum", length, stats.dtype)
+    mine = part(reduced, rank)
+    for j in range(1, n):                   # in rank order: the same bits on every rank
+        first = rows[0] if j == 1 else mine
+        if by_max:
+            xp.maximum(first, rows[j], out=mine)
+        else:
+            exact_sum_into(backend, first, rows[j], mine)
+    handles = yield ExchangeAll([
+        Exchange(mine.view(np.uint8), dest, part(reduced, source).view(np.uint8), source)
+        for dest, source in peers])
+    for handle in handles:
+        yield Claim(handle)
+    item = stats.itemsize
+    sent = (length - size) * item + (n - 1) * size * item
+    return reduced, sent, 2 * (n - 1) * length * item
 
 
 def agreement_record(error, flat, backend, spec: CallSpec, **extra) -> dict:

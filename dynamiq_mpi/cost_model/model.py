@@ -315,9 +315,13 @@ def planner_seconds(rates, elements):
 
 
 def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
-                         host="fixed", tile_bytes=DEFAULT_TILE_BYTES, in_bytes=2) -> dict:
+                         host="fixed", tile_bytes=DEFAULT_TILE_BYTES, in_bytes=2,
+                         stats_direct=(schedules.STATS_DIRECT_RANKS,
+                                       schedules.STATS_DIRECT_BYTES)) -> dict:
     """Seconds of one compressed call of ``elements`` per rank over ``n`` ranks,
-    and its parts; ``cost_at(tile_elements) -> CodecCost``."""
+    and its parts; ``cost_at(tile_elements) -> CodecCost``; ``stats_direct``:
+    up to how many ranks and bytes the statistics travel directly (a recorded
+    run's own: see research/model_check_runs.py)."""
     if host not in HOST_MODES:
         raise ValueError(f"host {host!r}: one of {HOST_MODES}")
     ran = topology
@@ -338,6 +342,13 @@ def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
         if n == 2:                       # one exchange of the whole vector, one summing kernel
             d["stats_exchange"] = link_for(1).time(sbytes) + sbytes * 3 / copy_rate(rates) + launch
             stats_messages = 1
+        elif schedules.stats_direct(n, sbytes, *stats_direct):    # two rounds, every peer
+            part = sbytes / n
+            links = [link_for(k) for k in range(1, n)]
+            one_round = max(x.alpha for x in links) + sum(part / x.beta for x in links)
+            d["stats_exchange"] = (2 * one_round + (n - 1) * part * 3 / copy_rate(rates)
+                                   + (n - 1) * launch)
+            stats_messages = 2
         elif n > 2:                      # the exact codec's all-reduce, same schedule
             exact = codec_cost("exact", 32, rates, sbytes / 4, in_bytes=4)
             d["stats_exchange"] = data_phase(n, ran, sbytes / 4 / n, exact, link_for,

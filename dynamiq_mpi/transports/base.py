@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 from ..control.agreement import Digests, agree
-from .ops import Agree, Claim, Exchange, Mark, NativeAllreduce
+from .ops import Agree, Claim, Exchange, ExchangeAll, Mark, NativeAllreduce
 
 
 class Timeline:
@@ -37,6 +37,8 @@ class Transport:
             return self._exchange(request)
         if kind is Claim:
             return self._claim(request.handle)
+        if kind is ExchangeAll:
+            return self._exchange_all(request.exchanges)
         if kind is Mark:
             return self._mark(request.name)
         if kind is Agree:
@@ -46,6 +48,10 @@ class Transport:
         if kind is NativeAllreduce:
             return self._native_allreduce(request.send, request.recv)
         raise RuntimeError(f"unknown request {request!r}")
+
+    def _exchange_all(self, exchanges):
+        """Posted one after another (MPI's are non-blocking: they overlap)."""
+        return [self._exchange(x) for x in exchanges]
 
     def stop_profile(self):
         prof, self.profile = self.profile, None

@@ -278,13 +278,29 @@ class NCCLTransport(Transport):
             self.comms[0].allGather(src, out.ptr, count, nccl.NCCL_UINT8, lane.ptr)
         self._copy(_ptr(recv), out.ptr + (1 - self.rank) * count, recv.nbytes, lane)
 
+    def _post(self, send, sends, recv, recvs, dest, source):
+        """One exchange's sends and receives, cut over the lanes (inside a group)."""
+        nccl = self.nccl
+        for i, (a, b) in enumerate(sends):
+            if b > a:
+                self.comms[i].send(_ptr(send) + a, b - a, nccl.NCCL_UINT8, dest,
+                                   self.streams[i].ptr)
+        for i, (a, b) in enumerate(recvs):
+            if b > a:
+                self.comms[i].recv(_ptr(recv) + a, b - a, nccl.NCCL_UINT8, source,
+                                   self.streams[i].ptr)
+
+    def _lanes_wait_for(self, compute):
+        """Every lane waits for the caller's stream (a send's buffer is written there)."""
+        ready = _event(self.cupy, compute, timing=False)
+        for lane in self.streams:
+            lane.wait_event(ready)
+
     def _exchange(self, req):
         cupy, nccl = self.cupy, self.nccl
         compute = cupy.cuda.get_current_stream()
         if req.send is not None and not isinstance(req.send, Received):
-            ready = _event(cupy, compute, timing=False)
-            for lane in self.streams:
-                lane.wait_event(ready)
+            self._lanes_wait_for(compute)
         if self.profile is not None:
             self.profile.at("exchange", compute)
         send = payload_array(req.send) if req.send is not None else None
@@ -302,14 +318,7 @@ class NCCLTransport(Transport):
         else:
             nccl.groupStart()
             try:
-                for i, (a, b) in enumerate(sends):
-                    if b > a:
-                        self.comms[i].send(_ptr(send) + a, b - a, nccl.NCCL_UINT8, req.dest,
-                                           self.streams[i].ptr)
-                for i, (a, b) in enumerate(recvs):
-                    if b > a:
-                        self.comms[i].recv(_ptr(req.recv) + a, b - a, nccl.NCCL_UINT8,
-                                           req.source, self.streams[i].ptr)
+                self._post(send, sends, req.recv, recvs, req.dest, req.source)
             finally:
                 nccl.groupEnd()
         if self.profile is not None:
@@ -321,6 +330,38 @@ class NCCLTransport(Transport):
             return None
         done = [_event(cupy, self.streams[i], timing=False) for i in range(len(recvs))]
         return Received(req.recv, done)
+
+    def _exchange_all(self, exchanges):
+        """Every exchange's messages in one NCCL group: they travel together."""
+        if len(exchanges) == 1 or self.pair_allgather:
+            return [self._exchange(x) for x in exchanges]
+        cupy, nccl = self.cupy, self.nccl
+        compute = cupy.cuda.get_current_stream()
+        if any(x.send is not None and not isinstance(x.send, Received) for x in exchanges):
+            self._lanes_wait_for(compute)
+        if self.profile is not None:
+            self.profile.at("exchange", compute)
+            starts = [_event(cupy, lane) for lane in self.streams]
+        cuts = []
+        nccl.groupStart()
+        try:
+            for x in exchanges:
+                send = payload_array(x.send) if x.send is not None else None
+                sends = self._slices(send.nbytes) if send is not None else []
+                recvs = self._slices(x.recv.nbytes) if x.recv is not None else []
+                self._post(send, sends, x.recv, recvs, x.dest, x.source)
+                cuts.append((sends, recvs))
+        finally:
+            nccl.groupEnd()
+        if self.profile is not None:
+            for i, start in enumerate(starts):
+                sent = sum(a[i][1] - a[i][0] for a, _ in cuts if i < len(a))
+                got = sum(b[i][1] - b[i][0] for _, b in cuts if i < len(b))
+                self.profile.wire.append((start, _event(cupy, self.streams[i]), sent, got))
+        lanes = [len(recvs) for _, recvs in cuts]
+        done = [_event(cupy, self.streams[i], timing=False) for i in range(max(lanes))]
+        return [None if x.recv is None else Received(x.recv, done[:k])
+                for x, k in zip(exchanges, lanes)]
 
     def _native_allreduce(self, send, recv):
         """NCCL's own all-reduce on the caller's stream and a communicator of its

@@ -2,9 +2,10 @@
 answers (docs/design.md, "The parts"): :class:`Agree` (every rank's small
 value, all of them back), :class:`Exchange` (post a send and a receive: a
 :class:`Received` handle back; forwarded as such, it waits for its receive
-only), :class:`Claim` (the received buffer, valid in stream order),
-:class:`Route` (answered by the planner with a :class:`Routed`),
-:class:`Mark` (a phase boundary) and :class:`NativeAllreduce`.
+only), :class:`ExchangeAll` (several at once), :class:`Claim` (the received
+buffer, valid in stream order), :class:`Route` (answered by the planner with
+a :class:`Routed`), :class:`Mark` (a phase boundary) and
+:class:`NativeAllreduce`.
 """
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ class Exchange:
     dest: int
     recv: Any
     source: int
+
+
+@dataclass
+class ExchangeAll:
+    """Several :class:`Exchange` posted at once (one NCCL group: their
+    messages travel together); a list of handles back, one per exchange."""
+    exchanges: list
 
 
 @dataclass

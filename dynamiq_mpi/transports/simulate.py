@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 
-from .ops import Agree, Claim, Exchange, Mark, Received, Route, compressed_route, payload_array
+from .ops import (Agree, Claim, Exchange, ExchangeAll, Mark, Received, Route, compressed_route,
+                  payload_array)
 
 
 class _Rank:
@@ -46,6 +47,18 @@ class SimulatedTransport:
                 handle.buffer[...] = msg
                 handle.token = True      # filled
 
+        def post(r, req):
+            """Rank r's exchange: its message queued, its receive posted (a handle)."""
+            if req.send is not None:
+                sent[(r, req.dest)].append(payload_array(req.send).copy())
+                deliver(r, req.dest)
+            handle = None
+            if req.recv is not None:
+                handle = Received(req.recv, False)
+                posted[(req.source, r)].append(handle)
+                deliver(req.source, r)
+            return handle
+
         def step(r, state):
             """Advance rank r until it blocks or ends; True if it moved."""
             moved = False
@@ -66,15 +79,9 @@ class SimulatedTransport:
                 moved = True
                 state.answer = None
                 if isinstance(req, Exchange):
-                    if req.send is not None:
-                        sent[(r, req.dest)].append(payload_array(req.send).copy())
-                        deliver(r, req.dest)
-                    handle = None
-                    if req.recv is not None:
-                        handle = Received(req.recv, False)
-                        posted[(req.source, r)].append(handle)
-                        deliver(req.source, r)
-                    state.answer = handle
+                    state.answer = post(r, req)
+                elif isinstance(req, ExchangeAll):
+                    state.answer = [post(r, x) for x in req.exchanges]
                 elif isinstance(req, (Claim, Agree)):
                     state.waiting = req
                 elif isinstance(req, Route):     # no all-reduce of its own: compressed

@@ -13,6 +13,7 @@ import pytest
 from mpi4py import MPI
 
 import dynamiq_mpi as dq
+from dynamiq_mpi import schedules
 from dynamiq_mpi.call.engine import CallSpec, rank_program
 from dynamiq_mpi.transports.nccl import NCCLTransport, destroy_communicator
 from dynamiq_mpi.call.planner import resolve_path
@@ -100,6 +101,23 @@ def test_auto_lanes_agree_on_every_rank(monkeypatch, p2p_disabled):
         assert digest(out) == digest(sim), f"seed {seed}"
     finally:
         t.free()
+
+
+@pytest.mark.mpi(min_size=3)
+def test_nccl_statistics_travel_in_two_groups_of_every_peer(fake_nccl):
+    """The direct statistics exchange posts every peer's message in one NCCL group."""
+    transport, nccl = fake_nccl
+    if N > schedules.STATS_DIRECT_RANKS:
+        pytest.skip("the schedule's steps beyond STATS_DIRECT_RANKS ranks")
+    xs = rank_inputs(shared_seed(comm), N, 256 * 40)
+    nccl.groups.clear()
+    run_on(transport, xs[comm.rank], CallSpec(dq.DynamiQ(small_input=0), "ring", "sum", 1, 0,
+                                              "auto", 1 << 20))
+    peers = sorted((comm.rank + k) % N for k in range(1, N))
+    every_peer = [g for g in nccl.groups
+                  if sorted(p for op, p in g if op == "send") == peers
+                  and sorted(p for op, p in g if op == "recv") == peers]
+    assert len(every_peer) == 2 and nccl.groups[:2] == every_peer    # the first two groups
 
 
 @pytest.mark.mpi(min_size=2)
