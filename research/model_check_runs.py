@@ -124,8 +124,8 @@ def fit_host_per_message(results):
 
     def loss(p):
         rates = _rates("h100", p)
-        return sum((predict_row(r, n, link, rates, "eager", direct)["seconds"] * 1e6 / r["time_us"] - 1)
-                   ** 2 for r in rows)
+        return sum((predict_row(r, n, link, rates, "eager", direct)["seconds"] * 1e6
+                    / r["time_us"] - 1) ** 2 for r in rows)
     lo, hi = 0.0, 500.0                  # golden-section search, the loss is convex in p
     g = (math.sqrt(5) - 1) / 2
     for _ in range(60):
