@@ -87,6 +87,17 @@ def _chunk_of_unit(tiling, count):
     return chunk
 
 
+def _stats_in_rank_order(sim, combine):
+    """Every rank's local statistics combined in rank order (``combine(acc, next)``)."""
+    reduced = None
+    for r in range(sim.n):
+        stats, _ = sim.codec.local_stats(sim.source.rank_vector(sim.xp, r), sim.backend, FRESH,
+                                         keys=sim.keys)
+        reduced = stats.copy() if reduced is None else combine(reduced, stats)
+        sim.tick()
+    return reduced
+
+
 class _ElementwiseAdapter:
     """Exact and BF16: no statistics; stream units are rows of 256 elements.
 
@@ -121,12 +132,7 @@ class _MaxStatsAdapter(_ElementwiseAdapter):
     passes = 2
 
     def reduce_stats(self, sim):
-        reduced = None
-        for r in range(sim.n):
-            x = sim.source.rank_vector(sim.xp, r)
-            stats, _ = sim.codec.local_stats(x, sim.backend, FRESH, keys=sim.keys)
-            reduced = stats.copy() if reduced is None else sim.xp.maximum(reduced, stats)
-            sim.tick()
+        reduced = _stats_in_rank_order(sim, sim.xp.maximum)
         return reduced, int(reduced.nbytes)
 
     def needs_local_stats(self):
@@ -178,16 +184,8 @@ class _DynamiQAdapter:
         L = head + 2
         if stats_direct(n, L * 4) and L >= n:
             # the library's direct exchange: every element summed in rank order
-            reduced = None
-            for r in range(n):
-                st, _ = codec.local_stats(sim.source.rank_vector(xp, r), sim.backend, FRESH,
-                                          keys=sim.keys)
-                if reduced is None:
-                    reduced = st.copy()
-                else:
-                    exact_sum_into(sim.backend, reduced, st, reduced)
-                sim.tick()
-            return reduced, L * 4
+            return _stats_in_rank_order(
+                sim, lambda a, b: exact_sum_into(sim.backend, a, b, a)), L * 4
         sp = ElementwisePlan(xp.zeros(L, dtype=np.float32), n, sim.backend, FRESH,
                              sim.tile_bytes, prefix="stats")
         units = sp.tiling.layout.count

@@ -336,10 +336,7 @@ def reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
         handle = yield Exchange(stats.view(np.uint8), peer, other.view(np.uint8), peer)
         received = (yield Claim(handle)).view(stats.dtype)
         reduced = workspace.take(xp, "stats.sum", stats.shape[0], stats.dtype)
-        if by_max:
-            xp.maximum(stats, received, out=reduced)
-        else:
-            exact_sum_into(backend, stats, received, reduced)
+        _combine_stats(backend, by_max, stats, received, reduced)
         return reduced, stats.nbytes, 2 * stats.nbytes
     if schedules.stats_direct(n, stats.nbytes) and stats.shape[0] >= n:
         return (yield from _reduce_stats_direct(stats, n, rank, backend, workspace, by_max))
@@ -347,6 +344,14 @@ def reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
                                                        prefix="stats")
     sent = yield from run_schedule(plan, schedule, rank)
     return plan.reduced_values(), sent, 2 * (n - 1) * sum(plan.chunk_nbytes)
+
+
+def _combine_stats(backend, by_max, a, b, out):
+    """out = a + b in float32 (uint8 statistics: the maximum)."""
+    if by_max:
+        backend.xp.maximum(a, b, out=out)
+    else:
+        exact_sum_into(backend, a, b, out)
 
 
 def _reduce_stats_direct(stats, n, rank, backend, workspace, by_max):
@@ -369,11 +374,7 @@ def _reduce_stats_direct(stats, n, rank, backend, workspace, by_max):
     reduced = workspace.take(xp, "stats.sum", length, stats.dtype)
     mine = part(reduced, rank)
     for j in range(1, n):                   # in rank order: the same bits on every rank
-        first = rows[0] if j == 1 else mine
-        if by_max:
-            xp.maximum(first, rows[j], out=mine)
-        else:
-            exact_sum_into(backend, first, rows[j], mine)
+        _combine_stats(backend, by_max, rows[0] if j == 1 else mine, rows[j], mine)
     handles = yield ExchangeAll([
         Exchange(mine.view(np.uint8), dest, part(reduced, source).view(np.uint8), source)
         for dest, source in peers])
