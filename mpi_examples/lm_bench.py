@@ -47,6 +47,9 @@ import train_lm  # noqa: E402  (the training example beside this file)
 
 CONFIGS = ("fp32", "bf16", "ours")
 OURS_GRAPHS = {"ours:eager": False, "ours:graphs": True}     # our hook, graphs forced
+OURS_PATHS = {"ours:plain": "plain", "ours:native": "native", "ours:compressed": "compressed"}
+TORCH_HOOKS = ("fp32-hook",)    # torch's allreduce_hook: the cost of any Python comm hook
+BASELINES = ("fp32", "bf16") + TORCH_HOOKS
 
 
 def parse_args(argv):
@@ -58,7 +61,9 @@ def parse_args(argv):
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help="fp32, bf16, ours (our hook: HookState(reports=False), CUDA "
                         "graphs on as by default), ours:FUSE_MB (fusing FUSE_MB), "
-                        "ours:eager (graphs=False), ours:graphs (graphs=True), or any "
+                        "ours:eager (graphs=False), ours:graphs (graphs=True), ours:plain / "
+                        "ours:native / ours:compressed (our hook held on one path), fp32-hook "
+                        "(torch's allreduce_hook: plain DDP through a Python hook), or any "
                         "train_lm codec (dynamiq:4, ...)")
     p.add_argument("--bucket-caps", default="default,100,400",
                    help="DDP bucket_cap_mb values ('default': DDP's own)")
@@ -91,9 +96,11 @@ def parse_args(argv):
     args.bucket_caps = [None] if args.fsdp else [None if c == "default" else float(c)
                                                  for c in caps]
     for c in args.configs:
-        if c.startswith("ours:") and c not in OURS_GRAPHS:
+        if c in TORCH_HOOKS and args.fsdp:
+            raise SystemExit(f"lm_bench: {c} is a DDP comm hook (not with --fsdp)")
+        if c.startswith("ours:") and c not in OURS_GRAPHS and c not in OURS_PATHS:
             float(c[5:])
-        elif c != "ours" and c not in OURS_GRAPHS:
+        elif c != "ours" and c not in OURS_GRAPHS and c not in OURS_PATHS and c not in TORCH_HOOKS:
             train_lm.resolve_codec(c)     # a bad name fails before any set-up
     if args.rounds < 1 or args.steps < 1:
         raise SystemExit("lm_bench: --rounds and --steps must be >= 1")
@@ -176,7 +183,7 @@ def main(argv=None):
     from dynamiq_mpi.torch.ddp_buckets import STEP_ROUNDS, auto_steps
     first_warm = 8 if args.fsdp else auto_steps(args.auto_rounds or STEP_ROUNDS)
     total = (args.rounds * len(configs) * (args.steps + args.warmup)
-             + first_warm * sum(c.codec not in ("fp32", "bf16") for c in configs))
+             + first_warm * sum(c.codec not in BASELINES for c in configs))
     progress = train_lm._Progress(total, rank == 0, args.no_progress)
     t_start = time.perf_counter()
     for r in range(args.rounds):
@@ -184,7 +191,7 @@ def main(argv=None):
         for cfg in order:
             model = model_of(cfg)
             warm = args.warmup
-            if r == 0 and cfg.codec not in ("fp32", "bf16"):
+            if r == 0 and cfg.codec not in BASELINES:
                 warm += getattr(cfg.state, "auto_steps", 0) or (8 if args.fsdp else 0)
             for i in range(warm + args.steps):
                 w = one_step(model, cfg.opt, cfg, timed=i >= warm)
@@ -239,8 +246,17 @@ def _ddp(model, cfg, args, device, dqt):
     a = copy.copy(args)
     a.bucket_cap_mb = cfg.cap
     codec = cfg.codec
+    if codec in TORCH_HOOKS:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        kw = {} if cfg.cap is None else {"bucket_cap_mb": cfg.cap}
+        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  gradient_as_bucket_view=True, init_sync=False, **kw)
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        return ddp, None
     if codec == "ours" or codec.startswith("ours:"):
         kw = ({"graphs": OURS_GRAPHS[codec]} if codec in OURS_GRAPHS else
+              {"path": OURS_PATHS[codec]} if codec in OURS_PATHS else
               {"fuse_mb": float(codec[5:])} if codec.startswith("ours:") else {})
         if args.auto_rounds is not None:
             kw["auto_rounds"] = args.auto_rounds

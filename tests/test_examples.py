@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
 import sys
 
 import numpy as np
@@ -181,6 +182,27 @@ def test_lm_bench_alternates_configurations_in_one_job(tmp_path):
     assert all(list(r["paths"]) == ["step"] for r in ours)
     assert all(h["buckets"] >= 1 for r in ours for h in r["hook"])
     assert "exposed vs bf16" in out and "ours" in out
+
+
+def test_lm_bench_python_hook_floor_and_held_paths(tmp_path):
+    """lm_bench's fp32-hook (torch's allreduce_hook: what any Python comm hook
+    costs over plain DDP) and ours held on one path: every step of
+    ``ours:plain`` takes the plain path, from the first."""
+    pytest.importorskip("transformers")
+    out_json = tmp_path / "bench.json"
+    _run(torchrun(2, EXAMPLES / "lm_bench.py", "--tiny", "--rounds", "1", "--steps", "2",
+                  "--bucket-caps", "default", "--min-probes", "2", "--no-progress",
+                  "--configs", "fp32,fp32-hook,ours:plain", "--json", out_json),
+         "lm_bench.py", defaults=True)
+    rows = json.loads(out_json.read_text())["rows"]
+    assert [r["config"] for r in rows] == ["fp32", "fp32-hook", "ours:plain"]
+    assert all(len(r["steps_ms"]) == 2 for r in rows)
+    assert rows[1]["hook"] == [None, None]          # torch's hook: no statistics of ours
+    held = rows[2]["hook"]
+    assert all(set(h["paths"]) == {"plain"} and h["paths"]["plain"] == h["buckets"] for h in held)
+    bad = subprocess.run([sys.executable, EXAMPLES / "lm_bench.py", "--tiny", "--fsdp",
+                          "--configs", "fp32-hook"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "fp32-hook is a DDP comm hook" in bad.stderr
 
 
 def test_time_to_loss_trains_every_codec_then_reports(tmp_path):
