@@ -99,6 +99,9 @@ def parse_args(argv):
         if c in TORCH_HOOKS and args.fsdp:
             raise SystemExit(f"lm_bench: {c} is a DDP comm hook (not with --fsdp)")
         if c.startswith("ours:") and c not in OURS_GRAPHS and c not in OURS_PATHS:
+            if args.fsdp:
+                raise SystemExit(f"lm_bench: {c}: FSDP2 fuses nothing (ours:eager, ours:graphs "
+                                 f"and ours:PATH apply)")
             float(c[5:])
         elif c != "ours" and c not in OURS_GRAPHS and c not in OURS_PATHS and c not in TORCH_HOOKS:
             train_lm.resolve_codec(c)     # a bad name fails before any set-up
@@ -254,10 +257,8 @@ def _ddp(model, cfg, args, device, dqt):
                   gradient_as_bucket_view=True, init_sync=False, **kw)
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         return ddp, None
-    if codec == "ours" or codec.startswith("ours:"):
-        kw = ({"graphs": OURS_GRAPHS[codec]} if codec in OURS_GRAPHS else
-              {"path": OURS_PATHS[codec]} if codec in OURS_PATHS else
-              {"fuse_mb": float(codec[5:])} if codec.startswith("ours:") else {})
+    if _is_ours(codec):
+        kw = _ours_options(codec)
         if args.auto_rounds is not None:
             kw["auto_rounds"] = args.auto_rounds
         state = cfg.state or dqt.HookState(seed=args.seed, reports=False, **kw)
@@ -270,6 +271,19 @@ def _ddp(model, cfg, args, device, dqt):
     return ddp, state if not isinstance(codec, str) else None
 
 
+def _is_ours(codec) -> bool:
+    return codec == "ours" or codec.startswith("ours:")
+
+
+def _ours_options(codec) -> dict:
+    """Our hook's or reduce-scatter's options for ``ours[:VARIANT]``."""
+    if codec in OURS_GRAPHS:
+        return {"graphs": OURS_GRAPHS[codec]}
+    if codec in OURS_PATHS:
+        return {"path": OURS_PATHS[codec]}
+    return {"fuse_mb": float(codec[5:])} if codec.startswith("ours:") else {}
+
+
 def _fsdp(model, codec, args, dqt, torch):
     """FSDP2 with BF16 parameters over every decoder layer, then the model."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -280,7 +294,7 @@ def _fsdp(model, codec, args, dqt, torch):
     fully_shard(model, mp_policy=mp)
     if codec in ("fp32", "bf16"):
         return model, None
-    rs = (dqt.ReduceScatter(seed=args.seed) if codec == "ours"
+    rs = (dqt.ReduceScatter(seed=args.seed, **_ours_options(codec)) if _is_ours(codec)
           else dqt.ReduceScatter(codec=train_lm.resolve_codec(codec), seed=args.seed))
     for m in model.modules():
         if hasattr(m, "set_custom_reduce_scatter"):
@@ -299,10 +313,76 @@ def _kind(name: str) -> str:
     return "compute"
 
 
+def _timeline_kind(name: str) -> str:
+    """A kernel's kind on the timeline: NCCL's collectives by name, else _kind."""
+    low = name.lower()
+    if "nccl" in low:
+        for key, kind in (("allgather", "all-gather"), ("reducescatter", "reduce-scatter"),
+                          ("allreduce", "all-reduce"), ("sendrecv", "send/recv")):
+            if key in low.replace("_", ""):
+                return kind
+        return "nccl"
+    return _kind(name)
+
+
+def _merged(intervals) -> list:
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def compute_stream_idle(kernels) -> dict:
+    """Where the compute stream waits.  ``kernels``: (stream, kind, start_ms,
+    end_ms) of one step's GPU kernels.  The compute stream is the one with
+    the most compute-kernel time; between the step's first and last kernel,
+    its idle time is split by what the other streams run meanwhile (a label
+    per set of kinds, "nothing" when no kernel runs)."""
+    import bisect
+    by_stream = {}
+    for stream, kind, a, b in kernels:
+        if kind == "compute":
+            by_stream[stream] = by_stream.get(stream, 0.0) + (b - a)
+    if not by_stream:
+        return {}
+    main = max(by_stream, key=by_stream.get)
+    lo, hi = min(k[2] for k in kernels), max(k[3] for k in kernels)
+    busy = _merged([(a, b) for s, _, a, b in kernels if s == main])
+    idle, t = [], lo
+    for a, b in busy:
+        if a > t:
+            idle.append((t, a))
+        t = max(t, b)
+    if hi > t:
+        idle.append((t, hi))
+    others = {}
+    for s, kind, a, b in kernels:
+        if s != main:
+            others.setdefault(kind, []).append((a, b))
+    others = {k: _merged(v) for k, v in others.items()}
+    starts = {k: [a for a, _ in v] for k, v in others.items()}
+    while_ = {}
+    for a, b in idle:
+        cuts = sorted({a, b} | {x for v in others.values() for iv in v for x in iv if a < x < b})
+        for x, y in zip(cuts, cuts[1:]):
+            mid = (x + y) / 2
+            active = [k for k, v in others.items()
+                      if (i := bisect.bisect_right(starts[k], mid) - 1) >= 0 and v[i][1] > mid]
+            label = "+".join(sorted(active)) or "nothing"
+            while_[label] = while_.get(label, 0.0) + (y - x)
+    return {"window_ms": hi - lo, "busy_ms": sum(b - a for a, b in busy),
+            "idle_ms": sum(b - a for a, b in idle),
+            "idle_while_ms": dict(sorted(while_.items(), key=lambda kv: -kv[1]))}
+
+
 def _profile(step, torch) -> dict:
-    """One step under torch.profiler: wall time, and GPU busy time by kind
+    """One step under torch.profiler: wall time, GPU busy time by kind
     (kernels of several streams overlap: the kinds can sum past the wall),
-    with the ten costliest kernels."""
+    the ten costliest kernels, and where the compute stream waits
+    (compute_stream_idle)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     t0 = time.perf_counter()
@@ -317,8 +397,12 @@ def _profile(step, torch) -> dict:
         kinds[_kind(e.key)] = kinds.get(_kind(e.key), 0.0) + us / 1e3
         kernels.append((us / 1e3, e.count, e.key[:90]))
     kernels.sort(reverse=True)
+    timeline = [(int(e.device_resource_id), _timeline_kind(e.name),
+                 e.time_range.start / 1e3, e.time_range.end / 1e3)
+                for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     return {"wall_ms": wall, "gpu_ms_by_kind": kinds,
-            "top_kernels": [{"ms": ms, "count": n, "name": k} for ms, n, k in kernels[:10]]}
+            "top_kernels": [{"ms": ms, "count": n, "name": k} for ms, n, k in kernels[:10]],
+            "compute_stream": compute_stream_idle(timeline)}
 
 
 def _profile_table(result) -> str:
@@ -333,6 +417,13 @@ def _profile_table(result) -> str:
         lines.append(f"| {r['name']} | {p['wall_ms']:.1f} | {k.get('nccl', 0):.1f} | "
                      f"{k.get('codec', 0):.1f} | {k.get('copy', 0):.1f} | "
                      f"{k.get('compute', 0):.1f} |")
+    lines.append("The compute stream's idle time (ms) in that step, by what other streams run:")
+    for r in result["rows"]:
+        c = (r.get("profile") or {}).get("compute_stream")
+        if c:
+            parts = ", ".join(f"{k} {v:.1f}" for k, v in c["idle_while_ms"].items())
+            lines.append(f"  {r['name']}: {c['idle_ms']:.1f} of {c['window_ms']:.1f} "
+                         f"({parts})")
     return "\n".join(lines)
 
 

@@ -203,6 +203,9 @@ def test_lm_bench_python_hook_floor_and_held_paths(tmp_path):
     bad = subprocess.run([sys.executable, EXAMPLES / "lm_bench.py", "--tiny", "--fsdp",
                           "--configs", "fp32-hook"], capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "fp32-hook is a DDP comm hook" in bad.stderr
+    bad = subprocess.run([sys.executable, EXAMPLES / "lm_bench.py", "--tiny", "--fsdp",
+                          "--configs", "ours:64"], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "FSDP2 fuses nothing" in bad.stderr
 
 
 def test_time_to_loss_trains_every_codec_then_reports(tmp_path):

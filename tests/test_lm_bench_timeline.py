@@ -1,0 +1,56 @@
+"""lm_bench's reading of a profiled step: where the compute stream waits,
+split by what the other streams run meanwhile."""
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mpi_examples"))
+import lm_bench  # noqa: E402
+
+
+def test_idle_time_is_split_by_the_other_streams_kernels():
+    kernels = [(7, "compute", 0.0, 10.0), (7, "compute", 20.0, 30.0), (7, "copy", 35.0, 36.0),
+               (9, "all-gather", 5.0, 25.0), (11, "send/recv", 22.0, 40.0),
+               (11, "codec", 12.0, 14.0)]
+    got = lm_bench.compute_stream_idle(kernels)
+    assert got["window_ms"] == 40.0 and got["busy_ms"] == 21.0 and got["idle_ms"] == 19.0
+    assert got["idle_while_ms"] == pytest.approx(
+        {"all-gather": 8.0, "all-gather+codec": 2.0, "send/recv": 9.0})
+
+
+def test_the_compute_stream_is_the_one_with_most_compute_and_gaps_with_nothing_count():
+    kernels = [(3, "compute", 0.0, 1.0), (5, "compute", 0.0, 4.0), (5, "compute", 6.0, 10.0),
+               (3, "all-reduce", 4.5, 5.0)]
+    got = lm_bench.compute_stream_idle(kernels)
+    assert got["busy_ms"] == 8.0 and got["idle_ms"] == 2.0
+    assert got["idle_while_ms"] == pytest.approx({"all-reduce": 0.5, "nothing": 1.5})
+
+
+def test_random_timelines_conserve_the_idle_time():
+    rng = random.Random(0)
+    for _ in range(50):
+        kernels = []
+        for _ in range(rng.randint(1, 30)):
+            a = rng.uniform(0, 100)
+            kernels.append((rng.choice([1, 2, 3]), rng.choice(["compute", "all-gather", "codec"]),
+                            a, a + rng.uniform(0.01, 10)))
+        got = lm_bench.compute_stream_idle(kernels)
+        if not got:
+            assert all(k != "compute" for _, k, _, _ in kernels)
+            continue
+        assert got["busy_ms"] + got["idle_ms"] == pytest.approx(got["window_ms"])
+        assert sum(got["idle_while_ms"].values()) == pytest.approx(got["idle_ms"])
+
+
+def test_nccl_kernels_are_named_by_collective():
+    kind = lm_bench._timeline_kind
+    assert kind("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)") == "all-gather"
+    assert kind("ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(x)") == "reduce-scatter"
+    assert kind("ncclDevKernel_SendRecv(x)") == "send/recv"
+    assert kind("ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)") == "all-reduce"
+    assert kind("k_dq_encode_tile") == "codec"
+    assert kind("ampere_bf16_s16816gemm") == "compute"
