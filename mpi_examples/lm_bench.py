@@ -14,7 +14,10 @@ DDP (``gradient_as_bucket_view=True``, BF16 autocast, AdamW), at every
 * ``bf16``: torch's one-line ``bf16_compress_hook``;
 * ``ours``: ``dynamiq_mpi.torch.register_comm_hook`` with the library's
   defaults (DynamiQ 5 bits, ``path="auto"``: plain, BF16 or compressed
-  chosen by timing whole steps; its measuring steps are warm-up here).
+  chosen by timing whole steps; its measuring steps are warm-up here);
+* ``fp32-hook``: torch's ``allreduce_hook``, plain DDP's all-reduce made from
+  a Python comm hook (what any Python hook costs); ``ours:plain``,
+  ``ours:native``, ``ours:compressed``: our hook held on one path.
 
 FSDP2 (``--fsdp``; ``fully_shard`` per decoder layer, BF16 parameters):
 ``fp32`` (``reduce_dtype=float32``), ``bf16`` (``reduce_dtype=bfloat16``)
@@ -79,7 +82,9 @@ def parse_args(argv):
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--profile", action="store_true",
                    help="after the rounds, one steady step of each configuration under "
-                        "torch.profiler: GPU busy time by kind (NCCL, codec kernels, other)")
+                        "torch.profiler: GPU busy time by kind (NCCL, codec kernels, other), "
+                        "and the compute stream's idle time split by what the other streams "
+                        "run meanwhile")
     p.add_argument("--json", help="write the results here (rank 0)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -119,6 +124,7 @@ class Config:
         self.state = None       # our HookState / ReduceScatter (kept across rounds)
         self.model = self.opt = None
         self.step_ms, self.update_ms, self.hook = [], [], []
+        self.comm_hook = None   # the DDP comm hook's name, as DDP logs it
 
 
 def _cap_label(cap, mode):
@@ -181,12 +187,14 @@ def main(argv=None):
         shared_opt.zero_grad(set_to_none=True)
         gc.collect()
         model, cfg.state = _ddp(shared, cfg, args, device, dqt)
+        cfg.comm_hook = model._get_ddp_logging_data().get("comm_hook") or None
         return model
 
     from dynamiq_mpi.torch.ddp_buckets import STEP_ROUNDS, auto_steps
     first_warm = 8 if args.fsdp else auto_steps(args.auto_rounds or STEP_ROUNDS)
     total = (args.rounds * len(configs) * (args.steps + args.warmup)
-             + first_warm * sum(c.codec not in BASELINES for c in configs))
+             + first_warm * sum(c.codec not in BASELINES
+                                and (args.fsdp or c.codec not in OURS_PATHS) for c in configs))
     progress = train_lm._Progress(total, rank == 0, args.no_progress)
     t_start = time.perf_counter()
     for r in range(args.rounds):
@@ -316,7 +324,9 @@ def _kind(name: str) -> str:
 def _timeline_kind(name: str) -> str:
     """A kernel's kind on the timeline: NCCL's collectives by name, else _kind."""
     low = name.lower()
-    if "nccl" in low:
+    if "memset" in low:
+        return "copy"
+    if "nccl" in low:       # (the library's own statistics all-gathers count as all-gathers)
         for key, kind in (("allgather", "all-gather"), ("reducescatter", "reduce-scatter"),
                           ("allreduce", "all-reduce"), ("sendrecv", "send/recv")):
             if key in low.replace("_", ""):
@@ -378,30 +388,41 @@ def compute_stream_idle(kernels) -> dict:
             "idle_while_ms": dict(sorted(while_.items(), key=lambda kv: -kv[1]))}
 
 
+def kernel_timeline(events, cuda) -> list:
+    """(stream, kind, start_ms, end_ms) of the GPU kernels, copies and sets
+    among a profile's ``events`` (``device_type == cuda``), without the
+    profiler's annotation ranges, which it also lays on the streams."""
+    return [(int(e.device_resource_id), _timeline_kind(e.name),
+             e.time_range.start / 1e3, e.time_range.end / 1e3)
+            for e in events
+            if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
+
+
 def _profile(step, torch) -> dict:
-    """One step under torch.profiler: wall time, GPU busy time by kind
-    (kernels of several streams overlap: the kinds can sum past the wall),
-    the ten costliest kernels, and where the compute stream waits
-    (compute_stream_idle)."""
+    """One step under torch.profiler: wall time, GPU busy time by kind summed
+    over the kernels (kernels of several streams overlap: the kinds can sum
+    past the wall), the ten costliest kernels, and where the compute stream
+    waits (compute_stream_idle)."""
     from torch.profiler import ProfilerActivity, profile
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     t0 = time.perf_counter()
     with profile(activities=acts) as prof:
         step()
     wall = (time.perf_counter() - t0) * 1e3
-    kinds, kernels = {}, []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", 0) or 0
-        if us <= 0:
+    timeline = kernel_timeline(prof.events(), torch.autograd.DeviceType.CUDA)
+    kinds, per_name = {}, {}
+    for e in prof.events():
+        if (e.device_type != torch.autograd.DeviceType.CUDA
+                or getattr(e, "is_user_annotation", False)):
             continue
-        kinds[_kind(e.key)] = kinds.get(_kind(e.key), 0.0) + us / 1e3
-        kernels.append((us / 1e3, e.count, e.key[:90]))
-    kernels.sort(reverse=True)
-    timeline = [(int(e.device_resource_id), _timeline_kind(e.name),
-                 e.time_range.start / 1e3, e.time_range.end / 1e3)
-                for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        ms = (e.time_range.end - e.time_range.start) / 1e3
+        kind = _kind(e.name)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+        t, n = per_name.get(e.name, (0.0, 0))
+        per_name[e.name] = (t + ms, n + 1)
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:10]
     return {"wall_ms": wall, "gpu_ms_by_kind": kinds,
-            "top_kernels": [{"ms": ms, "count": n, "name": k} for ms, n, k in kernels[:10]],
+            "top_kernels": [{"ms": ms, "count": n, "name": k[:90]} for k, (ms, n) in top],
             "compute_stream": compute_stream_idle(timeline)}
 
 
@@ -443,7 +464,7 @@ def _summarise(configs, probes, args, world, n_params) -> dict:
         update = statistics.median(c.update_ms)
         compute = {q: v + update for q, v in probe_q.items()}
         rows.append({
-            "config": c.codec, "bucket_cap_mb": c.cap, "name": c.name,
+            "config": c.codec, "bucket_cap_mb": c.cap, "name": c.name, "comm_hook": c.comm_hook,
             "step_ms": step, "compute_ms": compute[0.5],
             "exposed_ms": step - compute[0.5],
             "exposed_ms_p25_p75": [step - compute[0.75], step - compute[0.25]],

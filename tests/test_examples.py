@@ -191,14 +191,18 @@ def test_lm_bench_python_hook_floor_and_held_paths(tmp_path):
     pytest.importorskip("transformers")
     out_json = tmp_path / "bench.json"
     _run(torchrun(2, EXAMPLES / "lm_bench.py", "--tiny", "--rounds", "1", "--steps", "2",
-                  "--bucket-caps", "default", "--min-probes", "2", "--no-progress",
-                  "--configs", "fp32,fp32-hook,ours:plain", "--json", out_json),
+                  "--warmup", "0", "--bucket-caps", "default", "--min-probes", "2",
+                  "--no-progress", "--configs", "fp32,fp32-hook,ours:plain", "--json", out_json),
          "lm_bench.py", defaults=True)
     rows = json.loads(out_json.read_text())["rows"]
     assert [r["config"] for r in rows] == ["fp32", "fp32-hook", "ours:plain"]
     assert all(len(r["steps_ms"]) == 2 for r in rows)
-    assert rows[1]["hook"] == [None, None]          # torch's hook: no statistics of ours
-    held = rows[2]["hook"]
+    assert rows[0]["comm_hook"] is None                     # plain DDP: no hook
+    assert "allreduce_hook" in rows[1]["comm_hook"]         # torch's own, as DDP logs it
+    assert rows[1]["hook"] == [None, None]                  # no statistics of ours
+    assert "ddp_comm_hook" in rows[2]["comm_hook"]
+    assert rows[2]["paths"] == {}                           # held: path="auto" never ran
+    held = rows[2]["hook"]      # its first steps (no warm-up): plain from the first
     assert all(set(h["paths"]) == {"plain"} and h["paths"]["plain"] == h["buckets"] for h in held)
     bad = subprocess.run([sys.executable, EXAMPLES / "lm_bench.py", "--tiny", "--fsdp",
                           "--configs", "fp32-hook"], capture_output=True, text=True, timeout=120)

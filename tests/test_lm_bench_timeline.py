@@ -54,3 +54,37 @@ def test_nccl_kernels_are_named_by_collective():
     assert kind("ncclDevKernel_AllReduce_Sum_f32_RING_LL(x)") == "all-reduce"
     assert kind("k_dq_encode_tile") == "codec"
     assert kind("ampere_bf16_s16816gemm") == "compute"
+
+
+def test_empty_and_zero_length_kernels():
+    assert lm_bench.compute_stream_idle([]) == {}
+    got = lm_bench.compute_stream_idle([(1, "compute", 0.0, 2.0), (1, "compute", 2.0, 2.0),
+                                        (2, "all-gather", 2.0, 2.0), (1, "compute", 3.0, 4.0)])
+    assert got["busy_ms"] == 3.0 and got["idle_ms"] == 1.0
+    assert got["idle_while_ms"] == pytest.approx({"nothing": 1.0})
+
+
+class _Range:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+
+class _Event:
+    def __init__(self, name, stream, start_us, end_us, device="cuda", annotation=False):
+        self.name, self.device_resource_id = name, stream
+        self.time_range = _Range(start_us, end_us)
+        self.device_type, self.is_user_annotation = device, annotation
+
+
+def test_the_timeline_keeps_device_kernels_and_leaves_out_annotation_ranges():
+    """The profiler lays a record_function's range on the stream of its
+    kernels too: counted as a kernel, it would hide the gaps inside it."""
+    events = [_Event("ampere_bf16_gemm", 7, 0, 1000), _Event("ampere_bf16_gemm", 7, 3000, 4000),
+              _Event("FSDP::post_backward_reduce (layers.0)", 7, 0, 4000, annotation=True),
+              _Event("ncclDevKernel_SendRecv(x)", 9, 1500, 2500),
+              _Event("aten::mm", 0, 0, 4000, device="cpu")]
+    timeline = lm_bench.kernel_timeline(events, "cuda")
+    assert timeline == [(7, "compute", 0.0, 1.0), (7, "compute", 3.0, 4.0),
+                        (9, "send/recv", 1.5, 2.5)]
+    got = lm_bench.compute_stream_idle(timeline)
+    assert got["idle_while_ms"] == pytest.approx({"nothing": 1.0, "send/recv": 1.0})
