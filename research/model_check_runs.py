@@ -1,7 +1,7 @@
 """The cost model against every recorded compressed call from 2^20 elements at
 two and four ranks (docs/cost-model.md, "Predicted against measured").
 
-    python -m research model-check-runs [--json docs/results/cost_model_check_2026-11-27.json]
+    python -m research model-check-runs [--json docs/results/cost_model_check_2026-11-28.json]
 
 Runs read (docs/results, docs/benchmarks.md sections 2, 4 and 5):
 
@@ -12,7 +12,9 @@ Runs read (docs/results, docs/benchmarks.md sections 2, 4 and 5):
   report: ``bench_sockets_h100x4_2026-11-26.json``,
   ``bench_flat_nvlink_h100x4_2026-11-26.json``; kernel set ``h100``, host ``eager``;
 * 2x H100, 2026-11-26, the same call replayed as a CUDA graph (host ``graph``):
-  ``device_runs/graphs_h100_2026-11-26.txt``, call 5 (wall per call).
+  ``device_runs/graphs_h100_2026-11-26.txt``, call 5 (wall per call);
+* 4x H200, 2026-11-28, graphs replaying (host ``graph``), kernel set ``h200``:
+  ``stats_direct_ab_h200x4_2026-11-28/{shm,sockets}_{steps,direct}.json``.
 
 What is fitted, and to what:
 
@@ -53,7 +55,19 @@ RUNS = [  # file, kernel set, host mode, the run whose NCCL rows fit the link
      "bench_paths_shm_h200x2_2026-11-24.json"),
     ("bench_flat_nvlink_h100x4_2026-11-26.json", "h100", "eager", None),
     ("bench_sockets_h100x4_2026-11-26.json", "h100", "eager", None),
+    # 4x H200, 2026-11-28, graphs on (replays): the statistics' exchange A/B
+    ("stats_direct_ab_h200x4_2026-11-28/shm_steps.json", "h200", "graph", None),
+    ("stats_direct_ab_h200x4_2026-11-28/shm_direct.json", "h200", "graph", None),
+    ("stats_direct_ab_h200x4_2026-11-28/sockets_steps.json", "h200", "graph", None),
+    ("stats_direct_ab_h200x4_2026-11-28/sockets_direct.json", "h200", "graph", None),
 ]
+# Runs made before bench recorded the statistics' exchange in its JSON:
+# (ranks, bytes) up to which their statistics travelled directly (these ran
+# it at every size, 2^26 elements' 2 MiB included)
+STATS_DIRECT_OF = {
+    "stats_direct_ab_h200x4_2026-11-28/shm_direct.json": (8, 2 << 20),
+    "stats_direct_ab_h200x4_2026-11-28/sockets_direct.json": (8, 2 << 20),
+}
 HOST_FIT_RUN = "bench_flat_nvlink_h100x4_2026-11-26.json"   # its BF16 rows time the host
 # 2x H100 NV18, 2026-11-26, graphs=True, path="compressed", out= reused, no report,
 # 30 back-to-back calls, median of 5 rounds: wall per call (host 50 / 62 us)
@@ -150,8 +164,9 @@ def check(results=None):
                      "date": doc["meta"]["date"][:10], "c_us": c * 1e6, "beta_GBps": beta / 1e9,
                      "p2p_efficiency": eff, "from": fit_from or "its own NCCL rows",
                      "host_per_message_us": rates["host_us"]["per_hop"]})
+        direct = STATS_DIRECT_OF.get(fname) or run_stats_direct(doc["meta"])
         for r in _compressed_rows(doc):
-            p = predict_row(r, n, link, rates, host, run_stats_direct(doc["meta"]))
+            p = predict_row(r, n, link, rates, host, direct)
             in_sample = fname == HOST_FIT_RUN and mc.codec_of(r)[0] == "bf16"
             out.append(_row(fname, doc["meta"], link_name, n, r["codec"], r.get("topology"),
                             r["count"], r["time_us"], p, host, kernels, in_sample,

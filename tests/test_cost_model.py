@@ -185,21 +185,28 @@ def _check_tool():
 def test_error_from_2_20_at_two_and_four_ranks():
     """The statement of docs/cost-model.md, "Predicted against measured": from
     2^20 elements at two and four ranks (research/model_check_runs.py), every
-    out-of-sample row within 25 % but the four NVLink rows of
-    bench_defaults_nvlink (the same calls took 672-680 us in bench_paths
-    minutes earlier), mean under 10 %; every four-rank row within 25 %; and
-    docs/results/cost_model_check_2026-11-27.json is what the tool computes."""
+    two-rank row within 25 % but the four NVLink rows of bench_defaults_nvlink
+    (the same calls took 672-680 us in bench_paths minutes earlier); every
+    four-rank shared-memory row predicted more than 25 % too fast (the model's
+    open gap there); outside those, only three four-rank socket rows of the
+    statistics A/B; mean error under 12 % without the shared-memory four-rank
+    rows; and docs/results/cost_model_check_2026-11-28.json is what the tool
+    computes."""
     res = _check_tool().check(RESULTS)
     rows = [r for r in res["rows"] if r["elements"] >= 1 << 20 and not r["in_sample"]]
     assert {(r["link"], r["ranks"]) for r in rows} >= {("nvlink", 2), ("shm", 2), ("sockets", 2),
-                                                      ("nvlink", 4), ("sockets", 4)}
-    outside = [r for r in rows if abs(r["error"]) > 0.25]
-    assert len(rows) >= 60 and len(outside) <= 4
-    assert all(r["run"] == "bench_defaults_nvlink_h200x2_2026-11-24.json" for r in outside)
-    assert res["summary"]["all"]["mean_abs_error"] < 0.10
-    assert all(abs(r["error"]) <= 0.25 for r in rows if r["ranks"] == 4)
+                                                      ("nvlink", 4), ("sockets", 4), ("shm", 4)}
+    shm4 = [r for r in rows if (r["link"], r["ranks"]) == ("shm", 4)]
+    assert len(shm4) == 12 and all(r["error"] < -0.25 for r in shm4)
+    rest = [r for r in rows if r not in shm4]
+    outside = [r for r in rest if abs(r["error"]) > 0.25]
+    assert len(rows) >= 86 and len(outside) <= 7
+    assert all(r["run"] == "bench_defaults_nvlink_h200x2_2026-11-24.json"
+               or (r["ranks"], r["link"], r["run"].startswith("stats_direct_ab_h200x4"))
+               == (4, "sockets", True) for r in outside)
+    assert sum(abs(r["error"]) for r in rest) / len(rest) < 0.12
     assert 80 <= res["host_per_message_4_ranks_us"] <= 120      # fitted to the BF16 rows
-    stored = json.load(open(os.path.join(RESULTS, "cost_model_check_2026-11-27.json")))
+    stored = json.load(open(os.path.join(RESULTS, "cost_model_check_2026-11-28.json")))
     assert len(stored["rows"]) == len(res["rows"])
     for a, b in zip(stored["rows"], res["rows"]):
         assert (a["run"], a["elements"], a["measured_us"]) == (b["run"], b["elements"],
