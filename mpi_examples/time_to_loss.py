@@ -277,8 +277,24 @@ def report(runs, baseline="bf16"):
             pairs = [(v - base_at[s]) / base_at[s]
                      for s, v in zip(row["seeds"], row["final_val_loss"]) if s in base_at]
             row["paired_gaps"] = pairs
+            row.update(_paired_summary(pairs))
             row["loss_allowance"] = max(0.005, 2 * base_sd / b["final_val_mean"])
     return result
+
+
+def _paired_summary(gaps) -> dict:
+    """The paired gaps' mean, its standard error (two seeds or more), and the
+    seeds at which two standard errors would fall below the mean's size at
+    the observed spread (None while that cannot be said)."""
+    if not gaps:
+        return {"paired_gap_mean": None, "paired_gap_se": None, "seeds_to_resolve": None}
+    mean = statistics.mean(gaps)
+    if len(gaps) < 2:
+        return {"paired_gap_mean": mean, "paired_gap_se": None, "seeds_to_resolve": None}
+    sd = statistics.stdev(gaps)
+    need = (math.ceil((2 * sd / abs(mean)) ** 2) if mean != 0 else None)
+    return {"paired_gap_mean": mean, "paired_gap_se": sd / math.sqrt(len(gaps)),
+            "seeds_to_resolve": None if need is None else max(2, need)}
 
 
 # --------------------------------------------------------------------- output
@@ -314,8 +330,13 @@ def print_report(res):
               f"{_f(statistics.mean(vn) if vn else None, '8.2e')}")
     for codec, r in res["codecs"].items():
         if codec != res["baseline"] and r.get("paired_gaps"):
+            se = r.get("paired_gap_se")
+            spread = ("" if se is None else
+                      f"; mean {100 * r['paired_gap_mean']:+.2f} %, standard error "
+                      f"{100 * se:.2f} % ({r['seeds_to_resolve']} seeds at this spread put "
+                      f"the mean two standard errors from zero)")
             print(f"{codec}: final validation loss against {res['baseline']}'s at the same seed: "
-                  + ", ".join(f"{100 * g:+.2f} %" for g in r["paired_gaps"])
+                  + ", ".join(f"{100 * g:+.2f} %" for g in r["paired_gaps"]) + spread
                   + f" (allowed: {100 * r['loss_allowance']:.2f} % on the means)")
     if "bound" in res:
         b = res["bound"]

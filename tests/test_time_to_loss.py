@@ -56,6 +56,27 @@ def test_reach_speedup_gap_and_bound():
     assert [v["vnmse"] for v in o["vnmse"]] == pytest.approx([1.5e-3])
 
 
+def test_paired_gaps_mean_standard_error_and_seeds_to_resolve():
+    gaps = [0.0101, 0.0072, 0.0111]
+    got = ttl._paired_summary(gaps)
+    sd = statistics.stdev(gaps)
+    assert got["paired_gap_mean"] == pytest.approx(statistics.mean(gaps))
+    assert got["paired_gap_se"] == pytest.approx(sd / 3 ** 0.5)
+    need = (2 * sd / statistics.mean(gaps)) ** 2            # 2 s.e. = |mean| at this many
+    assert got["seeds_to_resolve"] == max(2, -(-need // 1))
+    wide = ttl._paired_summary([-0.0112, 0.0083, 0.0140])   # a wide spread needs many
+    assert wide["seeds_to_resolve"] > 40
+    assert ttl._paired_summary([0.01])["paired_gap_se"] is None
+    assert ttl._paired_summary([])["paired_gap_mean"] is None
+    res = ttl.report([fake_run("bf16", 0, 300.0, [5, 4, 3, 2, 1.0]),
+                      fake_run("bf16", 1, 300.0, [5, 4, 3, 2, 2.0]),
+                      fake_run("dq", 0, 150.0, [5, 4, 3, 2, 1.01]),
+                      fake_run("dq", 1, 150.0, [5, 4, 3, 2, 2.04])])
+    o = res["codecs"]["dq"]
+    assert o["paired_gap_mean"] == pytest.approx(0.015)
+    assert o["paired_gap_se"] == pytest.approx(statistics.stdev([0.01, 0.02]) / 2 ** 0.5)
+
+
 def test_a_codec_that_never_gets_there_has_no_time():
     res = ttl.report([fake_run("bf16", 0, 300.0, [5, 4, 3, 2, 1.0]),
                       fake_run("dq", 0, 150.0, [5, 4, 3, 2, 1.01])])
