@@ -1,11 +1,13 @@
-"""Two ranks' exchanges over NCCL, two probes in one tool (run under mpiexec -n 2,
-one GPU per rank; rank 0 prints):
+"""Ranks' exchanges over NCCL, two probes in one tool (run under mpiexec, one GPU
+per rank; rank 0 prints):
 
     mpiexec -n 2 python tools/profiling/p2p.py probe --sizes 4M,21M,42M --split 1,4
+    mpiexec -n 4 python tools/profiling/p2p.py probe --sizes 4K,256K,4M,21M --comms 1,4
     mpiexec -n 2 python tools/profiling/p2p.py pair-ab --sizes 23,26,27 --codec dynamiq:5 --rounds 3
 
 probe    raw NCCL point-to-point (and all-gather) against NCCL's all-reduce on
-         the link at hand: how fast can our exchanges go?
+         the link at hand, two ranks or a ring of more: how fast can our
+         exchanges go?
 pair-ab  DynamiQ with send/receive exchanges against all-gather exchanges and
          NCCL's BF16 all-reduce, alternating in one process
 
@@ -44,41 +46,50 @@ def nccl_communicators(comm, nccl, count):
 # ---------------------------------------------------------------- probe
 
 def report(comm, nbytes, ncomm, split, t, t_ar):
-    """One row: the slowest rank's exchange and all-reduce times, as GB/s per direction."""
+    """One row: the slowest rank's exchange and all-reduce times, as GB/s per
+    direction, the all-reduce's as its bus rate (2 (n - 1) / n of the bytes;
+    for two ranks, the bytes)."""
     worst = comm.allreduce(t, op=MPI.MAX)
     worst_ar = comm.allreduce(t_ar, op=MPI.MAX)
+    bus = 2 * (comm.size - 1) / comm.size
     if comm.rank == 0:
         print(f"{nbytes:>11d} {ncomm:>5} {split:>5} {worst * 1e3:8.3f} "
               f"{nbytes / worst / 1e9:9.1f} {worst_ar * 1e3:12.3f} "
-              f"{nbytes / worst_ar / 1e9:14.1f}", flush=True)
+              f"{bus * nbytes / worst_ar / 1e9:14.1f}", flush=True)
 
 
 def probe(args):
     """NCCL point-to-point against NCCL's all-reduce on the link at hand (two
-ranks, one GPU each): how fast can our exchanges go?
+ranks or more, one GPU each): how fast can our exchanges go?
 
 For each message size: one grouped send + receive of `size` bytes with the
-peer (`--split k`: the message cut into k sends and k receives in the same
+peer (more than two ranks: a ring, every rank sending to the next and
+receiving from the previous at once, as a ring's step does; `--split k`: the message cut into k sends and k receives in the same
 group; `--comms c`: the pieces spread over c communicators, each on its own
 stream, as our transport's lanes; `--allgather`: also the same bytes as one
 NCCL all-gather of two `size`-byte parts, in place, which uses the
 collective's channels instead of point-to-point's), timed with CUDA events over `--iters`
-calls (median), as GB/s per direction; beside it NCCL's all-reduce of `size` bytes of BF16 (its algbw:
-per direction, for two ranks). Run it under the NCCL environment to probe:
+calls (median), as GB/s per direction; beside it NCCL's all-reduce of `size` bytes of BF16 (its bus
+rate; for two ranks, per direction). Small sizes give the exchange's latency. Run it under the NCCL
+environment to probe:
 
     mpiexec -n 2 python tools/profiling/p2p.py probe --sizes 4M,21M,42M --split 1,4
 """
     import cupy as cp
     from cupy.cuda import nccl
 
-    comm = two_ranks(cp, local=False)
+    comm = MPI.COMM_WORLD
+    assert comm.size >= 2, "two ranks or more"
+    use_gpu(cp, comm, local=False)
     rank = comm.rank
+    if args.allgather and comm.size != 2:
+        raise SystemExit("p2p.py probe: --allgather times two ranks only")
     max_comms = max(int(c) for c in args.comms.split(","))
     ncs = nccl_communicators(comm, nccl, max_comms)
     nc = ncs[0]
     lanes = [cp.cuda.Stream(non_blocking=True) for _ in range(max_comms)]
     stream = cp.cuda.get_current_stream()
-    peer = 1 - rank
+    to, frm = (rank + 1) % comm.size, (rank - 1) % comm.size     # two ranks: the peer
     if rank == 0:
         print(f"{'bytes':>11s} {'comms':>5s} {'split':>5s} {'p2p ms':>8s} {'p2p GB/s':>9s} "
               f"{'allreduce ms':>12s} {'allreduce GB/s':>14s}", flush=True)
@@ -107,8 +118,8 @@ per direction, for two ranks). Run it under the NCCL environment to probe:
                     nccl.groupStart()
                     for i, (a, b) in enumerate(cuts):
                         c, lane = ncs[i % ncomm], lanes[i % ncomm]
-                        c.send(send.data.ptr + a, b - a, nccl.NCCL_UINT8, peer, lane.ptr)
-                        c.recv(recv.data.ptr + a, b - a, nccl.NCCL_UINT8, peer, lane.ptr)
+                        c.send(send.data.ptr + a, b - a, nccl.NCCL_UINT8, to, lane.ptr)
+                        c.recv(recv.data.ptr + a, b - a, nccl.NCCL_UINT8, frm, lane.ptr)
                     nccl.groupEnd()
                     for lane in lanes[:ncomm]:
                         done = cp.cuda.Event(disable_timing=True)
