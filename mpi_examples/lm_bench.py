@@ -83,8 +83,9 @@ def parse_args(argv):
     p.add_argument("--profile", action="store_true",
                    help="after the rounds, one steady step of each configuration under "
                         "torch.profiler: GPU busy time by kind (NCCL, codec kernels, other), "
-                        "and the compute stream's idle time split by what the other streams "
-                        "run meanwhile")
+                        "the compute stream's idle time split by what the other streams "
+                        "run meanwhile, and the host time of the step's named ranges "
+                        "(FSDP2's post_backward_reduce: its reduce-scatter calls)")
     p.add_argument("--json", help="write the results here (rank 0)")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
@@ -398,6 +399,22 @@ def kernel_timeline(events, cuda) -> list:
             if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
 
 
+def host_ranges(events, cpu, top=12) -> dict:
+    """Host time (ms) and count of the named ranges on the CPU side of a
+    profile (record_function: FSDP2's ``FSDP::post_backward_reduce (layer)``,
+    DDP's ``DistributedDataParallel.forward``, ...), grouped by name without
+    the module in brackets; the ``top`` longest."""
+    out = {}
+    for e in events:
+        if e.device_type != cpu or not getattr(e, "is_user_annotation", False):
+            continue
+        name = e.name.split(" (")[0]
+        ms, n = out.get(name, (0.0, 0))
+        out[name] = (ms + (e.time_range.end - e.time_range.start) / 1e3, n + 1)
+    return {k: {"ms": v[0], "count": v[1]}
+            for k, v in sorted(out.items(), key=lambda kv: -kv[1][0])[:top]}
+
+
 def _profile(step, torch) -> dict:
     """One step under torch.profiler: wall time, GPU busy time by kind summed
     over the kernels (kernels of several streams overlap: the kinds can sum
@@ -423,7 +440,8 @@ def _profile(step, torch) -> dict:
     top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:10]
     return {"wall_ms": wall, "gpu_ms_by_kind": kinds,
             "top_kernels": [{"ms": ms, "count": n, "name": k[:90]} for k, (ms, n) in top],
-            "compute_stream": compute_stream_idle(timeline)}
+            "compute_stream": compute_stream_idle(timeline),
+            "host_ranges": host_ranges(prof.events(), torch.autograd.DeviceType.CPU)}
 
 
 def _profile_table(result) -> str:
@@ -445,6 +463,12 @@ def _profile_table(result) -> str:
             parts = ", ".join(f"{k} {v:.1f}" for k, v in c["idle_while_ms"].items())
             lines.append(f"  {r['name']}: {c['idle_ms']:.1f} of {c['window_ms']:.1f} "
                          f"({parts})")
+    lines.append("Host time (ms) in the step's named ranges, the longest:")
+    for r in result["rows"]:
+        h = (r.get("profile") or {}).get("host_ranges")
+        if h:
+            parts = ", ".join(f"{k} {v['ms']:.1f} (x{v['count']})" for k, v in list(h.items())[:5])
+            lines.append(f"  {r['name']}: {parts}")
     return "\n".join(lines)
 
 

@@ -88,3 +88,19 @@ def test_the_timeline_keeps_device_kernels_and_leaves_out_annotation_ranges():
                         (9, "send/recv", 1.5, 2.5)]
     got = lm_bench.compute_stream_idle(timeline)
     assert got["idle_while_ms"] == pytest.approx({"nothing": 1.0, "send/recv": 1.0})
+
+
+def test_host_ranges_group_named_ranges_by_name_without_the_module():
+    events = [_Event("FSDP::post_backward_reduce (layers.0)", 1, 0, 2000, device="cpu",
+                     annotation=True),
+              _Event("FSDP::post_backward_reduce (layers.1)", 1, 3000, 3500, device="cpu",
+                     annotation=True),
+              _Event("DistributedDataParallel.forward", 1, 0, 9000, device="cpu",
+                     annotation=True),
+              _Event("aten::mm", 1, 0, 50000, device="cpu"),                # an operator
+              _Event("FSDP::post_backward_reduce (layers.0)", 7, 0, 2000, annotation=True)]
+    got = lm_bench.host_ranges(events, "cpu")
+    assert list(got) == ["DistributedDataParallel.forward", "FSDP::post_backward_reduce"]
+    assert got["FSDP::post_backward_reduce"] == {"ms": 2.5, "count": 2}
+    assert lm_bench.host_ranges(events, "cpu", top=1) == {
+        "DistributedDataParallel.forward": {"ms": 9.0, "count": 1}}
