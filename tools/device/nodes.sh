@@ -12,7 +12,11 @@
 # sockets; flat4: the defaults (path auto) at 4 ranks on NVLink against NCCL;
 # torch4: the graph, torch-adapter, FSDP and control-plane MPI suites at 4
 # ranks and the torchrun GPU launcher test; ddp4: mpi_examples/ddp_bench.py
-# at 4 ranks on NVLink and on sockets, and FSDP2 on NVLink.
+# at 4 ranks on NVLink and on sockets, and FSDP2 on NVLink; medium4: the
+# inputs of the cost model at 4 ranks (tools/profiling/p2p.py probe: a ring
+# step against NCCL's all-reduce, small to large messages, 1 and 4 lanes, on
+# shared memory and sockets) and the compressed call at 2^22-2^24 on shared
+# memory with 1 and with 4 lanes.
 # Needs .whl/pytest_mpi*.whl (make wheels) carried along.  Output under $OUT.
 set -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
@@ -55,6 +59,21 @@ if has flat4; then
   timeout 150 mpiexec -n 4 $BENCH --codec dynamiq:5 --topology ring,butterfly --paths auto,compressed \
     --sizes ${FLAT_SIZES:-2M,32M,512M} --json "$OUT/flat4_nvlink.json" 2>&1 | grep -v '^\[' \
     | tee "$OUT/flat4.txt"
+fi
+
+if has medium4; then
+  for link in "shm:$SHM" "sockets:$SOCKETS $TUNED"; do
+    echo "== medium4: ring steps at 4 ranks, ${link%%:*} (${link#*:})"
+    (cd tools/profiling && env ${link#*:} timeout 120 mpiexec -n 4 $PY p2p.py probe \
+      --sizes ${P2P_SIZES:-4K,64K,256K,1M,4M,21M} --split 1 --comms 1,4) 2>&1 | grep -v '^\[' \
+      | tee "$OUT/p2p4_${link%%:*}.txt"
+  done
+  for lanes in 1 4; do
+    echo "== medium4: the compressed call on shared memory, DYNAMIQ_NCCL_LANES=$lanes"
+    env $SHM DYNAMIQ_NCCL_LANES=$lanes timeout 150 mpiexec -n 4 $BENCH --codec dynamiq:5 \
+      --paths compressed --sizes 8M,16M,32M --json "$OUT/medium4_shm_lanes$lanes.json" 2>&1 \
+      | grep -v '^\[' | tee "$OUT/medium4_shm_lanes$lanes.txt"
+  done
 fi
 
 if has torch4; then
