@@ -258,12 +258,10 @@ def _ddp(model, cfg, args, device, dqt):
     a = copy.copy(args)
     a.bucket_cap_mb = cfg.cap
     codec = cfg.codec
-    if codec in TORCH_HOOKS:
+    if codec in TORCH_HOOKS:        # plain DDP's wrapper, torch's own hook unwrapped
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-        from torch.nn.parallel import DistributedDataParallel as DDP
-        kw = {} if cfg.cap is None else {"bucket_cap_mb": cfg.cap}
-        ddp = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
-                  gradient_as_bucket_view=True, init_sync=False, **kw)
+        ddp, _ = train_lm.ddp_model(model, "fp32", a, device, dqt, state=cfg.state,
+                                    init_sync=False)
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         return ddp, None
     if _is_ours(codec):
@@ -389,14 +387,19 @@ def compute_stream_idle(kernels) -> dict:
             "idle_while_ms": dict(sorted(while_.items(), key=lambda kv: -kv[1]))}
 
 
+def _device_work(events, cuda) -> list:
+    """The GPU kernels, copies and sets among a profile's ``events``
+    (``device_type == cuda``), without the profiler's annotation ranges,
+    which it also lays on the streams."""
+    return [e for e in events
+            if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
+
+
 def kernel_timeline(events, cuda) -> list:
-    """(stream, kind, start_ms, end_ms) of the GPU kernels, copies and sets
-    among a profile's ``events`` (``device_type == cuda``), without the
-    profiler's annotation ranges, which it also lays on the streams."""
+    """(stream, kind, start_ms, end_ms) of the device work among ``events``."""
     return [(int(e.device_resource_id), _timeline_kind(e.name),
              e.time_range.start / 1e3, e.time_range.end / 1e3)
-            for e in events
-            if e.device_type == cuda and not getattr(e, "is_user_annotation", False)]
+            for e in _device_work(events, cuda)]
 
 
 def host_ranges(events, cpu, top=12) -> dict:
@@ -426,12 +429,9 @@ def _profile(step, torch) -> dict:
     with profile(activities=acts) as prof:
         step()
     wall = (time.perf_counter() - t0) * 1e3
-    timeline = kernel_timeline(prof.events(), torch.autograd.DeviceType.CUDA)
+    events, cuda = prof.events(), torch.autograd.DeviceType.CUDA
     kinds, per_name = {}, {}
-    for e in prof.events():
-        if (e.device_type != torch.autograd.DeviceType.CUDA
-                or getattr(e, "is_user_annotation", False)):
-            continue
+    for e in _device_work(events, cuda):
         ms = (e.time_range.end - e.time_range.start) / 1e3
         kind = _kind(e.name)
         kinds[kind] = kinds.get(kind, 0.0) + ms
@@ -440,8 +440,8 @@ def _profile(step, torch) -> dict:
     top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:10]
     return {"wall_ms": wall, "gpu_ms_by_kind": kinds,
             "top_kernels": [{"ms": ms, "count": n, "name": k[:90]} for k, (ms, n) in top],
-            "compute_stream": compute_stream_idle(timeline),
-            "host_ranges": host_ranges(prof.events(), torch.autograd.DeviceType.CPU)}
+            "compute_stream": compute_stream_idle(kernel_timeline(events, cuda)),
+            "host_ranges": host_ranges(events, torch.autograd.DeviceType.CPU)}
 
 
 def _profile_table(result) -> str:
