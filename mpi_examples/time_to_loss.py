@@ -16,6 +16,11 @@ kept (re-run the command to resume, or to add seeds).  Arguments after
 ``--`` go to train_lm.py as they are (``-- --bucket-cap-mb 100``).  Every
 codec sees the same initial model and the same batches at a given seed.
 
+A codec written ``CODEC@N`` (``--codecs bf16,dynamiq:5@330``) trains N steps
+instead of ``--steps``, its learning-rate schedule stretched to its own end:
+the time a codec takes to the baseline's final loss when it may run longer
+(the baseline's own step count is the row without ``@``).
+
 ``report`` reads every ``run_*.json`` of the folders (or ``{"runs": [...]}``
 files) and prints, per codec: final validation loss (mean and spread over
 seeds), the step and the training time at which the mean validation curve
@@ -53,8 +58,22 @@ def _pairs(text, what):
 
 
 def run_tag(codec, seed):
-    """A file-name-safe tag: 'dynamiq:5:centring=false', 0 -> 'dynamiq5centring-false_s0'."""
-    return f"{re.sub(r'[^A-Za-z0-9._-]', '', codec.replace('=', '-'))}_s{seed}"
+    """A file-name-safe tag: 'dynamiq:5:centring=false', 0 -> 'dynamiq5centring-false_s0';
+    a step budget of its own, 'dynamiq:5@330' -> 'dynamiq5_n330_s0'."""
+    codec = codec.replace("=", "-").replace("@", "_n")
+    return f"{re.sub(r'[^A-Za-z0-9._-]', '', codec)}_s{seed}"
+
+
+def split_steps(spec, steps):
+    """'dynamiq:5@330' -> ('dynamiq:5', 330); a codec without '@' trains
+    ``steps`` steps (its schedule's cosine ends at its own last step)."""
+    codec, at, n = spec.partition("@")
+    if not at:
+        return spec, steps
+    if not codec or not n.isdigit() or int(n) < 1:
+        raise SystemExit(f"time_to_loss: codec {spec!r}: expected CODEC@STEPS, "
+                         "e.g. dynamiq:5@330")
+    return codec, int(n)
 
 
 def planned_runs(codecs, seeds, reference):
@@ -100,6 +119,8 @@ def cmd_run(args, passthrough):
     seeds = [int(s) for s in _pairs(args.seeds, "seeds")]
     runs = planned_runs(_pairs(args.codecs, "codecs"), seeds,
                         _pairs(args.reference, "reference") if args.reference else [])
+    for spec, _ in runs:
+        split_steps(spec, args.steps)          # every spec checked before the first run
     os.makedirs(args.out, exist_ok=True)
     t_all = time.perf_counter()
     failed = []
@@ -108,8 +129,9 @@ def cmd_run(args, passthrough):
         if os.path.exists(path):
             print(f"[{i}/{len(runs)}] {codec} seed {seed}: kept {path}", flush=True)
             continue
-        train_args = ["--codec", codec, "--seed", str(seed), "--preset", args.preset,
-                      "--steps", str(args.steps), "--eval-every", str(args.eval_every),
+        name, steps = split_steps(codec, args.steps)
+        train_args = ["--codec", name, "--seed", str(seed), "--preset", args.preset,
+                      "--steps", str(steps), "--eval-every", str(args.eval_every),
                       "--probe-every", str(args.probe_every), "--device", args.device,
                       "--no-progress", "--json", path + ".part"] + passthrough
         cmd = launch_command(args.launcher, args.nproc, train_args)
@@ -213,11 +235,31 @@ def _mean_sd(xs):
     return statistics.mean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0)
 
 
+def _base_steps(runs, baseline):
+    """The baseline's step count (the most common one among its runs; among
+    all runs when there is no baseline)."""
+    own = [r["config"]["steps"] for r in runs if r["summary"]["codec"] == baseline]
+    counts = own or [r["config"]["steps"] for r in runs]
+    return max(set(counts), key=lambda n: (counts.count(n), -n))
+
+
+def run_label(run, base_steps):
+    """The row a run belongs to: its codec, with '@STEPS' when it trained
+    another number of steps than the baseline."""
+    codec, steps = run["summary"]["codec"], run["config"]["steps"]
+    return codec if steps == base_steps else f"{codec}@{steps}"
+
+
 def report(runs, baseline="bf16"):
-    """The comparison as a dict (printed by ``print_report``, written as JSON)."""
+    """The comparison as a dict (printed by ``print_report``, written as JSON).
+
+    A codec run for another number of steps than the baseline (``CODEC@N``)
+    is a row of its own: its time to the baseline's final loss counts, its
+    final loss is not at equal steps (no loss gap)."""
+    base_steps = _base_steps(runs, baseline)
     by_codec = {}
     for r in runs:
-        by_codec.setdefault(r["summary"]["codec"], []).append(r)
+        by_codec.setdefault(run_label(r, base_steps), []).append(r)
     for rs in by_codec.values():
         rs.sort(key=lambda r: r["summary"]["seed"])
     base = by_codec.get(baseline)
@@ -233,6 +275,7 @@ def report(runs, baseline="bf16"):
         step_ms = statistics.mean(_steady_step_ms(r) for r in rs)
         fifth = [p for p in mc if p[0] <= mc[-1][0] * 0.8]
         row = {
+            "steps": rs[0]["config"]["steps"],
             "seeds": [r["summary"]["seed"] for r in rs],
             "final_val_loss": [r["summary"]["final_val_loss"] for r in rs],
             "final_val_mean": final_mean, "final_val_sd": final_sd,
@@ -256,7 +299,7 @@ def report(runs, baseline="bf16"):
         rows[codec] = row
     result = {"baseline": baseline, "target_val_loss": target, "baseline_sd": base_sd,
               "world_size": c0["world_size"], "device": c0.get("device"),
-              "n_params": c0["n_params"], "steps": c0["steps"],
+              "n_params": c0["n_params"], "steps": base_steps,
               "preset": c0.get("preset"), "bucket_cap_mb": c0.get("bucket_cap_mb"),
               "codecs": rows}
     if base and baseline in rows:
@@ -270,6 +313,8 @@ def report(runs, baseline="bf16"):
             for key in ("reach", "reach_1pct"):
                 if b.get(key) and row.get(key):
                     row["speedup_" + key] = b[key]["training_s"] / row[key]["training_s"]
+            if row["steps"] != base_steps:
+                continue                        # its final loss is not at equal steps
             row["loss_gap"] = (row["final_val_mean"] - b["final_val_mean"]) / b["final_val_mean"]
             # the same seed sees the same model and batches: the paired gap
             # is free of the seeds' spread
@@ -309,7 +354,7 @@ def print_report(res):
     print(f"\n{res['n_params'] / 1e6:.3g}M parameters, {res['world_size']} ranks, "
           f"{res['device']}, {res['steps']} steps; target: {res['baseline']}'s mean final "
           f"validation loss {_f(res['target_val_loss'], '.4f')} (sd {res['baseline_sd']:.4f})")
-    head = (f"{'codec':11s} {'seeds':>5s} {'final val (sd)':>16s} {'vs base':>8s} "
+    head = (f"{'codec':15s} {'seeds':>5s} {'final val (sd)':>16s} {'vs base':>8s} "
             f"{'step ms':>8s} {'compute':>8s} {'exposed':>8s} {'tok/s':>8s} "
             f"{'reach: step':>11s} {'time s':>7s} {'speedup':>7s} "
             f"{'1%: step':>8s} {'time s':>7s} {'speedup':>7s} {'last 5th':>8s} {'vNMSE':>8s}")
@@ -317,7 +362,7 @@ def print_report(res):
     for codec, r in res["codecs"].items():
         reach, r1 = r.get("reach"), r.get("reach_1pct")
         vn = [v["vnmse"] for v in r["vnmse"]]
-        print(f"{codec:11s} {len(r['seeds']):5d} "
+        print(f"{codec:15s} {len(r['seeds']):5d} "
               f"{r['final_val_mean']:9.4f} ({r['final_val_sd']:.4f}) "
               f"{_f(r.get('loss_gap') and 100 * r['loss_gap'], '+7.2f')}% "
               f"{r['step_ms']:8.1f} {_f(r['compute_ms'], '8.1f')} {_f(r['comm_ms'], '8.1f')} "
@@ -414,7 +459,8 @@ def main(argv=None):
     r.add_argument("--nproc", type=int, default=2, help="ranks (one GPU each)")
     r.add_argument("--launcher", choices=["torchrun", "mpiexec"], default="torchrun")
     r.add_argument("--preset", default="0.8b", help="train_lm.py's model preset")
-    r.add_argument("--steps", type=int, default=300, help="fixed in advance, the same for all")
+    r.add_argument("--steps", type=int, default=300,
+                   help="fixed in advance; a codec given as CODEC@N trains N steps instead")
     r.add_argument("--codecs", default="bf16,dynamiq:5")
     r.add_argument("--seeds", default="0,1,2")
     r.add_argument("--reference", default="fp32:0",

@@ -15,13 +15,14 @@ SPEC.loader.exec_module(ttl)
 
 
 def fake_run(codec, seed, step_ms, losses, measured=(), compute_ms=100.0):
-    """Ten steps of ``step_ms`` each (a measured step takes 5 s), an
-    evaluation every second step with ``losses`` (five values)."""
+    """``2 len(losses)`` steps of ``step_ms`` each (a measured step takes
+    5 s), an evaluation every second step with ``losses``."""
+    n = 2 * len(losses)
     steps = [{"step": i, "step_ms": 5000.0 if i in measured else step_ms,
-              "measured": i in measured} for i in range(10)]
+              "measured": i in measured} for i in range(n)]
     evals = [{"step": 2 * (k + 1), "val_loss": v} for k, v in enumerate(losses)]
     return {"config": {"world_size": 4, "batch": 8, "seq_len": 512, "n_params": 8e8,
-                       "steps": 10, "device": "test", "preset": "0.8b", "bucket_cap_mb": None},
+                       "steps": n, "device": "test", "preset": "0.8b", "bucket_cap_mb": None},
             "steps": steps, "evals": evals,
             "vnmse": [{"step": 0, "vnmse": 1e-3 * (seed + 1)}],
             "summary": {"codec": codec, "seed": seed, "final_val_loss": losses[-1],
@@ -99,3 +100,27 @@ def test_run_tags_are_file_name_safe_and_keep_the_old_names():
     tag = ttl.run_tag("dynamiq:5:centring=false", 1)
     assert tag == "dynamiq5centring-false_s1"
     assert ttl.run_tag("dynamiq:5:centring=true", 1) != tag
+
+
+def test_a_codec_with_more_steps_is_a_row_of_its_own_without_a_loss_gap():
+    base = [fake_run("bf16", 0, 300.0, [5, 4, 3, 2, 1.00])]
+    same = [fake_run("dq", 0, 150.0, [5, 4, 3, 2, 1.02])]                  # never reaches 1.0
+    longer = [fake_run("dq", 0, 160.0, [5, 4, 3, 2, 1.01, 0.99, 0.97])]  # reaches it at step 12
+    res = ttl.report(longer + base + same, baseline="bf16")
+    assert res["steps"] == 10 and set(res["codecs"]) == {"bf16", "dq", "dq@14"}
+    row = res["codecs"]["dq@14"]
+    assert row["steps"] == 14 and row["reach"] == {"step": 12, "training_s": pytest.approx(1.92)}
+    assert row["speedup_reach"] == pytest.approx(3.0 / 1.92)
+    assert "loss_gap" not in row and "paired_gaps" not in row      # not at equal steps
+    assert res["codecs"]["dq"]["paired_gaps"] == pytest.approx([0.02])
+    assert res["codecs"]["dq"]["reach"] is None
+
+
+def test_step_budgets_in_codec_specs():
+    assert ttl.split_steps("dynamiq:5@330", 300) == ("dynamiq:5", 330)
+    assert ttl.split_steps("bf16", 300) == ("bf16", 300)
+    for bad in ("dynamiq:5@", "dynamiq:5@0", "@330", "dynamiq:5@3x"):
+        with pytest.raises(SystemExit, match="CODEC@STEPS"):
+            ttl.split_steps(bad, 300)
+    assert ttl.run_tag("dynamiq:5@330", 1) == "dynamiq5_n330_s1"
+    assert ttl.run_tag("dynamiq:5@330", 1) != ttl.run_tag("dynamiq:5", 1)

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ddp import HookState, _torch_stream, tensor_as_array
+from .ddp import HookState, _stream_view, _torch_stream
 from .groups import _adopt_group, _native_group
 
 try:     # the abstract class is not re-exported by torch; FSDP only calls it
@@ -175,7 +175,7 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
         exact = self._exact_chunk(input, op) if self.measure_error else None
         with _torch_stream(input.device):
             coll = self.collective
-            arr, out = tensor_as_array(input), tensor_as_array(output)
+            arr, out = _stream_view(input), _stream_view(output)
             start = self._start_timer(input.device)
             res = coll.reduce_scatter(arr, codec=self.codec, topology=self.topology, op=op,
                                       seed=self.seed, out=out, return_report=self.reports,
