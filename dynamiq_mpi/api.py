@@ -13,7 +13,7 @@ from .call.engine_rs import rank_program_rs
 from .call.graphs import default_graphs
 from .call.hierarchy import default_node_size
 from .call.paths import default_path
-from .call.phases import CallSpec, check_nonfinite, default_layout
+from .call.phases import CallSpec, check_nonfinite, default_gather, default_layout
 from .call.prediction import default_links
 from .call.rail_budget import default_rail_budget
 from .call.runner import CallRunner
@@ -119,6 +119,7 @@ class Collective:
         self.links = default_links(links)
         self.nonfinite = nonfinite
         self.layout = default_layout()
+        self.gather = default_gather()
         self.graphs = default_graphs(graphs)
         self.parent = comm
         self.transport = transport
@@ -133,7 +134,7 @@ class Collective:
         self.control_plane = self._runtime.plane.name
         self.rank, self.size = self._runtime.rank, self._runtime.size
         self._runner = CallRunner(self._runtime, self.layout, self.graphs, self.node_size,
-                                  self.rail_budget, self.links)
+                                  self.rail_budget, self.links, gather=self.gather)
         self._counter = 0
         self._lock = threading.Lock()
 
@@ -353,12 +354,14 @@ def reduce_scatter(x, *, codec=None, topology="ring", op="sum", comm=None, seed=
 
 def simulate_allreduce(xs, *, codec=None, topology="ring", op="sum", seed=0, counter=0,
                        tile_bytes=DEFAULT_TILE_BYTES, return_reports=False,
-                       nonfinite="propagate", layout=None):
+                       nonfinite="propagate", layout=None, gather=None):
     """Run the all-reduce of ``len(xs)`` ranks in this process (rank r passes
     ``xs[r]``; always the compressed path).  Returns the list of every rank's
-    output (and reports).  ``layout``: see :func:`default_layout`."""
+    output (and reports).  ``layout``: see :func:`default_layout`;
+    ``gather``: :func:`default_gather`."""
     spec = CallSpec(DEFAULT_CODEC if codec is None else codec, topology, op, seed, counter,
-                    "auto", tile_bytes, nonfinite=nonfinite, layout=default_layout(layout))
+                    "auto", tile_bytes, nonfinite=nonfinite, layout=default_layout(layout),
+                    gather=default_gather(gather))
     return _simulate([rank_program(r, len(xs), xs[r], spec, None, FRESH, return_reports)
                       for r in range(len(xs))], return_reports)
 

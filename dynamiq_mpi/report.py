@@ -23,6 +23,7 @@ class Report:
     stats_bytes_total: int = 0    # of which the statistics phase
     bytes_sent: int = 0           # bytes this rank sent
     tiles_per_chunk: int = 0      # messages per chunk and step (the pipeline depth)
+    gather: str = ""              # the all-gather's schedule: "ring" or "doubling"
     # the device work read nothing back to the host, so a CUDA graph can replay it
     sync_free: bool = False
     seconds: float = 0.0          # host time of the call on this rank

@@ -1,7 +1,10 @@
 """All-reduce schedules as plain data: per rank and step, which chunk goes to
-whom and comes from whom.  The rank of *role* ``v = (rank - c) mod n`` for
-chunk ``c`` quantizes it once, as event ``v``; the sink is role ``n - 1``;
-the all-gather is one ring forwarding the sink's bytes unchanged.
+whom and comes from whom, and the round of the step (a round's steps share
+their peers and need nothing received in that round: they are posted
+together).  The rank of *role* ``v = (rank - c) mod n`` for chunk ``c``
+quantizes it once, as event ``v``; the sink is role ``n - 1``.  The
+all-gather forwards the sinks' bytes unchanged, over a ring (n - 1 rounds)
+or by recursive doubling (ceil(log2 n) rounds, the same bytes per rank).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ REDUCE = "reduce"   # reduce-scatter step: send a (re)compressed partial sum
 GATHER = "gather"   # all-gather step: forward compressed bytes unchanged
 
 TOPOLOGIES = ("ring", "butterfly")
+GATHERS = ("ring", "doubling")
 
 # A call's statistics (a few bytes per 256 elements) over 3 to
 # STATS_DIRECT_RANKS ranks, up to STATS_DIRECT_BYTES, are reduce-scattered and
@@ -22,6 +26,14 @@ TOPOLOGIES = ("ring", "butterfly")
 # exchange.
 STATS_DIRECT_RANKS = 8
 STATS_DIRECT_BYTES = 1 << 20
+
+
+# The all-gather's schedule, $DYNAMIQ_GATHER: "ring" (the default) or
+# "doubling", ceil(log2 n) rounds instead of n - 1 with the same bytes per
+# rank, for latency-bound links with the call's ranks on one host or one a
+# host.  (On a flat call over nodes of several GPUs the doubling's far rounds
+# send every rank's bytes across a node's NICs at once.)
+DEFAULT_GATHER = "ring"
 
 
 def stats_direct(n: int, nbytes: int, ranks=STATS_DIRECT_RANKS, max_bytes=STATS_DIRECT_BYTES):
@@ -36,6 +48,18 @@ class Step:
     dest: int
     recv_chunk: int
     source: int
+    round: int       # within the phase; a round's steps are posted together
+
+
+def rounds(steps):
+    """Consecutive steps of one phase and round, as lists, in order."""
+    out = []
+    for st in steps:
+        if out and (out[-1][0].phase, out[-1][0].round) == (st.phase, st.round):
+            out[-1].append(st)
+        else:
+            out.append([st])
+    return out
 
 
 @dataclass(frozen=True)
@@ -43,6 +67,7 @@ class Schedule:
     topology: str
     size: int
     steps: tuple            # steps[rank] -> tuple[Step, ...], same length for every rank
+    gather: str = "ring"
 
     def owned_chunk(self, rank: int) -> int:
         """The chunk this rank is the sink of (role n - 1)."""
@@ -69,13 +94,29 @@ def check_topology(topology: str, size: int) -> None:
 
 def _all_gather_steps(rank: int, n: int) -> list:
     # Step s: forward chunk (rank + 1 - s) to the right, receive chunk (rank - s) from the left.
-    return [Step(GATHER, (rank + 1 - s) % n, (rank + 1) % n, (rank - s) % n, (rank - 1) % n)
+    return [Step(GATHER, (rank + 1 - s) % n, (rank + 1) % n, (rank - s) % n, (rank - 1) % n, s)
             for s in range(n - 1)]
+
+
+def _doubling_gather_steps(rank: int, n: int) -> list:
+    # Rank q sinks chunk q + 1.  Before round k (distance d = 2^k) a rank holds
+    # the chunks of the d ranks q = rank, rank - 1, ..., rank - d + 1; it sends
+    # the first min(d, n - d) of them to rank + d and receives as many from
+    # rank - d, the chunks of ranks rank - d, rank - d - 1, ...  Round 0 is the
+    # ring's first step: the rank's own chunk to its right.
+    steps, k = [], 0
+    while (1 << k) < n:
+        d = 1 << k
+        steps += [Step(GATHER, (rank - j + 1) % n, (rank + d) % n,
+                       (rank - d - j + 1) % n, (rank - d) % n, k)
+                  for j in range(min(d, n - d))]
+        k += 1
+    return steps
 
 
 def _ring_reduce_steps(rank: int, n: int) -> list:
     # Step s: chunk (rank - s) goes right (role s), chunk (rank - s - 1) comes from the left.
-    return [Step(REDUCE, (rank - s) % n, (rank + 1) % n, (rank - s - 1) % n, (rank - 1) % n)
+    return [Step(REDUCE, (rank - s) % n, (rank + 1) % n, (rank - s - 1) % n, (rank - 1) % n, s)
             for s in range(n - 1)]
 
 
@@ -98,17 +139,29 @@ def _butterfly_reduce_steps(rank: int, n: int) -> list:
     while (1 << level) < n:
         dist = 1 << level
         roles = [v for v in range(n - 1) if trailing_ones(v) == level]
+        # a level's roles send to one peer, and none of them hears from it
+        # in this level (the parent's level is higher): one round
         for v in roles:
             steps.append(Step(REDUCE, (rank - v) % n, (rank + dist) % n,
-                              (rank - dist - v) % n, (rank - dist) % n))
+                              (rank - dist - v) % n, (rank - dist) % n, level))
         level += 1
     return steps
 
 
+def reduce_steps(topology: str, rank: int, n: int) -> list:
+    return (_ring_reduce_steps if topology == "ring" else _butterfly_reduce_steps)(rank, n)
+
+
+def gather_steps(gather: str, rank: int, n: int) -> list:
+    return (_all_gather_steps if gather == "ring" else _doubling_gather_steps)(rank, n)
+
+
 @lru_cache(maxsize=64)
-def build(topology: str, size: int) -> Schedule:
+def build(topology: str, size: int, gather: str = "ring") -> Schedule:
     check_topology(topology, size)
+    if gather not in GATHERS:
+        raise ValueError(f"unknown all-gather {gather!r}; expected one of {GATHERS}")
     n = size
-    reduce = _ring_reduce_steps if topology == "ring" else _butterfly_reduce_steps
-    steps = tuple(tuple(reduce(r, n) + _all_gather_steps(r, n)) for r in range(n))
-    return Schedule(topology, n, steps)
+    steps = tuple(tuple(reduce_steps(topology, r, n) + gather_steps(gather, r, n))
+                  for r in range(n))
+    return Schedule(topology, n, steps, gather)

@@ -112,10 +112,12 @@ def predict_row(r, n, link, rates, host, stats_direct=(2, 0)):
     tiles = max(1, int(r.get("tiles_per_chunk") or 1))
     probe = cm.codec_cost(codec, bits, rates, ne / n, widths=widths)
     tile_bytes = ne / n * probe.wire_bits / 8 / tiles * (1 + 1e-9)
+    # the all-gather the run recorded; runs without the field ran the ring,
+    # and the butterfly's levels step by step
     return cm.compressed_allreduce(
         n, ne, lambda te: cm.codec_cost(codec, bits, rates, te, widths=widths),
         lambda d: link, rates, r.get("topology", "ring"), host, tile_bytes,
-        stats_direct=stats_direct)
+        stats_direct=stats_direct, gather=r.get("gather") or "ring", grouped="gather" in r)
 
 
 def _rates(name, per_hop_us=None):

@@ -29,10 +29,11 @@ def contributions_after_reduce(s):
     return held, sent
 
 
+@pytest.mark.parametrize("gather", schedules.GATHERS)
 @pytest.mark.parametrize("topology,n", [("ring", n) for n in range(1, 10)] +
                          [("butterfly", n) for n in (1, 2, 4, 8, 16, 32)])
-def test_every_sink_gets_every_contribution(topology, n):
-    s = schedules.build(topology, n)
+def test_every_sink_gets_every_contribution(topology, n, gather):
+    s = schedules.build(topology, n, gather)
     assert all(len(steps) == 2 * (n - 1) for steps in s.steps)
     held, sent = contributions_after_reduce(s)
     for r in range(n):
@@ -48,26 +49,54 @@ def test_every_sink_gets_every_contribution(topology, n):
         assert s.event(sink, c) == n - 1
 
 
-@pytest.mark.parametrize("topology,n", [("ring", 5), ("butterfly", 8)])
-def test_all_gather_delivers_every_chunk_once(topology, n):
-    s = schedules.build(topology, n)
+@pytest.mark.parametrize("topology,n,gather", [("ring", 5, "ring"), ("butterfly", 8, "ring")] +
+                         [("ring", n, "doubling") for n in range(2, 18)] +
+                         [("butterfly", 16, "doubling")])
+def test_all_gather_delivers_every_chunk_once(topology, n, gather):
+    s = schedules.build(topology, n, gather)
+    assert s.gather == gather
     have = {r: {s.owned_chunk(r)} for r in range(n)}
-    for i in range(n - 1, 2 * (n - 1)):
+    gathers = {r: schedules.rounds([st for st in s.steps[r] if st.phase == GATHER])
+               for r in range(n)}
+    n_rounds = len(gathers[0])
+    assert n_rounds == (n - 1 if gather == "ring" else (n - 1).bit_length())
+    for i in range(n_rounds):
         moves = []
         for r in range(n):
-            st = s.steps[r][i]
-            assert st.phase == GATHER and st.send_chunk in have[r]
-            moves.append((st.dest, st.send_chunk))
+            group = gathers[r][i]
+            # a round's steps share their peers and send only what the rank held before it
+            assert len({(st.dest, st.source) for st in group}) == 1
+            assert all(st.send_chunk in have[r] for st in group)
+            moves += [(st.dest, st.send_chunk) for st in group]
         for r in range(n):
-            assert s.steps[r][i].recv_chunk in {c for d, c in moves if d == r}
+            arriving = sorted(c for d, c in moves if d == r)
+            assert arriving == sorted(st.recv_chunk for st in gathers[r][i])
         for d, c in moves:
             assert c not in have[d]
             have[d].add(c)
     assert all(have[r] == set(range(n)) for r in range(n))
     # the engine sends each finished tile straight into the first all-gather
-    # step: that step must send the chunk the rank is the sink of
+    # step: that step must send the chunk the rank is the sink of, alone in its round
     for r in range(n):
         assert s.steps[r][n - 1].send_chunk == s.owned_chunk(r)
+        assert len(gathers[r][0]) == 1
+
+
+@pytest.mark.parametrize("n", [2, 4, 8, 16])
+def test_butterfly_levels_are_rounds_with_one_peer(n):
+    s = schedules.build("butterfly", n)
+    for r in range(n):
+        groups = schedules.rounds([st for st in s.steps[r] if st.phase == REDUCE])
+        assert [len(g) for g in groups] == [n >> (k + 1) for k in range((n - 1).bit_length())]
+        for g in groups:
+            assert len({(st.dest, st.source) for st in g}) == 1
+            # nothing received in a round is sent in it
+            assert not {st.recv_chunk for st in g} & {st.send_chunk for st in g}
+
+
+def test_unknown_gather_is_refused():
+    with pytest.raises(ValueError, match="unknown all-gather"):
+        schedules.build("ring", 4, "tree")
 
 
 def test_butterfly_depth_is_log_n():

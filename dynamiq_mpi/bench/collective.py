@@ -245,7 +245,7 @@ def run(args) -> list:
                            transport=rep.transport, time_us=t * 1e6,
                            vnmse=dev.vnmse(out, exact, norm), wrong=dev.count_wrong(out),
                            speedup=(ref_time / t) if ref_time else None,
-                           tiles_per_chunk=rep.tiles_per_chunk,
+                           tiles_per_chunk=rep.tiles_per_chunk, gather=rep.gather,
                            fallback=rep.codec_info.get("fallback", ""),
                            widths=rep.codec_info.get("widths"),
                            array_code=bool(use_gpu and not codec.fused_gpu),
@@ -276,7 +276,9 @@ def run(args) -> list:
                         graphs=coll.graphs, graph_stats=coll.graph_stats(),
                         # up to how many ranks and bytes the statistics travel directly
                         stats_direct_ranks=schedules.STATS_DIRECT_RANKS,
-                        stats_direct_bytes=schedules.STATS_DIRECT_BYTES)
+                        stats_direct_bytes=schedules.STATS_DIRECT_BYTES,
+                        # the all-gather's schedule ($DYNAMIQ_GATHER)
+                        gather=coll.gather)
             with open(args.json, "w") as f:
                 json.dump(dict(meta=meta, rows=rows), f, indent=1, default=_jsonable)
     coll.free()

@@ -47,6 +47,7 @@ class CallSpec:
     path: str = "compressed"        # or "native": the transport's own all-reduce
     nonfinite: str = "propagate"    # or "raise"
     layout: str = "auto"            # the stream's layout (resolve_layout)
+    gather: str = schedules.DEFAULT_GATHER     # the all-gather's schedule (schedules.GATHERS)
     # local details, not agreed: the device address of the generator keys of a
     # call captured as a CUDA graph (else 0); a rail's ``plan_hook(codec,
     # reduced statistics, backend)``, the codec to plan with (rail_budget.py);
@@ -81,6 +82,8 @@ def check_local(x, out, spec: CallSpec, n: int):
     check_nonfinite(spec.nonfinite)
     if spec.layout not in LAYOUT_CHOICES:
         raise ValueError(f"layout must be one of {LAYOUT_CHOICES}, got {spec.layout!r}")
+    if spec.gather not in schedules.GATHERS:
+        raise ValueError(f"gather must be one of {schedules.GATHERS}, got {spec.gather!r}")
     schedules.check_topology(spec.topology, n)
     backend = backend_for(x)
     if x.dtype not in SUPPORTED_DTYPES:
@@ -146,8 +149,12 @@ def check_agreement(metas: list, what: str = "all-reduce") -> None:
         detail = "; ".join(f"rank {r}: {e}" for r, e in bad)
         raise InvalidInputError(f"invalid {what} input ({detail})")
     for key in ("length", "dtype", "backend", "codec", "topology", "op", "seed", "counter",
-                "transport", "tile_bytes", "path", "nonfinite", "layout", "collective",
+                "transport", "tile_bytes", "path", "nonfinite", "layout", "gather", "collective",
                 "hierarchy", "node_size", "rail_budget", "budget"):
+        check_agreed([m.get(key, _FLAT_DEFAULTS.get(key)) for m in metas], key)
+    # any other field (the digests differed for a reason): never a silent pass;
+    # the transports' capabilities may differ (the route explains them)
+    for key in sorted(set().union(*metas) - {"can", "error"}):
         check_agreed([m.get(key, _FLAT_DEFAULTS.get(key)) for m in metas], key)
 
 
@@ -227,6 +234,8 @@ def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
                    and spec.nonfinite == "raise")
     if spec.decode_into and result.dtype in NATIVE_DTYPES:  # the plan may decode into it
         table.bind(result, divisor, raise_check)
+    chunk_bytes = [sum(p.chunk_nbytes) for p in table.plans]
+    schedule = schedules.build(spec.topology, n, spec.gather)
     yield MARKS["reduce-scatter"]
     sent += yield from table.hops(schedule, rank)
     yield MARKS["finish"]
@@ -235,7 +244,7 @@ def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
     finish_into(table.own, divisor, result, workspace, xp)
     yield MARKS["done"]
 
-    chunk_bytes = [sum(p.chunk_nbytes) for p in table.plans]
+    report.gather = schedule.gather if table.halves == 2 else ""
     report.wire_bytes_total = stats_total + table.halves * (n - 1) * sum(chunk_bytes)
     report.stats_bytes_total = stats_total
     report.bytes_sent = sent
@@ -285,7 +294,9 @@ def _finish_and_send(plan, schedule, rank, step, pending, held):
 
 
 def run_schedule(plan, schedule, rank):
-    """Generator: one plan's reduce-scatter then all-gather, tile by tile; the bytes sent."""
+    """Generator: one plan's reduce-scatter then all-gather, tile by tile; the
+    bytes sent.  A round of one step pipelines its tiles (each sent once
+    computed); a round of several steps (one peer) is posted as one group."""
     steps = schedule.steps[rank]
     reduce_recv = sum(align_up(plan.tile_nbytes(t)) for s in steps if s.phase == schedules.REDUCE
                       for t in plan.chunk_tiles[s.recv_chunk])
@@ -295,33 +306,50 @@ def run_schedule(plan, schedule, rank):
     held = {}                       # tile -> final compressed bytes (array or handle)
     sent = 0
     finalised = False
-    for step in steps:
-        if step.phase == schedules.GATHER and not finalised:
-            # the first all-gather step sends the chunk just reduced
+    for group in schedules.rounds(steps):
+        if group[0].phase == schedules.GATHER and not finalised:
+            # the first all-gather round sends the chunk just reduced
             yield MARKS["all-gather"]
             finalised = True
-            sent += yield from _finish_and_send(plan, schedule, rank, step, pending, held)
+            sent += yield from _finish_and_send(plan, schedule, rank, group[0], pending, held)
             continue
-        event = schedule.event(rank, step.send_chunk)
-        for send_tile, recv_tile in zip(plan.chunk_tiles[step.send_chunk],
-                                        plan.chunk_tiles[step.recv_chunk]):
-            nbytes = plan.tile_nbytes(recv_tile)
-            if step.phase == schedules.REDUCE:
-                payload = yield from reduce_tile(plan, send_tile, pending.pop(send_tile, []), event)
-                recv = plan.sub(arena, arena_used, arena_used + nbytes)
-                arena_used += align_up(nbytes)      # aligned slots, like the wire buffer
-            else:
-                payload = held[send_tile]
-                recv = plan.wire_slot(recv_tile)
-            handle = yield Exchange(payload, step.dest, recv, step.source)
-            sent += plan.tile_nbytes(send_tile)
-            if step.phase == schedules.REDUCE:
-                pending[recv_tile].append(handle)
-            else:
-                held[recv_tile] = handle
-                buf = yield Claim(handle)
-                plan.decode(recv_tile, buf)
+        together = len(group) > 1
+        posted = []                 # (exchange, tile received) of a round posted together
+        for step in group:
+            event = schedule.event(rank, step.send_chunk)
+            for send_tile, recv_tile in zip(plan.chunk_tiles[step.send_chunk],
+                                            plan.chunk_tiles[step.recv_chunk]):
+                nbytes = plan.tile_nbytes(recv_tile)
+                if step.phase == schedules.REDUCE:
+                    payload = yield from reduce_tile(plan, send_tile,
+                                                     pending.pop(send_tile, []), event)
+                    recv = plan.sub(arena, arena_used, arena_used + nbytes)
+                    arena_used += align_up(nbytes)      # aligned slots, like the wire buffer
+                else:
+                    payload = held[send_tile]
+                    recv = plan.wire_slot(recv_tile)
+                exchange = Exchange(payload, step.dest, recv, step.source)
+                sent += plan.tile_nbytes(send_tile)
+                if together:
+                    posted.append((exchange, recv_tile))
+                else:
+                    yield from _received(plan, step.phase, recv_tile, (yield exchange),
+                                         pending, held)
+        if posted:
+            handles = yield ExchangeAll([x for x, _ in posted])
+            for (_, recv_tile), handle in zip(posted, handles):
+                yield from _received(plan, group[0].phase, recv_tile, handle, pending, held)
     return sent
+
+
+def _received(plan, phase, tile, handle, pending, held):
+    """Generator: a posted receive of ``tile``: a partial sum waits for its
+    fused step; an all-gather's bytes are held (to forward) and decoded."""
+    if phase == schedules.REDUCE:
+        pending[tile].append(handle)
+        return
+    held[tile] = handle
+    plan.decode(tile, (yield Claim(handle)))
 
 
 def reduce_stats(stats, n, rank, schedule, backend, workspace, tile_bytes):
@@ -397,7 +425,7 @@ def agreement_record(error, flat, backend, spec: CallSpec, **extra) -> dict:
         isinstance(spec.seed, (int, np.integer)) else repr(spec.seed),
         "counter": spec.counter, "transport": spec.transport,
         "tile_bytes": spec.tile_bytes, "path": spec.path, "nonfinite": spec.nonfinite,
-        "layout": spec.layout, "can": transport_capabilities(backend),
+        "layout": spec.layout, "gather": spec.gather, "can": transport_capabilities(backend),
     }
 
 
@@ -458,3 +486,9 @@ def holds_nonfinite(xp, a) -> bool:
 def default_layout(value=None) -> str:
     """``value``, else ``$DYNAMIQ_LAYOUT``, else "auto" (:func:`resolve_layout`)."""
     return env_choice(value, "DYNAMIQ_LAYOUT", LAYOUT_CHOICES, "layout")
+
+
+def default_gather(value=None) -> str:
+    """``value``, else ``$DYNAMIQ_GATHER``, else "ring" (schedules.DEFAULT_GATHER)."""
+    return env_choice(value, "DYNAMIQ_GATHER", schedules.GATHERS, "gather",
+                      default=schedules.DEFAULT_GATHER)

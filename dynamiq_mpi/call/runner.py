@@ -12,7 +12,7 @@ from ..backend import backend_for
 from .engine import rank_program
 from .graphs import GraphCalls, graph_stats
 from .hierarchy import NodeCalls
-from .phases import CallSpec, decode_into_output
+from .phases import CallSpec, decode_into_output, default_gather
 from .planner import CallPlanner
 from .runtime import Runtime, sync
 
@@ -24,15 +24,17 @@ class CallRunner:
     hierarchy's (see the Collective)."""
 
     def __init__(self, runtime: Runtime, layout, graphs: bool, node_size=None,
-                 rail_budget="joint", links=None, decode_into=None):
+                 rail_budget="joint", links=None, decode_into=None, gather=None):
         self.runtime = runtime
-        # every CallSpec's layout and decode_into (read once, as the layout)
+        # every CallSpec's layout, decode_into and gather (read once, as the layout)
         self.settings = dict(layout=layout, decode_into=decode_into_output()
-                             if decode_into is None else decode_into)
+                             if decode_into is None else decode_into,
+                             gather=default_gather(gather))
 
         def make_rail(plane):           # a rail is flat, on a runtime of its own
             return CallRunner(Runtime(plane, runtime.lanes, runtime.lane_bytes), layout,
-                              graphs, decode_into=self.settings["decode_into"])
+                              graphs, decode_into=self.settings["decode_into"],
+                              gather=self.settings["gather"])
         self.nodes = NodeCalls(runtime, layout, node_size, rail_budget, links, make_rail)
         self.graphs = GraphCalls(runtime, self.settings)
         self.planner = CallPlanner(runtime.plane, runtime.size, graphs, links,

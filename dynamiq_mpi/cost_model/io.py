@@ -32,6 +32,8 @@ def add_arguments(p):
     g.add_argument("--bits", type=float, default=5.0, help="DynamiQ's budget, statistics included")
     g.add_argument("--topology", choices=["ring", "butterfly", "both"], default="both")
     g.add_argument("--tile-bytes", default=str(DEFAULT_TILE_BYTES))
+    g.add_argument("--gather", choices=["ring", "doubling"], default="ring",
+                   help="the compressed all-gather's schedule ($DYNAMIQ_GATHER; default ring)")
     g = p.add_argument_group("model")
     g.add_argument("--gpu", default="h100-final",
                    help="kernel rates: a set of kernel_rates.json (h100, h200, h100-final, "
@@ -85,7 +87,7 @@ def _predict_args(args, rates, overrides=None):
     topos = ("ring", "butterfly") if args.topology == "both" else (args.topology,)
     in_bytes = {"bf16": 2, "fp16": 2, "fp32": 4}[args.dtype]
     res = predict(c, elements, rates, args.codec, bits, topos, args.host, in_bytes,
-                  parse_count(args.tile_bytes))
+                  parse_count(args.tile_bytes), gather=getattr(args, "gather", "ring"))
     return c, elements, bits, res
 
 

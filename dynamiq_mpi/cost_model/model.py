@@ -226,21 +226,25 @@ class Link:
         return self.alpha + nbytes / self.beta
 
 
-def _steps(topology, n):
-    """(reduce-scatter steps, all-gather steps) of rank 0, as the library runs them."""
-    reduce = (schedules._ring_reduce_steps if topology == "ring"
-              else schedules._butterfly_reduce_steps)(0, n)
-    return reduce, schedules._all_gather_steps(0, n)
+def _rounds(topology, n, gather="ring", grouped=True):
+    """(reduce-scatter rounds, all-gather rounds) of rank 0, as the library runs
+    them: lists of steps posted together (``grouped=False``: every step
+    alone, as versions before rounds ran the butterfly)."""
+    reduce = schedules.rounds(schedules.reduce_steps(topology, 0, n))
+    if not grouped:
+        reduce = [[st] for g in reduce for st in g]
+    return reduce, schedules.rounds(schedules.gather_steps(gather, 0, n))
 
 
 def data_phase(n, topology, chunk_elements, cost: CodecCost, link_for, tile_bytes,
-               launch, start=0.0, host=None) -> dict:
+               launch, start=0.0, host=None, gather="ring", grouped=True) -> dict:
     """Device time of the data phases of one compressed call (run_schedule
     replayed for rank 0; by symmetry a message arrives when this rank's own
     of the same step and tile has crossed).  ``link_for(distance)``: a
     step's flow; ``start``: when the device may begin; ``host``: ``(t0,
     per_message)``, an eager host issuing each message and its kernel in
-    turn from ``t0`` (None: all issued at once, a replayed graph)."""
+    turn from ``t0`` (None: all issued at once, a replayed graph).  A round
+    of several steps (one peer, one NCCL group) pays its flow's latency once."""
     chunk_bytes = chunk_elements * cost.wire_bits / 8
     tiles = max(1, math.ceil(chunk_bytes / tile_bytes))
     tb, te = chunk_bytes / tiles, chunk_elements / tiles
@@ -260,9 +264,10 @@ def data_phase(n, topology, chunk_elements, cost: CodecCost, link_for, tile_byte
         issued += per_message            # the host issues the next message and its kernel
         return 0.0
 
-    def send(ready, distance):
+    def send(ready, distance, count=1):
         nonlocal link
-        dur = link_for(distance).time(tb)
+        flow = link_for(distance)
+        dur = flow.alpha + count * tb / flow.beta
         link = max(link, ready, issued) + dur
         busy["wire"] += dur
         return link
@@ -274,31 +279,54 @@ def data_phase(n, topology, chunk_elements, cost: CodecCost, link_for, tile_byte
             kernel(arrived, cost.dacc)
         return kernel(received[-1], cost.dar)
 
-    reduce, gather = _steps(topology, n)
+    reduce, gather_rounds = _rounds(topology, n, gather, grouped)
     pending = defaultdict(list)          # (chunk, tile) -> arrival times of partial sums
-    for st in reduce:
-        for k in range(tiles):
-            issue()
-            arrived = send(reduce_tile(pending.pop((st.send_chunk, k), [])), (st.dest - 0) % n)
-            pending[(st.recv_chunk, k)].append(arrived)
+    for group in reduce:
+        distance = group[0].dest % n
+        if len(group) == 1:              # tiles pipelined: each sent once computed
+            st = group[0]
+            for k in range(tiles):
+                issue()
+                arrived = send(reduce_tile(pending.pop((st.send_chunk, k), [])), distance)
+                pending[(st.recv_chunk, k)].append(arrived)
+            continue
+        ready = 0.0                      # every payload of the round, then one group
+        for st in group:
+            for k in range(tiles):
+                issue()
+                ready = max(ready, reduce_tile(pending.pop((st.send_chunk, k), [])))
+        arrived = send(ready, distance, len(group) * tiles)
+        for st in group:
+            for k in range(tiles):
+                pending[(st.recv_chunk, k)].append(arrived)
     arrivals = []
-    if gather:
-        own = gather[0].send_chunk
+    if gather_rounds:
+        own = gather_rounds[0][0].send_chunk
         for k in range(tiles):           # the sink's last fused step, sent at once, then decoded
             issue()
             arrivals.append(send(reduce_tile(pending.pop((own, k), [])), 1))
             kernel(0.0, cost.decode)
         for k in range(tiles):
             kernel(arrivals[k], cost.decode)
-        for _ in gather[1:]:             # forward what arrived, decode what arrives
-            arrivals = [send(a + issue(), 1) for a in arrivals]
+        held = list(arrivals)            # when each held tile's bytes were here
+        for group in gather_rounds[1:]:
+            distance = group[0].dest % n
+            if gather == "ring":         # forward what arrived, decode what arrives
+                arrivals = [send(a + issue(), distance) for a in arrivals]
+            else:                        # held chunks, the round's messages as one group
+                for _ in range(len(group) * tiles):
+                    issue()
+                arrived = send(max(held), distance, len(group) * tiles)
+                arrivals = [arrived] * (len(group) * tiles)
+            held += arrivals
             for a in arrivals:
                 kernel(a, cost.decode)
     else:                                # one rank: compress and decode its own values
         kernel(kernel(0.0, cost.compress), cost.decode)
-    hops = (len(reduce) + len(gather)) * tiles
+    steps = sum(len(g) for g in reduce) + sum(len(g) for g in gather_rounds)
     return {"seconds": max(gpu, link) - start, "end": max(gpu, link), "host_end": issued,
-            "tiles": tiles, "hops": hops, **busy}
+            "tiles": tiles, "hops": steps * tiles, "rounds": len(reduce) + len(gather_rounds),
+            "gather": gather, **busy}
 
 
 def planner_seconds(rates, elements):
@@ -317,11 +345,14 @@ def planner_seconds(rates, elements):
 def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
                          host="fixed", tile_bytes=DEFAULT_TILE_BYTES, in_bytes=2,
                          stats_direct=(schedules.STATS_DIRECT_RANKS,
-                                       schedules.STATS_DIRECT_BYTES)) -> dict:
+                                       schedules.STATS_DIRECT_BYTES),
+                         gather=schedules.DEFAULT_GATHER, grouped=True) -> dict:
     """Seconds of one compressed call of ``elements`` per rank over ``n`` ranks,
     and its parts; ``cost_at(tile_elements) -> CodecCost``; ``stats_direct``:
     up to how many ranks and bytes the statistics travel directly (a recorded
-    run's own: see research/model_check_runs.py)."""
+    run's own: see research/model_check_runs.py); ``gather``: the all-gather's
+    schedule (a recorded run's own); ``grouped=False``: the butterfly's levels posted step by step
+    (runs recorded before rounds)."""
     if host not in HOST_MODES:
         raise ValueError(f"host {host!r}: one of {HOST_MODES}")
     ran = topology
@@ -369,8 +400,10 @@ def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
     else:                                # fixed: no host read, the plan's Python at once
         h0 = host_pre + h_plan
     gated = data_phase(n, ran, chunk, cost, link_for, tile_bytes, launch,
-                       start=h["agree"] + prologue, host=(h0, per_hop if n > 1 else 0.0))
-    data = data_phase(n, ran, chunk, cost, link_for, tile_bytes, launch)
+                       start=h["agree"] + prologue, host=(h0, per_hop if n > 1 else 0.0),
+                       gather=gather, grouped=grouped)
+    data = data_phase(n, ran, chunk, cost, link_for, tile_bytes, launch, gather=gather,
+                      grouped=grouped)
     d["data"] = data["seconds"]
     device = sum(d.values())
     hops = data["hops"] + stats_messages
@@ -382,7 +415,8 @@ def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
     else:                                # exact, eager: each call's end is waited for
         total = max(gated["end"] + d["finish"], gated["host_end"])
     return {"seconds": total, "device": device, "host": host_total,
-            "topology": ran, "tiles": data["tiles"], "hops": hops, "codec": cost.name,
+            "topology": ran, "gather": gather, "rounds": data["rounds"],
+            "tiles": data["tiles"], "hops": hops, "codec": cost.name,
             "wire_bits": cost.wire_bits,
             "parts": d, "kernels": data["kernels"], "wire": data["wire"]}
 
@@ -444,8 +478,10 @@ def nccl_in_node(c: Cluster, nbytes) -> float:
 
 
 def predict(c: Cluster, elements, rates, codec="dynamiq", bits=5.0, topologies=("ring", "butterfly"),
-            host="fixed", in_bytes=2, tile_bytes=DEFAULT_TILE_BYTES, widths=None) -> dict:
-    """Seconds of NCCL's all-reduce, our flat calls and our hierarchical calls."""
+            host="fixed", in_bytes=2, tile_bytes=DEFAULT_TILE_BYTES, widths=None,
+            gather=schedules.DEFAULT_GATHER) -> dict:
+    """Seconds of NCCL's all-reduce, our flat calls and our hierarchical calls
+    (``gather``: the compressed calls' all-gather schedule)."""
     nbytes = elements * in_bytes
     def cost_at(tile_elements):
         return codec_cost(codec, bits, rates, tile_elements, widths=widths, in_bytes=in_bytes)
@@ -457,7 +493,7 @@ def predict(c: Cluster, elements, rates, codec="dynamiq", bits=5.0, topologies=(
         if topo == "butterfly" and c.ranks & (c.ranks - 1):
             flat_note = "the library refuses a butterfly over a non-power-of-two world; ring shown"
         flat = compressed_allreduce(c.ranks, elements, cost_at, c.flat_flow, rates, topo, host,
-                                    tile_bytes, in_bytes)
+                                    tile_bytes, in_bytes, gather=gather)
         out[f"flat_{topo}"] = dict(flat, speedup=t_nccl / flat["seconds"], note=flat_note)
         if c.gpus_per_node == 1:
             lv = dict(flat, note="one GPU per node: the flat call")
@@ -467,7 +503,7 @@ def predict(c: Cluster, elements, rates, codec="dynamiq", bits=5.0, topologies=(
             rs = nccl_in_node(c, nbytes)
             rail = compressed_allreduce(c.nodes, elements / c.gpus_per_node, cost_at,
                                         lambda d: c.net_flow(c.gpus_per_node), rates, topo, host,
-                                        tile_bytes, in_bytes)
+                                        tile_bytes, in_bytes, gather=gather)
             lv = {"seconds": 2 * rs + rail["seconds"], "in_node_reduce_scatter": rs,
                   "rails": rail, "in_node_all_gather": rs, "topology": rail["topology"],
                   "note": "" if rail["topology"] == topo else

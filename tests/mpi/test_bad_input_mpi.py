@@ -83,6 +83,20 @@ def test_topology_differs_on_one_rank():
     raises_everywhere(exc, lambda: dq.allreduce(x, topology=topo), "topology|butterfly")
 
 
+@pytest.mark.mpi(min_size=2)
+def test_all_gather_schedule_differs_on_one_rank(monkeypatch):
+    # $DYNAMIQ_GATHER is read when a Collective is made: set on one rank only
+    monkeypatch.setenv("DYNAMIQ_GATHER", "doubling" if comm.rank == LAST else "ring")
+    coll = dq.Collective(comm, path="compressed")
+    raises_everywhere(dq.InputMismatchError,
+                      lambda: coll.allreduce(inputs(), codec=dq.DynamiQ(small_input=0)),
+                      "disagree on gather")
+    monkeypatch.setenv("DYNAMIQ_GATHER", "sideways")
+    with pytest.raises(ValueError, match="gather must be one of"):
+        dq.Collective(comm)
+    coll.free()
+
+
 @pytest.mark.mpi(min_size=3)
 def test_butterfly_at_unsupported_size():
     if N & (N - 1) == 0:

@@ -48,18 +48,21 @@ def fake_nccl(request):
 
 
 @pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("gather", schedules.GATHERS)
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 @pytest.mark.parametrize("codec", CODECS, ids=lambda c: "-".join(map(str, c.signature()[:3])))
-def test_nccl_transport_logic_equals_simulation(fake_nccl, codec, topology):
+def test_nccl_transport_logic_equals_simulation(fake_nccl, codec, topology, gather):
+    # (the simulation runs the ring's all-gather: the doubling's bits must equal it)
     transport, nccl = fake_nccl
     seed = shared_seed(comm)
     xs = rank_inputs(seed, N, 256 * 61 + 19)
     for tile_bytes in (700, 1 << 20):
-        spec = CallSpec(codec, topology, "sum", seed % 997, 3, "auto", tile_bytes)
+        spec = CallSpec(codec, topology, "sum", seed % 997, 3, "auto", tile_bytes, gather=gather)
         nccl.calls.clear()
         out, rep = run_on(transport, xs[comm.rank], spec)
+        assert rep.gather == gather
         sim = dq.simulate_allreduce(xs, codec=codec, topology=topology, seed=seed % 997,
-                                    counter=3, tile_bytes=tile_bytes)[comm.rank]
+                                    counter=3, tile_bytes=tile_bytes, gather="ring")[comm.rank]
         assert digest(out) == digest(sim), f"seed {seed}, tile_bytes {tile_bytes}"
         assert same_everywhere(comm, digest(out))
         assert rep.transport == "nccl"
