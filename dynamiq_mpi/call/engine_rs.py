@@ -14,7 +14,7 @@ from .. import schedules
 from ..codecs.base import align_up, plan_chunks, plan_layout
 from ..errors import NonFiniteInputError
 from ..rng import CallKeys, call_keys, splitmix64
-from ..transports.ops import Agree, Exchange, Route
+from ..transports.ops import Agree, Exchange, ExchangeAll, Route
 from .phases import (NATIVE_DTYPES, CallSpec, check_local, check_scatter, reduce_tile,
                      resolve_layout, run_collective)
 from .rail_budget import joins
@@ -52,7 +52,8 @@ def block_keys(keys: CallKeys, block: int) -> CallKeys:
 def run_reduce_scatter(plans, schedule, rank):
     """Generator: the reduce-scatter half of ``schedule``, ``plans[c]`` chunk
     c's; blocks may differ in tiles (beyond the shorter list sends and
-    receives go apart).  Returns the bytes sent."""
+    receives go apart); a round of several steps is posted as one group, as
+    in :func:`~.phases.run_schedule`.  Returns the bytes sent."""
     n = schedule.size
     steps = [s for s in schedule.steps[rank] if s.phase == schedules.REDUCE]
     need = defaultdict(int)
@@ -62,27 +63,39 @@ def run_reduce_scatter(plans, schedule, rank):
     arenas = {c: [plans[c].scratch(nb), 0] for c, nb in need.items()}
     pending = defaultdict(list)     # (chunk, tile) -> receive handles of partial sums
     sent = 0
-    for step in steps:
-        sp, rp = plans[step.send_chunk], plans[step.recv_chunk]
-        send_tiles, recv_tiles = sp.chunk_tiles[0], rp.chunk_tiles[0]
-        event = schedule.event(rank, step.send_chunk)
-        arena = arenas[step.recv_chunk]
-        for i in range(max(len(send_tiles), len(recv_tiles))):
-            payload = recv = None
-            if i < len(send_tiles):
-                t = send_tiles[i]
-                payload = yield from reduce_tile(sp, t, pending.pop((step.send_chunk, t), []),
-                                                  event)
-                sent += sp.tile_nbytes(t)
-            if i < len(recv_tiles):
-                t = recv_tiles[i]
-                nbytes = rp.tile_nbytes(t)
-                recv = rp.sub(arena[0], arena[1], arena[1] + nbytes)
-                arena[1] += align_up(nbytes)
-            handle = yield Exchange(payload, step.dest if payload is not None else rank,
+    for group in schedules.rounds(steps):
+        posted = []                 # a round of several steps (one peer): one group
+        for step in group:
+            sp, rp = plans[step.send_chunk], plans[step.recv_chunk]
+            send_tiles, recv_tiles = sp.chunk_tiles[0], rp.chunk_tiles[0]
+            event = schedule.event(rank, step.send_chunk)
+            arena = arenas[step.recv_chunk]
+            for i in range(max(len(send_tiles), len(recv_tiles))):
+                payload = recv = key = None
+                if i < len(send_tiles):
+                    t = send_tiles[i]
+                    payload = yield from reduce_tile(sp, t, pending.pop((step.send_chunk, t), []),
+                                                      event)
+                    sent += sp.tile_nbytes(t)
+                if i < len(recv_tiles):
+                    t = recv_tiles[i]
+                    nbytes = rp.tile_nbytes(t)
+                    recv = rp.sub(arena[0], arena[1], arena[1] + nbytes)
+                    arena[1] += align_up(nbytes)
+                    key = (step.recv_chunk, t)
+                exchange = Exchange(payload, step.dest if payload is not None else rank,
                                     recv, step.source if recv is not None else rank)
-            if recv is not None:
-                pending[(step.recv_chunk, recv_tiles[i])].append(handle)
+                if len(group) > 1:
+                    posted.append((exchange, key))
+                    continue
+                handle = yield exchange
+                if key is not None:
+                    pending[key].append(handle)
+        if posted:
+            handles = yield ExchangeAll([x for x, _ in posted])
+            for (_, key), handle in zip(posted, handles):
+                if key is not None:
+                    pending[key].append(handle)
     own = schedule.owned_chunk(rank)
     plan = plans[own]
     event = schedule.event(rank, own)

@@ -34,7 +34,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .ddp import HookState, _stream_view, _torch_stream
+from .arrays import stream_view, torch_stream
+from .ddp import HookState
 from .groups import _adopt_group, _native_group
 
 try:     # the abstract class is not re-exported by torch; FSDP only calls it
@@ -173,9 +174,9 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
         """Write rank r's chunk of the sum (``op="sum"``) or mean of ``input``
         over the ranks into ``output`` (``input.numel() / n`` elements)."""
         exact = self._exact_chunk(input, op) if self.measure_error else None
-        with _torch_stream(input.device):
+        with torch_stream(input.device):
             coll = self.collective
-            arr, out = _stream_view(input), _stream_view(output)
+            arr, out = stream_view(input), stream_view(output)
             start = self._start_timer(input.device)
             res = coll.reduce_scatter(arr, codec=self.codec, topology=self.topology, op=op,
                                       seed=self.seed, out=out, return_report=self.reports,

@@ -1,5 +1,5 @@
 """The torch adapter's pointer-made CuPy views of CUDA tensors
-(``ddp._stream_view``) against DLPack's (``tensor_as_array``): the same
+(``arrays.stream_view``) against DLPack's (``tensor_as_array``): the same
 memory, shape, dtype and values for every dtype the adapter passes on,
 writes through the view land in the tensor, and the view keeps the tensor's
 memory alive after the caller drops it.
@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.gpu,
 if has_cuda() and torch.cuda.is_available():  # pragma: no branch
     import cupy as cp
 
-    from dynamiq_mpi.torch.ddp import _stream_view, _torch_stream, tensor_as_array
+    from dynamiq_mpi.torch.arrays import stream_view, tensor_as_array, torch_stream
 
 DTYPES = ["float32", "float16", "bfloat16", "float64", "int32", "uint8"]
 
@@ -38,9 +38,9 @@ def _tensor(dtype, shape, seed):
 def test_pointer_view_equals_dlpack_view(dtype, shape):
     seed = int(np.random.SeedSequence().entropy % 2**31)
     t = _tensor(dtype, shape, seed)
-    with _torch_stream(t.device):
-        first = _stream_view(t)             # the first of a dtype learns it from DLPack
-        view = _stream_view(t)
+    with torch_stream(t.device):
+        first = stream_view(t)             # the first of a dtype learns it from DLPack
+        view = stream_view(t)
         ref = tensor_as_array(t)
     for a in (first, view):
         assert a.data.ptr == t.data_ptr() == ref.data.ptr
@@ -55,21 +55,21 @@ def test_pointer_view_equals_dlpack_view(dtype, shape):
 def test_a_slice_at_an_offset_and_an_empty_tensor():
     base = _tensor("float32", (100,), 1)
     part = base[10:30]
-    with _torch_stream(base.device):
-        v = _stream_view(part)
-        e = _stream_view(base[:0])
+    with torch_stream(base.device):
+        v = stream_view(part)
+        e = stream_view(base[:0])
     assert v.data.ptr == part.data_ptr() and v.shape == (20,)
     assert cp.array_equal(v, cp.asarray(tensor_as_array(base))[10:30])
     assert e.shape == (0,)
     with pytest.raises(ValueError, match="contiguous"):
-        _stream_view(base.reshape(10, 10).t())
+        stream_view(base.reshape(10, 10).t())
 
 
 def test_the_view_keeps_the_tensor_alive():
     t = _tensor("float32", (1 << 20,), 2)
     expect = t.double().cpu().numpy()
-    with _torch_stream(t.device):
-        view = _stream_view(t)
+    with torch_stream(t.device):
+        view = stream_view(t)
     del t
     gc.collect()
     junk = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(8)]  # would reuse freed memory

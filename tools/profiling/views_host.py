@@ -1,7 +1,7 @@
 """Host time of the torch adapter's hand-over of a CUDA tensor to CuPy, on
 one GPU: DLPack's view (``tensor_as_array``), the pointer-made view the
-adapter uses (``_stream_view``), and entering torch's stream
-(``_torch_stream``), each the median of rounds of back-to-back calls.
+adapter uses (``stream_view``), and entering torch's stream
+(``torch_stream``), each the median of rounds of back-to-back calls.
 
     python tools/profiling/views_host.py [--calls 2000] [--rounds 5]
 """
@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from dynamiq_mpi.torch.ddp import _stream_view, _torch_stream, tensor_as_array
+from dynamiq_mpi.torch.arrays import stream_view, tensor_as_array, torch_stream
 
 
 def per_call_us(fn, calls, rounds):
@@ -33,16 +33,16 @@ def main():
     dev = t.device
 
     def stream_only():
-        with _torch_stream(dev):
+        with torch_stream(dev):
             pass
 
     def dlpack():
-        with _torch_stream(dev):
+        with torch_stream(dev):
             tensor_as_array(t)
 
     def pointer():
-        with _torch_stream(dev):
-            _stream_view(t)
+        with torch_stream(dev):
+            stream_view(t)
 
     rows = [("enter torch's stream", stream_only), ("+ DLPack view", dlpack),
             ("+ pointer view", pointer)]
