@@ -23,11 +23,11 @@ CODECS = {     # codec, the largest relative error against the exact sum
 
 
 @pytest.mark.parametrize("codec", sorted(CODECS))
-@pytest.mark.parametrize("topology,n", [("ring", 3), ("ring", 5), ("ring", 7),
+@pytest.mark.parametrize("topology,n", [("ring", 3), ("ring", 5), ("ring", 7), ("ring", 9),
                                         ("butterfly", 4), ("butterfly", 8)])
 def test_doubling_and_ring_give_the_same_bits(codec, topology, n):
     seed = fresh_seed()
-    xs = rank_inputs(seed, n, 3000 + 17 * n)
+    xs = rank_inputs(seed, n, 3000 + 17 * n)   # (from 9 ranks the statistics take the schedule)
     runs = {}
     for gather in schedules.GATHERS:
         outs, reports = dq.simulate_allreduce(
@@ -66,3 +66,13 @@ def test_a_bad_gather_is_refused(monkeypatch):
     monkeypatch.setenv("DYNAMIQ_GATHER", "auto")
     with pytest.raises(ValueError, match=r"gather must be one of .*DYNAMIQ_GATHER"):
         dq.simulate_allreduce(rank_inputs(1, 3, 100))
+
+
+def test_the_agreement_names_any_field_in_which_ranks_differ():
+    from dynamiq_mpi.call.phases import check_agreement
+    base = {"error": None, "length": 8, "can": {"nccl": True}}
+    check_agreement([dict(base), dict(base, can={"nccl": False})])     # capabilities may differ
+    with pytest.raises(dq.InputMismatchError, match="disagree on gather"):
+        check_agreement([dict(base, gather="ring"), dict(base, gather="doubling")])
+    with pytest.raises(dq.InputMismatchError, match="disagree on something_new"):
+        check_agreement([dict(base, something_new=1), dict(base, something_new=2)])

@@ -19,7 +19,7 @@
 #   tests profile ncu timeline nvlink shm sockets probe tune hostid lanes mx agprobe
 #   pairab sockset shm1 chunks p2p ab paths ddp fsdp defaults
 # four GPUs, one host (tools/device/nodes.sh):
-#   tests4 hier sockets4 flat4 torch4 ddp4 medium4
+#   tests4 hier sockets4 flat4 torch4 ddp4 medium4 gather4
 # the real-model benchmark, 2 or 4 GPUs (tools/device/lm_bench.sh):
 #   lm-tests lm-ddp-sockets lm-ddp-nvlink lm-ddp-nvlink25 lm-fsdp-sockets lm-fsdp-nvlink lm-fuse lm-profile
 # training (tools/device/train.sh):
@@ -48,7 +48,7 @@ family_of() {
     suites) echo suites ;;
     recipes) echo recipes ;;
     tests|profile|ncu|timeline|nvlink|shm|sockets|probe|tune|hostid|lanes|mx|agprobe|pairab|sockset|shm1|chunks|p2p|ab|paths|ddp|fsdp|defaults) echo links ;;
-    tests4|hier|sockets4|flat4|torch4|ddp4|medium4) echo nodes ;;
+    tests4|hier|sockets4|flat4|torch4|ddp4|medium4|gather4) echo nodes ;;
     lm-tests|lm-ddp-sockets|lm-ddp-nvlink|lm-ddp-nvlink25|lm-fsdp-sockets|lm-fsdp-nvlink|lm-fuse|lm-profile) echo lm_bench ;;
     train) echo train ;;
     ttl) echo time_to_loss ;;

@@ -211,7 +211,7 @@ def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
     xp = backend.xp
     divisor = n if spec.op == "mean" else 1
     stats = table.statistics(flat, spec, backend, workspace)
-    schedule = schedules.build(spec.topology, n)
+    schedule = schedules.build(spec.topology, n, spec.gather)
     yield MARKS["statistics"]
     reduced, sent, stats_total = None, 0, 0
     if stats is not None:
@@ -235,7 +235,6 @@ def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
     if spec.decode_into and result.dtype in NATIVE_DTYPES:  # the plan may decode into it
         table.bind(result, divisor, raise_check)
     chunk_bytes = [sum(p.chunk_nbytes) for p in table.plans]
-    schedule = schedules.build(spec.topology, n, spec.gather)
     yield MARKS["reduce-scatter"]
     sent += yield from table.hops(schedule, rank)
     yield MARKS["finish"]

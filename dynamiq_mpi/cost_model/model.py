@@ -383,7 +383,8 @@ def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
         elif n > 2:                      # the exact codec's all-reduce, same schedule
             exact = codec_cost("exact", 32, rates, sbytes / 4, in_bytes=4)
             d["stats_exchange"] = data_phase(n, ran, sbytes / 4 / n, exact, link_for,
-                                             tile_bytes, launch)["seconds"]
+                                             tile_bytes, launch, gather=gather,
+                                             grouped=grouped)["seconds"]
             stats_messages = 2 * (n - 1)
     if cost.planner:
         d["plan"] = planner_seconds(rates, elements)

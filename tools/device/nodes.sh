@@ -16,7 +16,11 @@
 # inputs of the cost model at 4 ranks (tools/profiling/p2p.py probe: a ring
 # step against NCCL's all-reduce, small to large messages, 1 and 4 lanes, on
 # shared memory and sockets) and the compressed call at 2^22-2^24 on shared
-# memory with 1 and with 4 lanes.
+# memory with 1 and with 4 lanes; gather4: the all-gather's ring against
+# recursive doubling (DYNAMIQ_GATHER), ring and butterfly topologies, the
+# compressed call at 2^20-2^24 on shared memory and sockets, alternating
+# (GATHER_ROUNDS, default 2), after the GPU all-reduce and reduce-scatter
+# suites at 4 ranks with the doubling.
 # Needs .whl/pytest_mpi*.whl (make wheels) carried along.  Output under $OUT.
 set -o pipefail
 OUT=${OUT:-device_out}; mkdir -p "$OUT"
@@ -73,6 +77,23 @@ if has medium4; then
     env $SHM DYNAMIQ_NCCL_LANES=$lanes timeout 150 mpiexec -n 4 $BENCH --codec dynamiq:5 \
       --paths compressed --sizes 8M,16M,32M --json "$OUT/medium4_shm_lanes$lanes.json" 2>&1 \
       | grep -v '^\[' | tee "$OUT/medium4_shm_lanes$lanes.txt"
+  done
+fi
+
+if has gather4; then
+  echo "== gather4: GPU suites at 4 ranks, DYNAMIQ_GATHER=doubling"; t0=$(date +%s)
+  DYNAMIQ_GATHER=doubling SKIP_SERIAL=1 MPI_TESTS="tests/mpi/test_allreduce_gpu_mpi.py tests/mpi/test_reduce_scatter_gpu_mpi.py" \
+    MPI_TIMEOUT=150 timeout 170 tools/testing/run_tests.sh $PY 4 2>&1 | tail -6 | tee "$OUT/gather4_tests.txt"
+  echo "tests took $(( $(date +%s) - t0 )) s"
+  for r in $(seq 1 ${GATHER_ROUNDS:-2}); do
+    for link in "shm:$SHM" "sockets:$SOCKETS $TUNED"; do
+      for g in ring doubling; do
+        echo "== gather4 round $r: ${link%%:*}, DYNAMIQ_GATHER=$g"
+        env ${link#*:} DYNAMIQ_GATHER=$g timeout 120 mpiexec -n 4 $BENCH --codec dynamiq:5 \
+          --topology ring,butterfly --paths compressed --sizes ${GATHER_SIZES:-2M,8M,16M,32M} \
+          --json "$OUT/gather4_${link%%:*}_${g}_r$r.json" 2>&1 | grep -v '^\[' | tail -12
+      done
+    done
   done
 fi
 
