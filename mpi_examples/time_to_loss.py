@@ -260,8 +260,13 @@ def report(runs, baseline="bf16"):
     by_codec = {}
     for r in runs:
         by_codec.setdefault(run_label(r, base_steps), []).append(r)
-    for rs in by_codec.values():
+    for label, rs in by_codec.items():
         rs.sort(key=lambda r: r["summary"]["seed"])
+        seeds = [r["summary"]["seed"] for r in rs]
+        twice = sorted({s for s in seeds if seeds.count(s) > 1})
+        if twice:       # a seed counted twice would weigh twice in the means
+            raise SystemExit(f"time_to_loss: {label} has more than one run at seed(s) {twice}; "
+                             "report each repeat from its own folder")
     base = by_codec.get(baseline)
     target, base_sd = (_mean_sd([r["summary"]["final_val_loss"] for r in base]) if base
                        else (None, 0.0))

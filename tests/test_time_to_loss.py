@@ -124,3 +124,9 @@ def test_step_budgets_in_codec_specs():
             ttl.split_steps(bad, 300)
     assert ttl.run_tag("dynamiq:5@330", 1) == "dynamiq5_n330_s1"
     assert ttl.run_tag("dynamiq:5@330", 1) != ttl.run_tag("dynamiq:5", 1)
+
+
+def test_a_seed_run_twice_is_refused():
+    runs = [fake_run("bf16", 0, 300.0, [5, 4, 3, 2, 1.0]), fake_run("bf16", 0, 310.0, [5, 4, 3, 2, 1.1])]
+    with pytest.raises(SystemExit, match="more than one run at seed"):
+        ttl.report(runs)
