@@ -351,8 +351,8 @@ def compressed_allreduce(n, elements, cost_at, link_for, rates, topology="ring",
     and its parts; ``cost_at(tile_elements) -> CodecCost``; ``stats_direct``:
     up to how many ranks and bytes the statistics travel directly (a recorded
     run's own: see research/model_check_runs.py); ``gather``: the all-gather's
-    schedule (a recorded run's own); ``grouped=False``: the butterfly's levels posted step by step
-    (runs recorded before rounds)."""
+    schedule (a recorded run's own); ``grouped=False``: the butterfly's
+    levels posted step by step (runs recorded before rounds)."""
     if host not in HOST_MODES:
         raise ValueError(f"host {host!r}: one of {HOST_MODES}")
     ran = topology
