@@ -127,6 +127,7 @@ def test_step_budgets_in_codec_specs():
 
 
 def test_a_seed_run_twice_is_refused():
-    runs = [fake_run("bf16", 0, 300.0, [5, 4, 3, 2, 1.0]), fake_run("bf16", 0, 310.0, [5, 4, 3, 2, 1.1])]
+    runs = [fake_run("bf16", 0, 300.0, [5, 4, 3, 2, 1.0]),
+            fake_run("bf16", 0, 310.0, [5, 4, 3, 2, 1.1])]
     with pytest.raises(SystemExit, match="more than one run at seed"):
         ttl.report(runs)
