@@ -170,7 +170,7 @@ def agree_call(coll, x, out, collective, *, codec, topology, op, seed, counter, 
     n = coll.size
     spec = CallSpec(codec, topology, op, seed, counter, transport, tile_bytes,
                     path="compressed" if path == "auto" else path, nonfinite=nonfinite,
-                    layout=coll.layout)
+                    layout=coll.layout, gather=coll.gather)
     error, flat, flat_out, backend = None, None, None, None
     try:
         schedules.check_topology(topology, 1)   # the name (rails fall back to the ring)
@@ -318,7 +318,7 @@ class Levels:
         report = Report(codec=rail_rep.codec, topology=topology, world_size=n, length=length,
                         dtype=dtype_name(dtype), op=op, seed=int(seed), call_counter=counter,
                         transport=rail_rep.transport, path=rail_rep.path,
-                        path_reason=rail_rep.path_reason,
+                        path_reason=rail_rep.path_reason, gather=rail_rep.gather,
                         nonfinite=bool(holds_nonfinite(xp, result)) if length else False,
                         wire_bytes_total=wire,
                         stats_bytes_total=rail_rep.stats_bytes_total,
@@ -399,9 +399,11 @@ class Levels:
 class NodeCalls:
     """A call runner's hierarchy route; ``make_rail(plane)`` makes a rail's flat runner."""
 
-    def __init__(self, runtime, layout, node_size, rail_budget, links, make_rail):
+    def __init__(self, runtime, layout, node_size, rail_budget, links, make_rail,
+                 gather="ring"):
         self.plane, self.size, self.control_plane = runtime.plane, runtime.size, runtime.plane.name
         self.layout = layout            # the codecs' layout (phases.default_layout)
+        self.gather = gather            # the rails' all-gather (agreed over the whole plane)
         self.node_size, self.rail_budget, self.links = node_size, rail_budget, links
         self._make_rail = make_rail
         self._levels = self._found = None   # Levels; the nodes found for hierarchy="auto"

@@ -18,7 +18,7 @@ from ..errors import InputMismatchError, InvalidInputError, NonFiniteInputError,
 from ..settings import env_choice, env_text
 from ..report import Report
 from ..transports import TRANSPORTS, transport_capabilities
-from ..transports.ops import Agree, Claim, Exchange, ExchangeAll, Mark
+from ..transports.ops import Agree, Claim, Exchange, ExchangeAll, Mark, Received
 
 OPS = ("sum", "mean")
 PATHS = ("compressed", "native")
@@ -282,7 +282,9 @@ def _finish_and_send(plan, schedule, rank, step, pending, held):
     sent, arrived = 0, []
     for send_tile, recv_tile in zip(plan.chunk_tiles[own], plan.chunk_tiles[step.recv_chunk]):
         final = yield from reduce_tile(plan, send_tile, pending.pop(send_tile, []), event)
-        held[send_tile] = final
+        # forwarded later (the doubling's rounds) as what the lanes have sent
+        # already: no wait for the compute stream's decodes in between
+        held[send_tile] = Received(final)
         held[recv_tile] = yield Exchange(final, step.dest, plan.wire_slot(recv_tile), step.source)
         sent += plan.tile_nbytes(send_tile)
         plan.decode(send_tile, final)        # the sink adopts its own decoded bytes

@@ -79,8 +79,9 @@ class CallPlanner:
     may use, or None (hierarchy.NodeCalls); ``comm``: the communicator."""
 
     def __init__(self, plane, size: int, graphs: bool = False, links=None, auto_layout=None,
-                 comm=None):
+                 comm=None, gather="ring"):
         self.plane, self.size, self.use_graphs, self.links = plane, size, graphs, links
+        self.gather = gather        # the calls' all-gather, for the hierarchy's prediction
         self.comm = comm
         self.gpu_sharing = {}       # device -> which ranks share a GPU ('' : none), asked once
         self.auto_layout = auto_layout
@@ -213,7 +214,7 @@ class CallPlanner:
             try:
                 return prediction.predict_hierarchies(
                     layout[0], layout[1], 1 << key[2], np.dtype(x.dtype).itemsize,
-                    call["codec"], call["topology"], self.links, on_device)
+                    call["codec"], call["topology"], self.links, on_device, self.gather)
             except Exception:   # not an array, a codec or topology the model does not know:
                 return None     # measured (an invalid call fails agreement on every rank)
 

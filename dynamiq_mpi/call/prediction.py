@@ -105,10 +105,11 @@ class Prediction:
 
 
 def predict_hierarchies(nodes: int, node_size: int, elements: int, itemsize: int, codec,
-                        topology: str, links, on_device: bool):
+                        topology: str, links, on_device: bool, gather: str = "ring"):
     """The :class:`Prediction` of the flat and the hierarchical call of
     ``elements`` per rank, or None where the model lacks the codec; ``links``:
-    :func:`default_links`' tuple, or None (the model's defaults)."""
+    :func:`default_links`' tuple, or None (the model's defaults); ``gather``:
+    the calls' all-gather schedule."""
     flat_codec = model_codec(codec, elements)
     rail_codec = model_codec(codec, elements // node_size)
     if not flat_codec or not rail_codec or not flat_codec[0] or not rail_codec[0]:
@@ -123,9 +124,9 @@ def predict_hierarchies(nodes: int, node_size: int, elements: int, itemsize: int
                          cm.Link(INTER_LATENCY, inter), nics)
     topo = (topology,)
     flat = cm.predict(cluster, elements, rates, flat_codec[0], flat_codec[1], topo, "fixed",
-                      itemsize)[f"flat_{topology}"]["seconds"]
+                      itemsize, gather=gather)[f"flat_{topology}"]["seconds"]
     levels = cm.predict(cluster, elements, rates, rail_codec[0], rail_codec[1], topo, "fixed",
-                        itemsize)[f"levels_{topology}"]["seconds"]
+                        itemsize, gather=gather)[f"levels_{topology}"]["seconds"]
     detail = (f"{nodes} nodes x {node_size}, intra {_bandwidth(intra)}, inter "
               f"{_bandwidth(inter)} x {nics} NIC(s), 2^{max(elements, 1).bit_length() - 1} "
               f"elements, {flat_codec[0]}, "

@@ -35,10 +35,11 @@ class CallRunner:
             return CallRunner(Runtime(plane, runtime.lanes, runtime.lane_bytes), layout,
                               graphs, decode_into=self.settings["decode_into"],
                               gather=self.settings["gather"])
-        self.nodes = NodeCalls(runtime, layout, node_size, rail_budget, links, make_rail)
+        self.nodes = NodeCalls(runtime, layout, node_size, rail_budget, links, make_rail,
+                               self.settings["gather"])
         self.graphs = GraphCalls(runtime, self.settings)
         self.planner = CallPlanner(runtime.plane, runtime.size, graphs, links,
-                                   self.nodes.auto_layout, runtime.comm)
+                                   self.nodes.auto_layout, runtime.comm, self.settings["gather"])
         self.last_bits = None       # Report.bits_per_coord of the last call, reported or not
 
     def allreduce(self, x, out, call, hierarchy, want_report, profile, plan_hook=None):

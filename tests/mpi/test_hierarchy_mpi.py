@@ -554,6 +554,24 @@ def test_ranks_asking_unlike_rail_budgets_raise_everywhere():
 
 
 @pytest.mark.mpi(min_size=4)
+def test_ranks_asking_unlike_all_gathers_raise_everywhere(monkeypatch):
+    # one rank differs: its rail would disagree while the others' rails go on
+    # into the in-node all-gather; the whole plane's agreement refuses first
+    k = max(k for k in NODE_SIZES if 1 < k < N)
+    monkeypatch.setenv("DYNAMIQ_GATHER", "doubling" if comm.rank == 0 else "ring")
+    coll = dq.Collective(comm, node_size=k, hierarchy="nodes", path="compressed")
+    with pytest.raises(dq.InputMismatchError, match="gather"):
+        coll.allreduce(np.ones(3000, np.float32))
+    coll.free()
+    monkeypatch.setenv("DYNAMIQ_GATHER", "doubling")
+    coll = dq.Collective(comm, node_size=k, hierarchy="nodes", path="compressed")
+    _, rep = coll.allreduce(np.ones(3000, np.float32), codec=dq.DynamiQ(small_input=0),
+                            return_report=True)
+    coll.free()
+    assert rep.hierarchy == "nodes" and rep.gather == "doubling"     # the rails' schedule
+
+
+@pytest.mark.mpi(min_size=4)
 def test_a_joint_rail_budget_runs_under_nonfinite_raise():
     """nonfinite="raise" with the joint rail budget: the rails' re-budgeted
     codec is not mistaken for a small input's fallback (whose decoded sum
