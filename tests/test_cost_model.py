@@ -230,3 +230,29 @@ def test_eager_host_gates_the_device(rates):
     assert fast["seconds"] < host_bound["seconds"]
     graph = cm.compressed_allreduce(4, 1 << 22, cost, lambda d: link, slow, "ring", "graph")
     assert graph["seconds"] == pytest.approx(max(50e-6, graph["device"]))
+
+
+def test_rounds_pay_one_latency_each(rates):
+    """A latency-bound link: the doubling's all-gather (two rounds at four
+    ranks instead of three) and the butterfly's grouped levels each save
+    about one message's latency per round saved; a fast link sees almost no
+    difference; the recorded-run mode (no rounds) is the old step-by-step
+    schedule."""
+    slow = cm.Link(370e-6, 11.3e9)
+    cost = lambda te: cm.codec_cost("dynamiq", 5.0, rates, te)      # noqa: E731
+
+    def call(topology, gather, grouped=True, link=slow, n=4):
+        return cm.compressed_allreduce(n, 1 << 22, cost, lambda d: link, rates, topology,
+                                       "graph", gather=gather, grouped=grouped)
+
+    ring, dbl = call("ring", "ring"), call("ring", "doubling")
+    assert (ring["rounds"], dbl["rounds"]) == (6, 5) and ring["hops"] == dbl["hops"]
+    assert ring["seconds"] - dbl["seconds"] == pytest.approx(370e-6, rel=0.1)
+    bfly, seq = call("butterfly", "doubling"), call("butterfly", "doubling", grouped=False)
+    assert (bfly["rounds"], seq["rounds"]) == (4, 5)
+    assert seq["seconds"] - bfly["seconds"] == pytest.approx(370e-6, rel=0.15)
+    fast = cm.Link(2e-6, 400e9)
+    a, b = call("ring", "ring", link=fast), call("ring", "doubling", link=fast)
+    assert abs(a["seconds"] - b["seconds"]) < 0.02 * a["seconds"]
+    eight = call("ring", "ring", n=8)["rounds"], call("ring", "doubling", n=8)["rounds"]
+    assert eight == (14, 10)
