@@ -68,6 +68,7 @@ class Schedule:
     size: int
     steps: tuple            # steps[rank] -> tuple[Step, ...], same length for every rank
     gather: str = "ring"
+    rounds: tuple = ()      # rounds[rank] -> the rank's steps grouped by rounds()
 
     def owned_chunk(self, rank: int) -> int:
         """The chunk this rank is the sink of (role n - 1)."""
@@ -164,4 +165,5 @@ def build(topology: str, size: int, gather: str = "ring") -> Schedule:
     n = size
     steps = tuple(tuple(reduce_steps(topology, r, n) + gather_steps(gather, r, n))
                   for r in range(n))
-    return Schedule(topology, n, steps, gather)
+    return Schedule(topology, n, steps, gather,
+                    tuple(tuple(tuple(g) for g in rounds(s)) for s in steps))

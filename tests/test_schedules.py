@@ -55,6 +55,7 @@ def test_every_sink_gets_every_contribution(topology, n, gather):
 def test_all_gather_delivers_every_chunk_once(topology, n, gather):
     s = schedules.build(topology, n, gather)
     assert s.gather == gather
+    assert all([list(g) for g in s.rounds[r]] == schedules.rounds(s.steps[r]) for r in range(n))
     have = {r: {s.owned_chunk(r)} for r in range(n)}
     gathers = {r: schedules.rounds([st for st in s.steps[r] if st.phase == GATHER])
                for r in range(n)}

@@ -63,7 +63,7 @@ def run_reduce_scatter(plans, schedule, rank):
     arenas = {c: [plans[c].scratch(nb), 0] for c, nb in need.items()}
     pending = defaultdict(list)     # (chunk, tile) -> receive handles of partial sums
     sent = 0
-    for group in schedules.rounds(steps):
+    for group in [g for g in schedule.rounds[rank] if g[0].phase == schedules.REDUCE]:
         posted = []                 # a round of several steps (one peer): one group
         for step in group:
             sp, rp = plans[step.send_chunk], plans[step.recv_chunk]

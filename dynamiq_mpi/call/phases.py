@@ -234,7 +234,6 @@ def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
                    and spec.nonfinite == "raise")
     if spec.decode_into and result.dtype in NATIVE_DTYPES:  # the plan may decode into it
         table.bind(result, divisor, raise_check)
-    chunk_bytes = [sum(p.chunk_nbytes) for p in table.plans]
     yield MARKS["reduce-scatter"]
     sent += yield from table.hops(schedule, rank)
     yield MARKS["finish"]
@@ -243,6 +242,7 @@ def run_collective(table, rank: int, n: int, x, spec: CallSpec, out, workspace,
     finish_into(table.own, divisor, result, workspace, xp)
     yield MARKS["done"]
 
+    chunk_bytes = [sum(p.chunk_nbytes) for p in table.plans]
     report.gather = schedule.gather if table.halves == 2 else ""
     report.wire_bytes_total = stats_total + table.halves * (n - 1) * sum(chunk_bytes)
     report.stats_bytes_total = stats_total
@@ -307,7 +307,7 @@ def run_schedule(plan, schedule, rank):
     held = {}                       # tile -> final compressed bytes (array or handle)
     sent = 0
     finalised = False
-    for group in schedules.rounds(steps):
+    for group in schedule.rounds[rank]:
         if group[0].phase == schedules.GATHER and not finalised:
             # the first all-gather round sends the chunk just reduced
             yield MARKS["all-gather"]
