@@ -30,6 +30,7 @@ from ..settings import env_choice
 from .arrays import stream_view, tensor_as_array, torch_stream
 from .ddp_buckets import DEFAULT_FUSE_MB, HOOK_PATHS, STEP_ROUNDS, BucketRouter, auto_steps
 from .groups import _adopt_group, _native_group, init_process_group_from_mpi  # noqa: F401 (re-exported)
+from .hook_gate import leaves_ddp_alone
 
 __all__ = ["HookState", "ddp_comm_hook", "register_comm_hook", "allreduce_gradients",
            "init_process_group_from_mpi", "tensor_as_array", "ReduceScatter"]
@@ -439,10 +440,18 @@ def register_comm_hook(ddp, state: "HookState", hook=None) -> "HookState":
     state's communicator taken from ``ddp.process_group`` when it has none;
     raises ``InvalidInputError`` when the state was made for other ranks
     (a state over the whole job on a DDP over a subgroup would mix the
-    groups' gradients).  Returns ``state``."""
+    groups' gradients).  Returns ``state``.
+
+    With ``path="auto"`` on a CUDA model, a link so fast that the group's
+    float32 all-reduce of a bucket costs less than any Python comm hook's
+    own host time (NVLink at DDP's default buckets) gets no hook: DDP keeps
+    its C++ reducer, ``path_decisions()["step"]`` is ``("ddp", why)`` and
+    rank 0 warns once (hook_gate.py).  Any other path registers the hook."""
     group = getattr(ddp, "process_group", None)
     if group is not None:
         _adopt_group(state, group, "register_comm_hook", "the DDP model's process group")
+    if hook is None and leaves_ddp_alone(ddp, state, group):
+        return state
     ddp.register_comm_hook(state, ddp_comm_hook if hook is None else hook)
     return state
 

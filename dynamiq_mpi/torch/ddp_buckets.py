@@ -42,6 +42,7 @@ from .groups import _native_group
 from .overlap import BucketWorker, complete, new_future
 
 HOOK_PATHS = ("auto", "compressed", "native", "plain")
+NO_HOOK = "ddp"         # path="auto"'s choice of no hook at all (hook_gate.py)
 STEP_OPTIONS = ("plain", "native", "compressed")     # most exact first
 DEFAULT_FUSE_MB = 256.0
 STEP_ROUNDS = 3         # timed A/B rounds of path="auto"
@@ -173,8 +174,8 @@ class BucketRouter:
             return st.path
         if not getattr(st.codec, "auto_path", False):
             return "compressed"         # codecs that always run compressed
-        if self.decided is not None:
-            return self.decided[0]
+        if self.decided is not None:    # no hook chosen, yet called: DDP's own all-reduce
+            return "plain" if self.decided[0] == NO_HOOK else self.decided[0]
         if alone:
             return self.chooser.choice if self.chooser and self.chooser.choice else "compressed"
         if self.chooser is None:
@@ -326,4 +327,5 @@ class BucketRouter:
             worker.close()
 
 
-__all__ = ["BucketRouter", "auto_steps", "fused_groups", "HOOK_PATHS", "STEP_OPTIONS", "DEFAULT_FUSE_MB", "STEP_ROUNDS"]
+__all__ = ["BucketRouter", "auto_steps", "fused_groups", "HOOK_PATHS", "NO_HOOK", "STEP_OPTIONS",
+           "DEFAULT_FUSE_MB", "STEP_ROUNDS"]

@@ -154,3 +154,39 @@ def test_auto_path_on_cuda_decides_by_steps_alike_on_every_rank(device):
     assert all(c == (choice, why) for c in comm.allgather((choice, why)))
     assert same_on_every_rank(params)
     state.close()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_register_comm_hook_gate_on_cuda_decides_alike_and_no_hook_is_plain_ddp(device):
+    """register_comm_hook with path="auto" times the group's all-reduce of a
+    bucket on the device (every rank gets the slowest rank's time); where it
+    leaves DDP without a hook, training is plain DDP's, bit for bit."""
+    import warnings
+
+    from dynamiq_mpi.torch import hook_gate
+    model = DDP(make_net(device), device_ids=[device.index], bucket_cap_mb=0.5)
+    group = model.process_group
+    nbytes, dtype, dev = hook_gate.bucket_probe(model)
+    assert (nbytes, dtype, dev) == (int(0.5 * 2 ** 20), torch.float32, device)
+    seconds = hook_gate.group_allreduce_seconds(group, nbytes, dtype, dev)
+    assert 0 < seconds < 10 and all(s == seconds for s in comm.allgather(seconds))
+    state = dqt.HookState(path="auto", transport=TRANSPORT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dqt.register_comm_hook(model, state)
+    decided = state.path_decisions().get("step")
+    assert all(d == decided for d in comm.allgather(decided))
+    hooked = model._get_ddp_logging_data().get("comm_hook") or None
+    if decided is None:
+        assert hooked == "ddp_comm_hook"
+    else:
+        assert decided[0] == "ddp" and hooked is None
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(3):
+            opt.zero_grad()
+            x, y = batch(step, device)
+            (model(x) - y).square().mean().backward()
+            opt.step()
+        plain, _ = train(None, device, steps=3)
+        assert all(torch.equal(a.detach().cpu(), b) for a, b in zip(model.parameters(), plain))
+    state.close()
