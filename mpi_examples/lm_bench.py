@@ -177,7 +177,8 @@ def main(argv=None):
             cfg.step_ms.append((t2 - t0) * 1e3)
             cfg.update_ms.append((t2 - t1) * 1e3)
             cfg.hook.append(None if stats is None else
-                            {k: stats[k] for k in ("calls", "buckets", "paths", "bits_per_coord")})
+                            {k: stats[k] for k in ("calls", "buckets", "paths", "bits_per_coord",
+                                                   "host_s")})
         return w
 
     def model_of(cfg):
@@ -494,6 +495,7 @@ def _summarise(configs, probes, args, world, n_params) -> dict:
             "exposed_ms_p25_p75": [step - compute[0.75], step - compute[0.25]],
             "tokens_per_s": tokens / (step / 1e3),
             "steps_ms": c.step_ms, "update_ms": update, "hook": c.hook,
+            "hook_host_ms": _hook_host_ms(c.hook),
             "paths": ({str(k): list(v) for k, v in c.state.path_decisions().items()}
                       if hasattr(c.state, "path_decisions") else {}),
             "auto_step_periods_ms": ({k: [t * 1e3 for t in v]
@@ -512,6 +514,13 @@ def _summarise(configs, probes, args, world, n_params) -> dict:
                 row[f"exposed_vs_{ref}_p25_p75"] = lo_hi
     return {"rows": rows, "probes_ms": probes, "probe_quartiles_ms": list(probe_q.values()),
             "n_params": n_params, "tokens_per_step": tokens}
+
+
+def _hook_host_ms(hook) -> float | None:
+    """Median host time a step inside our hook or reduce-scatter (the
+    autograd thread's), None for torch's own."""
+    host = [h["host_s"] * 1e3 for h in hook if h is not None and h.get("host_s") is not None]
+    return statistics.median(host) if host else None
 
 
 def _meta(args, world, device, torch, dq, corpus, wall_s) -> dict:
@@ -538,8 +547,8 @@ def _table(result) -> str:
              + "/".join(f"{q:.1f}" for q in result["probe_quartiles_ms"]) + " ms)",
              "| bucket cap (MB) | config | step (ms) | compute (ms) | exposed comm (ms) | "
              "tokens/s | step vs fp32 | step vs bf16 | exposed vs bf16 (p25-p75 probes) | "
-             "path |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "path | our host ms a step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         lo, hi = r.get("exposed_vs_bf16_p25_p75") or (None, None)
         spread = (f" ({_fmt(min(lo, hi))}-{_fmt(max(lo, hi))})"
@@ -551,7 +560,7 @@ def _table(result) -> str:
                      f"{r['compute_ms']:.1f} | {r['exposed_ms']:.1f} | "
                      f"{r['tokens_per_s']:.0f} | {_fmt(r.get('step_vs_fp32'))} | "
                      f"{_fmt(r.get('step_vs_bf16'))} | {_fmt(r.get('exposed_vs_bf16'))}{spread} | "
-                     f"{paths} |")
+                     f"{paths} | {_fmt(r.get('hook_host_ms'), '.1f')} |")
     return "\n".join(lines)
 
 

@@ -141,6 +141,7 @@ class HookState:
         self._bits = 0.0
         self._seconds = 0.0
         self._events = []
+        self._host_s = 0.0          # the caller's thread inside the hook / reduce-scatter
         self._err_sq = 0.0
         self._ref_sq = 0.0
 
@@ -410,8 +411,9 @@ class HookState:
         ``bits_per_coord`` (coordinate-weighted over the calls whose bits are
         known: every call but a hierarchical one without a report; None if
         none), ``comm_s`` (time inside the all-reduce when
-        ``timing`` is on; waits for its CUDA events) and ``vnmse`` (None
-        unless measured).  With ``timing`` on, call it every step or so."""
+        ``timing`` is on; waits for its CUDA events), ``host_s`` (time the
+        caller's thread spent inside the hook or the reduce-scatter: DDP's or
+        FSDP2's autograd thread) and ``vnmse`` (None unless measured).  With ``timing`` on, call it every step or so."""
         self.settle()
         seconds = self._seconds
         for start, end in self._events:
@@ -424,6 +426,7 @@ class HookState:
             "coords": self._coords,
             "bits_per_coord": self._bits / self._reported if self._reported else None,
             "comm_s": seconds,
+            "host_s": self._host_s,
             "vnmse": self._err_sq / self._ref_sq if self._ref_sq > 0 else None,
         }
         self._reset_stats()
@@ -468,10 +471,12 @@ def ddp_comm_hook(state: "HookState", bucket) -> torch.futures.Future[torch.Tens
     skips the step); with ``HookState(nonfinite="raise")`` every rank raises
     from ``loss.backward()`` instead.
     """
+    t0 = time.perf_counter()
     last = bucket.is_last()
     fut = state.bucket_future(bucket.buffer(), last=last)
     if last:
         state.raise_pending_error()     # an overlapped call's error, with its own type
+    state._host_s += time.perf_counter() - t0
     return fut
 
 

@@ -31,6 +31,8 @@ group's reduce-scatter in FSDP's ``reduce_dtype``.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
@@ -121,6 +123,7 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group,
                  op, async_op: bool = False):
+        t_host = time.perf_counter()
         opname, factor = _op_of(op)
         self._check_group(group)
         path, key, timed = self._rs_path(input_tensor)
@@ -136,11 +139,13 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
         if timed:
             self.collective.class_choice().record(key, path,
                                                   self._synced_time(input_tensor) - t0, path)
+        work = None
         if async_op:
             fut = torch.futures.Future()
             fut.set_result([output_tensor])
-            return torch._C._distributed_c10d._create_work_from_future(fut)
-        return None
+            work = torch._C._distributed_c10d._create_work_from_future(fut)
+        self._host_s += time.perf_counter() - t_host
+        return work
 
     def _group_rs(self, output, input, group, opname, factor, path):
         """The group's own reduce-scatter: "plain" in the input's dtype,

@@ -114,6 +114,7 @@ def test_dynamiq_consistent_and_close():
     lo = train(ours, steps=4)
     stats = rs.pop_stats()
     assert stats["calls"] > 0 and 5.0 < stats["bits_per_coord"] < 7.5   # tiny groups: metadata
+    assert 0 < stats["host_s"] < 60 and rs.pop_stats()["host_s"] == 0.0
     assert rs.last_report.collective == "reduce_scatter"
     a = torch.cat([p.reshape(-1) for p in full_params(plain)])
     b = torch.cat([p.reshape(-1) for p in full_params(ours)])

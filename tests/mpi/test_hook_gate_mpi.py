@@ -117,7 +117,8 @@ def test_a_link_slower_than_a_hook_gets_the_hook(cpu_gated):
     assert hook_name(model) == "ddp_comm_hook"
     assert state.path_decisions() == {} and state.auto_steps > 0
     train(model, steps=2)
-    assert state.pop_stats()["buckets"] > 0
+    stats = state.pop_stats()
+    assert stats["buckets"] > 0 and 0 < stats["host_s"] < 60
     state.close()
 
 
