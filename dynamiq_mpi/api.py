@@ -100,14 +100,20 @@ class Collective:
     repeats one made before is captured on its second occurrence and
     replayed from then on, for one digest exchange and a graph launch of host
     time.  On by default; ``graphs=False`` or ``DYNAMIQ_GRAPHS=0`` turns it off.
-    :meth:`graph_stats` says what was captured.
+    :meth:`graph_stats` says what was captured.  ``agree_replays=False``
+    skips that digest exchange on replays (the call was agreed when it was
+    captured): the exchange is a rendezvous of the ranks' host threads, so
+    skipping it lets a rank's host run ahead, as NCCL's own calls do.  Only
+    for callers whose every rank makes the same sequence of calls by
+    construction (FSDP2's reduce-scatters): a rank that replays a different
+    call then hangs in NCCL instead of raising.
     """
 
     def __init__(self, comm=None, transport: str = "auto", tile_bytes: int = DEFAULT_TILE_BYTES,
                  lanes: int | str | None = None, path: str | None = None,
                  nonfinite: str = "propagate", graphs: bool | None = None,
                  hierarchy: str | None = None, node_size: int | None = None,
-                 rail_budget: str | None = None, links=None):
+                 rail_budget: str | None = None, links=None, agree_replays: bool = True):
         if comm is None:
             comm = default_comm()
         _check_transport(transport)
@@ -121,6 +127,9 @@ class Collective:
         self.layout = default_layout()
         self.gather = default_gather()
         self.graphs = default_graphs(graphs)
+        if not isinstance(agree_replays, bool):
+            raise TypeError(f"agree_replays must be True or False, got {agree_replays!r}")
+        self.agree_replays = agree_replays
         self.parent = comm
         self.transport = transport
         self.tile_bytes = int(tile_bytes)
@@ -134,7 +143,8 @@ class Collective:
         self.control_plane = self._runtime.plane.name
         self.rank, self.size = self._runtime.rank, self._runtime.size
         self._runner = CallRunner(self._runtime, self.layout, self.graphs, self.node_size,
-                                  self.rail_budget, self.links, gather=self.gather)
+                                  self.rail_budget, self.links, gather=self.gather,
+                                  agree_replays=agree_replays)
         self._counter = 0
         self._lock = threading.Lock()
 

@@ -12,7 +12,9 @@ captured once into a CUDA graph and replayed:
   still running would block the host).
 * :class:`SteadyCompressed`: one steady call of a Collective: its agreed
   record (each replay costs one 8-byte digest exchange; a rank whose call
-  differs makes every rank raise) and its graph once captured.
+  differs makes every rank raise; a Collective made with
+  ``agree_replays=False`` replays on the capture's agreement alone) and its
+  graph once captured.
 
 An all-reduce's graph reads and writes the caller's buffers (the DDP hook's
 persist); a reduce-scatter's is *staged*: it copies the input in and the
@@ -253,8 +255,9 @@ class GraphCalls:
     """The graph route of a call runner: a steady compressed call replayed
     (or captured) on its runtime (runtime.py)."""
 
-    def __init__(self, runtime, settings):
+    def __init__(self, runtime, settings, agree_replays=True):
         self.runtime, self.settings = runtime, settings     # CallSpec's layout, decode_into
+        self.agree_replays = agree_replays  # False: a replay trusts its capture's agreement
 
     def run(self, entry, x, out, call):
         """Replay (or capture, on its second occurrence) a steady compressed
@@ -265,7 +268,8 @@ class GraphCalls:
         rt = self.runtime
         captured = 0.0
         counter = call["counter"]
-        if not entry.agree(rt.plane, counter):
+        agree = entry.graph is None or self.agree_replays
+        if agree and not entry.agree(rt.plane, counter):
             from .phases import check_agreement      # every rank raises, as on the engine's path
             check_agreement(rt.plane.allgather(dict(entry.record, counter=counter)))
             raise InvalidInputError("ranks disagree on the call")

@@ -20,11 +20,12 @@ from .runtime import Runtime, sync
 class CallRunner:
     """Plans and runs the calls of one runtime.  ``layout``: the codecs'
     (phases.default_layout); ``graphs``: replay steady compressed calls as
-    CUDA graphs; ``node_size``, ``rail_budget`` and ``links``: the
+    CUDA graphs (``agree_replays``: with a digest exchange each); ``node_size``, ``rail_budget`` and ``links``: the
     hierarchy's (see the Collective)."""
 
     def __init__(self, runtime: Runtime, layout, graphs: bool, node_size=None,
-                 rail_budget="joint", links=None, decode_into=None, gather=None):
+                 rail_budget="joint", links=None, decode_into=None, gather=None,
+                 agree_replays=True):
         self.runtime = runtime
         # every CallSpec's layout, decode_into and gather (read once, as the layout)
         self.settings = dict(layout=layout, decode_into=decode_into_output()
@@ -34,10 +35,10 @@ class CallRunner:
         def make_rail(plane):           # a rail is flat, on a runtime of its own
             return CallRunner(Runtime(plane, runtime.lanes, runtime.lane_bytes), layout,
                               graphs, decode_into=self.settings["decode_into"],
-                              gather=self.settings["gather"])
+                              gather=self.settings["gather"], agree_replays=agree_replays)
         self.nodes = NodeCalls(runtime, layout, node_size, rail_budget, links, make_rail,
                                self.settings["gather"])
-        self.graphs = GraphCalls(runtime, self.settings)
+        self.graphs = GraphCalls(runtime, self.settings, agree_replays)
         self.planner = CallPlanner(runtime.plane, runtime.size, graphs, links,
                                    self.nodes.auto_layout, runtime.comm, self.settings["gather"])
         self.last_bits = None       # Report.bits_per_coord of the last call, reported or not

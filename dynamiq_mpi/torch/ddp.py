@@ -74,6 +74,7 @@ class HookState:
     bits are the same either way.
     """
 
+    agree_replays = True        # the DDP hook's calls: every graph replay agreed too
     _PICKLED = ("codec", "seed", "transport", "topology", "iteration", "measure_error",
                 "reports", "timing", "path", "nonfinite", "overlap", "fuse_mb", "auto_rounds",
                 *COLLECTIVE_OPTIONS)
@@ -209,6 +210,7 @@ class HookState:
         with self._lock:
             if self._collective is None:
                 coll = Collective(comm=self.comm, transport=self.transport,
+                                  agree_replays=self.agree_replays,
                                   **self.collective_options())
                 coll.counter = self._counter
                 self._collective = coll

@@ -97,19 +97,35 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
     ``links``, ``rail_budget``, ``graphs`` and ``lanes``: the collective's
     options, as :class:`HookState` takes them (``hierarchy="nodes"``: the
     reduce-scatter goes uncompressed inside a node, compressed across).
+
+    ``agree_replays`` (default False): whether a reduce-scatter replayed as
+    a CUDA graph exchanges its digest again.  Every call is agreed on until
+    its graph is captured; after that FSDP2's sequence of reduce-scatters,
+    the same on every rank by construction (its own all-gathers rely on it),
+    stands for the agreement, and the replay no longer waits for the other
+    ranks' host threads (``Collective(agree_replays=...)``).
     """
+
+    _PICKLED = HookState._PICKLED + ("agree_replays",)
 
     def __init__(self, codec=None, seed: int = 0, comm=None, transport: str = "auto", *,
                  topology: str = "ring", reports: bool = False, timing: bool = False,
                  path: str | None = None, nonfinite: str = "propagate", process_group=None,
                  hierarchy: str | None = None, node_size: int | None = None, links=None,
                  rail_budget: str | None = None, graphs: bool | None = None,
-                 lanes: int | str | None = None):
+                 lanes: int | str | None = None, agree_replays: bool = False):
+        if not isinstance(agree_replays, bool):
+            raise TypeError(f"agree_replays must be True or False, got {agree_replays!r}")
+        self.agree_replays = agree_replays
         HookState.__init__(self, codec, comm, seed, transport, topology=topology,
                            reports=reports, timing=timing, path=path, nonfinite=nonfinite,
                            process_group=process_group, hierarchy=hierarchy,
                            node_size=node_size, links=links, rail_budget=rail_budget,
                            graphs=graphs, lanes=lanes)
+
+    def __setstate__(self, state):
+        state.setdefault("agree_replays", False)     # checkpoints of earlier versions
+        HookState.__setstate__(self, state)
 
     @property
     def auto_steps(self) -> int:

@@ -282,3 +282,22 @@ def test_native_and_auto_paths():
     assert auto.path_decisions() == {}
     choices = comm.allgather([v[0] for v in decisions.values()])
     assert all(c == choices[0] for c in choices)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_replays_trust_fsdps_sequence_unless_asked():
+    """FSDP2's reduce-scatter agrees on each call until its graph is
+    captured, not on its replays (agree_replays=False, the default; kept
+    through pickling); the DDP hook's collective agrees on every call."""
+    rs = dqt.ReduceScatter(codec=dq.DynamiQ(bits=5, small_input=0), path="compressed")
+    assert rs.agree_replays is False and rs.collective.agree_replays is False
+    assert pickle.loads(pickle.dumps(rs)).agree_replays is False
+    strict = pickle.loads(pickle.dumps(dqt.ReduceScatter(agree_replays=True)))
+    assert strict.agree_replays is True and strict.collective.agree_replays is True
+    hook = dqt.HookState()
+    assert hook.collective.agree_replays is True
+    with pytest.raises(TypeError, match="agree_replays"):
+        dqt.ReduceScatter(agree_replays="no")
+    for state in (rs, strict, hook):
+        state.free()
+
