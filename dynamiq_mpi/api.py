@@ -101,12 +101,13 @@ class Collective:
     replayed from then on, for one digest exchange and a graph launch of host
     time.  On by default; ``graphs=False`` or ``DYNAMIQ_GRAPHS=0`` turns it off.
     :meth:`graph_stats` says what was captured.  ``agree_replays=False``
-    skips that digest exchange on replays (the call was agreed when it was
-    captured): the exchange is a rendezvous of the ranks' host threads, so
-    skipping it lets a rank's host run ahead, as NCCL's own calls do.  Only
-    for callers whose every rank makes the same sequence of calls by
-    construction (FSDP2's reduce-scatters): a rank that replays a different
-    call then hangs in NCCL instead of raising.
+    skips that digest exchange on a reduce-scatter's replays (the call was
+    agreed when it was captured): the exchange is a rendezvous of the ranks'
+    host threads, so skipping it lets a rank's host run ahead, as NCCL's own
+    calls do.  Only for callers whose every rank makes the same
+    reduce-scatters in the same order by construction (FSDP2's): a rank that
+    replays a different call, or skips one, then hangs in NCCL or reduces
+    with other ranks' random draws instead of raising.
     """
 
     def __init__(self, comm=None, transport: str = "auto", tile_bytes: int = DEFAULT_TILE_BYTES,

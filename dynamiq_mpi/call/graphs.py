@@ -13,8 +13,10 @@ captured once into a CUDA graph and replayed:
 * :class:`SteadyCompressed`: one steady call of a Collective: its agreed
   record (each replay costs one 8-byte digest exchange; a rank whose call
   differs makes every rank raise; a Collective made with
-  ``agree_replays=False`` replays on the capture's agreement alone) and its
-  graph once captured.
+  ``agree_replays=False`` replays a reduce-scatter on its capture's
+  agreement alone, and where that graph failed on one rank, runs it there
+  eagerly without a digest, as its peers replay) and its graph once
+  captured.
 
 An all-reduce's graph reads and writes the caller's buffers (the DDP hook's
 persist); a reduce-scatter's is *staged*: it copies the input in and the
@@ -182,7 +184,7 @@ class SteadyCompressed:
     seen once (``graph`` None), then captured, then replayed."""
 
     __slots__ = ("record", "static", "transport", "collective", "graph", "failed", "measuring",
-                 "bits", "_digests")
+                 "bits", "trusted", "_digests")
 
     def __init__(self, record: dict, transport: str, collective: str = "allreduce"):
         self.record = {k: v for k, v in record.items() if k != "counter"}
@@ -193,6 +195,7 @@ class SteadyCompressed:
         self.failed = ""            # why this call cannot be a graph ('' : it can)
         self.measuring = None       # the path choice's class key while it measures
         self.bits = None            # Report.bits_per_coord of the call (every replay's)
+        self.trusted = False        # replays (and, once failed, eager runs) exchange no digest
         self._digests = None
 
     def agree(self, comm, counter) -> bool:
@@ -268,7 +271,12 @@ class GraphCalls:
         rt = self.runtime
         captured = 0.0
         counter = call["counter"]
-        agree = entry.graph is None or self.agree_replays
+        # agree_replays=False: a staged reduce-scatter (its key names no
+        # buffer, so every rank making the same calls replays alike) is agreed
+        # when captured only; where its graph failed on this rank it runs
+        # eagerly without a digest, message for message its peers' replays.
+        entry.trusted = not self.agree_replays and entry.collective == "reduce_scatter"
+        agree = not entry.trusted or (entry.graph is None and not entry.failed)
         if agree and not entry.agree(rt.plane, counter):
             from .phases import check_agreement      # every rank raises, as on the engine's path
             check_agreement(rt.plane.allgather(dict(entry.record, counter=counter)))
@@ -291,6 +299,9 @@ class GraphCalls:
             return (make(rt.rank, rt.size, src, spec, dst, workspace, detailed_report=False),
                     entry.metas(counter, rt.size), rt.route(entry.transport, x))
         try:
+            if entry.failed:        # (trusted) this rank's graph failed; its peers replay
+                drive_agreed(*program(0, rt.workspace), capturing=False)
+                return captured
             try:
                 if entry.graph is None:
                     t0 = time.perf_counter()        # (a capture runs nothing on the device)

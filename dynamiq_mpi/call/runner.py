@@ -20,8 +20,9 @@ from .runtime import Runtime, sync
 class CallRunner:
     """Plans and runs the calls of one runtime.  ``layout``: the codecs'
     (phases.default_layout); ``graphs``: replay steady compressed calls as
-    CUDA graphs (``agree_replays``: with a digest exchange each); ``node_size``, ``rail_budget`` and ``links``: the
-    hierarchy's (see the Collective)."""
+    CUDA graphs (``agree_replays``: each with a digest exchange);
+    ``node_size``, ``rail_budget`` and ``links``: the hierarchy's (see the
+    Collective)."""
 
     def __init__(self, runtime: Runtime, layout, graphs: bool, node_size=None,
                  rail_budget="joint", links=None, decode_into=None, gather=None,
@@ -35,7 +36,7 @@ class CallRunner:
         def make_rail(plane):           # a rail is flat, on a runtime of its own
             return CallRunner(Runtime(plane, runtime.lanes, runtime.lane_bytes), layout,
                               graphs, decode_into=self.settings["decode_into"],
-                              gather=self.settings["gather"], agree_replays=agree_replays)
+                              gather=self.settings["gather"])
         self.nodes = NodeCalls(runtime, layout, node_size, rail_budget, links, make_rail,
                                self.settings["gather"])
         self.graphs = GraphCalls(runtime, self.settings, agree_replays)

@@ -202,8 +202,8 @@ class HookState:
             self._drop_collective()
             self._comm = comm
             self._plane = None
-            self._buckets.close()
-            self._buckets = BucketRouter(self)
+            self._buckets.close()      # (path="auto"'s choice, restored or made, stays)
+            self._buckets = BucketRouter(self, decided=self._buckets.decided)
 
     @property
     def collective(self) -> Collective:
@@ -415,7 +415,10 @@ class HookState:
         none), ``comm_s`` (time inside the all-reduce when
         ``timing`` is on; waits for its CUDA events), ``host_s`` (time the
         caller's thread spent inside the hook or the reduce-scatter: DDP's or
-        FSDP2's autograd thread) and ``vnmse`` (None unless measured).  With ``timing`` on, call it every step or so."""
+        FSDP2's autograd thread, including at a step's last bucket the wait
+        until the worker has launched its calls, and the synchronised calls
+        that ``path="auto"`` times) and ``vnmse`` (None unless measured).
+        With ``timing`` on, call it every step or so."""
         self.settle()
         seconds = self._seconds
         for start, end in self._events:
@@ -451,7 +454,9 @@ def register_comm_hook(ddp, state: "HookState", hook=None) -> "HookState":
     float32 all-reduce of a bucket costs less than any Python comm hook's
     own host time (NVLink at DDP's default buckets) gets no hook: DDP keeps
     its C++ reducer, ``path_decisions()["step"]`` is ``("ddp", why)`` and
-    rank 0 warns once (hook_gate.py).  Any other path registers the hook."""
+    rank 0 warns once (hook_gate.py).  Any other path, a ``hook``, and
+    registrations that bypass this function (``ddp.register_comm_hook``,
+    Lightning's ``DDPStrategy(ddp_comm_hook=...)``) register the hook."""
     group = getattr(ddp, "process_group", None)
     if group is not None:
         _adopt_group(state, group, "register_comm_hook", "the DDP model's process group")

@@ -98,12 +98,13 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
     options, as :class:`HookState` takes them (``hierarchy="nodes"``: the
     reduce-scatter goes uncompressed inside a node, compressed across).
 
-    ``agree_replays`` (default False): whether a reduce-scatter replayed as
-    a CUDA graph exchanges its digest again.  Every call is agreed on until
-    its graph is captured; after that FSDP2's sequence of reduce-scatters,
-    the same on every rank by construction (its own all-gathers rely on it),
-    stands for the agreement, and the replay no longer waits for the other
-    ranks' host threads (``Collective(agree_replays=...)``).
+    ``agree_replays`` (default True): whether a reduce-scatter replayed as
+    a CUDA graph exchanges its digest again.  With False every call is
+    agreed on until its graph is captured; after that FSDP2's sequence of
+    reduce-scatters, the same on every rank by construction (its own
+    all-gathers rely on it), stands for the agreement, and a replay no
+    longer waits for the other ranks' host threads
+    (``Collective(agree_replays=...)``).
     """
 
     _PICKLED = HookState._PICKLED + ("agree_replays",)
@@ -113,7 +114,7 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
                  path: str | None = None, nonfinite: str = "propagate", process_group=None,
                  hierarchy: str | None = None, node_size: int | None = None, links=None,
                  rail_budget: str | None = None, graphs: bool | None = None,
-                 lanes: int | str | None = None, agree_replays: bool = False):
+                 lanes: int | str | None = None, agree_replays: bool = True):
         if not isinstance(agree_replays, bool):
             raise TypeError(f"agree_replays must be True or False, got {agree_replays!r}")
         self.agree_replays = agree_replays
@@ -124,7 +125,7 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
                            graphs=graphs, lanes=lanes)
 
     def __setstate__(self, state):
-        state.setdefault("agree_replays", False)     # checkpoints of earlier versions
+        state.setdefault("agree_replays", True)      # checkpoints of earlier versions
         HookState.__setstate__(self, state)
 
     @property

@@ -11,8 +11,8 @@ can pay, and :func:`~dynamiq_mpi.torch.register_comm_hook` with
 ``path="auto"`` leaves DDP's C++ reducer as it is (``path_decisions()``:
 ``"step": ("ddp", why)``).
 
-The gate times the group's own float32 all-reduce of one bucket (DDP's
-``bucket_cap_mb``, at most the model's gradients) before training, takes
+The gate times the group's own all-reduce of one bucket (in the gradients'
+dtype; DDP's ``bucket_cap_mb``, at most the model's gradients) before training, takes
 the slowest rank's median (so every rank decides alike) and compares it
 with :data:`HOOK_HOST_COST_S`.  Over a slow link (NCCL's sockets: ~3.6 ms
 for a 25 MB bucket) the hook is registered; over NVLink (~0.1 ms) it is
@@ -78,8 +78,8 @@ def group_allreduce_seconds(group, nbytes: int, dtype, device) -> float:
 
 
 def hook_cannot_pay(ddp, group) -> str | None:
-    """Why no Python comm hook can pay on ``ddp``'s ``group`` (its float32
-    all-reduce of a bucket is faster than a hook's own cost), or None."""
+    """Why no Python comm hook can pay on ``ddp``'s ``group`` (its all-reduce
+    of a bucket is faster than a hook's own cost), or None."""
     probe = bucket_probe(ddp)
     if probe is None or probe[2].type not in GATED_DEVICES:
         return None
@@ -97,7 +97,8 @@ def leaves_ddp_alone(ddp, state, group) -> bool:
     """Whether ``path="auto"`` leaves DDP without a hook (decided here once,
     or restored from a checkpoint)."""
     router = state._buckets
-    if router.decided is None and state.path == "auto" and getattr(state.codec, "auto_path", False):
+    auto = state.path == "auto" and getattr(state.codec, "auto_path", False)
+    if router.decided is None and auto:
         why = hook_cannot_pay(ddp, group)
         if why is not None:
             router.decided = (NO_HOOK, why)
@@ -105,7 +106,8 @@ def leaves_ddp_alone(ddp, state, group) -> bool:
                 warnings.warn(f"dynamiq_mpi.torch.register_comm_hook: no hook registered: {why} "
                               "(HookState(path='compressed') registers it regardless)",
                               stacklevel=3)
-    return router.decided is not None and router.decided[0] == NO_HOOK
+    return auto and router.decided is not None and router.decided[0] == NO_HOOK
 
 
-__all__ = ["leaves_ddp_alone", "hook_cannot_pay", "group_allreduce_seconds", "bucket_probe", "HOOK_HOST_COST_S"]
+__all__ = ["leaves_ddp_alone", "hook_cannot_pay", "group_allreduce_seconds", "bucket_probe",
+           "HOOK_HOST_COST_S"]

@@ -285,15 +285,20 @@ def test_native_and_auto_paths():
 
 
 @pytest.mark.mpi(min_size=2)
-def test_replays_trust_fsdps_sequence_unless_asked():
-    """FSDP2's reduce-scatter agrees on each call until its graph is
-    captured, not on its replays (agree_replays=False, the default; kept
-    through pickling); the DDP hook's collective agrees on every call."""
-    rs = dqt.ReduceScatter(codec=dq.DynamiQ(bits=5, small_input=0), path="compressed")
-    assert rs.agree_replays is False and rs.collective.agree_replays is False
-    assert pickle.loads(pickle.dumps(rs)).agree_replays is False
-    strict = pickle.loads(pickle.dumps(dqt.ReduceScatter(agree_replays=True)))
+def test_replays_trust_fsdps_sequence_only_when_asked():
+    """FSDP2's reduce-scatter agrees on every call by default; with
+    agree_replays=False its collective replays on the capture's agreement
+    (kept through pickling); the DDP hook's collective agrees on every call."""
+    strict = dqt.ReduceScatter(codec=dq.DynamiQ(bits=5, small_input=0), path="compressed")
     assert strict.agree_replays is True and strict.collective.agree_replays is True
+    assert pickle.loads(pickle.dumps(strict)).agree_replays is True
+    old = dqt.ReduceScatter(agree_replays=False).__getstate__()
+    del old["agree_replays"]                    # a checkpoint of an earlier version
+    restored = dqt.ReduceScatter.__new__(dqt.ReduceScatter)
+    restored.__setstate__(old)
+    assert restored.agree_replays is True
+    rs = pickle.loads(pickle.dumps(dqt.ReduceScatter(agree_replays=False)))
+    assert rs.agree_replays is False and rs.collective.agree_replays is False
     hook = dqt.HookState()
     assert hook.collective.agree_replays is True
     with pytest.raises(TypeError, match="agree_replays"):

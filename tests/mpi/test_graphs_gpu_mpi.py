@@ -120,6 +120,36 @@ def test_replays_agree_again_only_when_asked(cp, monkeypatch, agree_replays):
 
 
 @pytest.mark.mpi(min_size=2)
+def test_a_capture_failing_on_one_rank_runs_eagerly_beside_peers_replays(cp, monkeypatch):
+    """agree_replays=False: where the graph fails on the last rank only, that
+    rank runs the call eagerly without a digest from then on while its peers
+    replay theirs: no hang, the bits of the eager collective."""
+    from dynamiq_mpi.call import graphs as graph_calls
+    if comm.rank == N - 1:
+        def fail(self, body, stream):
+            raise RuntimeError("capture refused on this rank (test)")
+        monkeypatch.setattr(graph_calls.CallGraph, "capture", fail)
+    seed = shared_seed(comm)
+    codec = dq.DynamiQ(small_input=0)
+    coll = dq.Collective(comm, graphs=True, agree_replays=False)
+    eager = dq.Collective(comm, graphs=False)
+    length = N * (256 * 1000 + 3)
+    for call in range(5):
+        host = rank_inputs(seed + call, N, length, dtype=np.float32)[comm.rank]
+        out = cp.empty(length // N, dtype=np.float32)
+        coll.reduce_scatter(cp.asarray(host), codec=codec, op="sum", seed=7, out=out)
+        want = eager.reduce_scatter(cp.asarray(host), codec=codec, op="sum", seed=7)
+        assert digest(cp.asnumpy(out)) == digest(cp.asnumpy(want)), (seed, call)
+    stats = coll.graph_stats()
+    if comm.rank == N - 1:
+        assert stats["captured"] == 0 and len(stats["failed"]) == 1, stats
+    else:
+        assert stats == {"captured": 1, "replays": 4, "failed": []}, stats
+    coll.free()
+    eager.free()
+
+
+@pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("winner", ["compressed", "native"])
 def test_auto_times_compressed_calls_as_graph_replays(cp, winner):
     """path="auto" on quiet device calls: the class's compressed calls are

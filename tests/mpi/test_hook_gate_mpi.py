@@ -10,6 +10,7 @@ hook's cost to force either side.
 Run: mpiexec -n 2 python -m pytest --with-mpi --only-mpi tests/mpi/test_hook_gate_mpi.py
 """
 import pickle
+import types
 import warnings
 
 import pytest
@@ -106,6 +107,14 @@ def test_the_no_hook_choice_travels_with_a_checkpoint(cpu_gated, monkeypatch):
     model = make_ddp()
     dqt.register_comm_hook(model, restored)
     assert hook_name(model) is None
+    restored.comm = dist.new_group(list(range(N)))      # re-attached: the choice stays
+    assert restored.path_decisions() == state.path_decisions()
+    forced = pickle.loads(pickle.dumps(state))
+    forced.path = "compressed"                  # an explicit path registers the hook
+    model = make_ddp()
+    dqt.register_comm_hook(model, forced)
+    assert hook_name(model) == "ddp_comm_hook"
+    forced.close()
 
 
 @pytest.mark.mpi(min_size=2)
@@ -155,7 +164,7 @@ def test_the_probe_is_the_slowest_ranks_median_scaled_by_the_bytes(monkeypatch):
     def fake_clock():
         clock[0] += (comm.rank + 1) * 1e-3
         return clock[0]
-    monkeypatch.setattr(hook_gate.time, "perf_counter", fake_clock)
+    monkeypatch.setattr(hook_gate, "time", types.SimpleNamespace(perf_counter=fake_clock))
     monkeypatch.setattr(hook_gate, "PROBE_MAX_BYTES", 1024)
     seconds = hook_gate.group_allreduce_seconds(None, 4096, torch.float32, torch.device("cpu"))
     assert seconds == pytest.approx(4 * N * 1e-3, rel=1e-12)

@@ -46,7 +46,8 @@ def main():
         buf = torch.randn(int(mb * 2 ** 20) // 4, device="cuda")
         sum_ms = timed(lambda: pg.allreduce([buf], op(dist.ReduceOp.SUM)).wait()) * 1e3
         avg_ms = timed(lambda: pg.allreduce([buf], op(dist.ReduceOp.AVG)).wait()) * 1e3
-        div_ms = timed(lambda: (buf.div_(n), pg.allreduce([buf], op(dist.ReduceOp.SUM)).wait())) * 1e3
+        div_ms = timed(lambda: (buf.div_(n),
+                                pg.allreduce([buf], op(dist.ReduceOp.SUM)).wait())) * 1e3
         rows.append((mb, sum_ms, avg_ms, div_ms))
     if rank == 0:
         print(f"{n} ranks, {torch.cuda.get_device_name()}, torch {torch.__version__}, "
