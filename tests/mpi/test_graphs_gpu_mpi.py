@@ -90,16 +90,9 @@ def test_reduce_scatter_graph_takes_fresh_buffers_and_equals_eager_calls(cp, dty
     eager.free()
 
 
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("agree_replays", [True, False])
-def test_replays_agree_again_only_when_asked(cp, monkeypatch, agree_replays):
-    """agree_replays=False: the digest is exchanged when the graph is
-    captured, not on its replays; the bits are the same either way."""
-    from dynamiq_mpi.call import graphs as graph_calls
-    exchanges = []
-    agree = graph_calls.SteadyCompressed.agree
-    monkeypatch.setattr(graph_calls.SteadyCompressed, "agree",
-                        lambda self, *a: exchanges.append(1) or agree(self, *a))
+def _five_reduce_scatters_against_eager(cp, agree_replays):
+    """Five reduce-scatters of fresh buffers through a graphs collective,
+    each bit for bit the eager collective's; returns both collectives."""
     seed = shared_seed(comm)
     codec = dq.DynamiQ(small_input=0)
     coll = dq.Collective(comm, graphs=True, agree_replays=agree_replays)
@@ -111,6 +104,20 @@ def test_replays_agree_again_only_when_asked(cp, monkeypatch, agree_replays):
         coll.reduce_scatter(cp.asarray(host), codec=codec, op="sum", seed=7, out=out)
         want = eager.reduce_scatter(cp.asarray(host), codec=codec, op="sum", seed=7)
         assert digest(cp.asnumpy(out)) == digest(cp.asnumpy(want)), (seed, call)
+    return coll, eager
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("agree_replays", [True, False])
+def test_replays_agree_again_only_when_asked(cp, monkeypatch, agree_replays):
+    """agree_replays=False: the digest is exchanged when the graph is
+    captured, not on its replays; the bits are the same either way."""
+    from dynamiq_mpi.call import graphs as graph_calls
+    exchanges = []
+    agree = graph_calls.SteadyCompressed.agree
+    monkeypatch.setattr(graph_calls.SteadyCompressed, "agree",
+                        lambda self, *a: exchanges.append(1) or agree(self, *a))
+    coll, eager = _five_reduce_scatters_against_eager(cp, agree_replays)
     assert coll.graph_stats() == {"captured": 1, "replays": 4, "failed": []}
     assert len(exchanges) == (4 if agree_replays else 1)    # calls 2-5, or the capture alone
     with pytest.raises(TypeError, match="agree_replays"):
@@ -129,17 +136,7 @@ def test_a_capture_failing_on_one_rank_runs_eagerly_beside_peers_replays(cp, mon
         def fail(self, body, stream):
             raise RuntimeError("capture refused on this rank (test)")
         monkeypatch.setattr(graph_calls.CallGraph, "capture", fail)
-    seed = shared_seed(comm)
-    codec = dq.DynamiQ(small_input=0)
-    coll = dq.Collective(comm, graphs=True, agree_replays=False)
-    eager = dq.Collective(comm, graphs=False)
-    length = N * (256 * 1000 + 3)
-    for call in range(5):
-        host = rank_inputs(seed + call, N, length, dtype=np.float32)[comm.rank]
-        out = cp.empty(length // N, dtype=np.float32)
-        coll.reduce_scatter(cp.asarray(host), codec=codec, op="sum", seed=7, out=out)
-        want = eager.reduce_scatter(cp.asarray(host), codec=codec, op="sum", seed=7)
-        assert digest(cp.asnumpy(out)) == digest(cp.asnumpy(want)), (seed, call)
+    coll, eager = _five_reduce_scatters_against_eager(cp, False)
     stats = coll.graph_stats()
     if comm.rank == N - 1:
         assert stats["captured"] == 0 and len(stats["failed"]) == 1, stats

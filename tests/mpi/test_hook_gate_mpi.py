@@ -132,25 +132,19 @@ def test_a_link_slower_than_a_hook_gets_the_hook(cpu_gated):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("path", ["compressed", "native", "plain"])
-def test_an_explicit_path_is_never_gated(cpu_gated, monkeypatch, path):
-    cpu_gated(1e3)
+@pytest.mark.parametrize("path, gated", [("compressed", True), ("native", True),
+                                         ("plain", True), ("auto", False)],
+                         ids=["compressed", "native", "plain", "auto-on-cpu-by-default"])
+def test_explicit_paths_and_cpu_models_are_never_gated(cpu_gated, monkeypatch, path, gated):
+    if gated:
+        cpu_gated(1e3)
+    else:
+        monkeypatch.setattr(hook_gate, "GATED_DEVICES", ("cuda",))     # the default
     monkeypatch.setattr(hook_gate, "group_allreduce_seconds", no_probe)
     state = dqt.HookState(codec=dq.DynamiQ(bits=5), path=path)
     model = make_ddp()
     dqt.register_comm_hook(model, state)
     assert hook_name(model) == "ddp_comm_hook" and state.path_decisions().get("step") is None
-    state.close()
-
-
-@pytest.mark.mpi(min_size=2)
-def test_cpu_models_are_not_gated_by_default(monkeypatch):
-    assert "cpu" not in hook_gate.GATED_DEVICES
-    monkeypatch.setattr(hook_gate, "group_allreduce_seconds", no_probe)
-    state = dqt.HookState(codec=dq.DynamiQ(bits=5), path="auto")
-    model = make_ddp()
-    dqt.register_comm_hook(model, state)
-    assert hook_name(model) == "ddp_comm_hook"
     state.close()
 
 
