@@ -43,12 +43,18 @@ def test_gauss_has_the_codec_s_error_norm_spread_evenly():
 
 
 def test_averaged_draws_cut_the_squared_error():
-    xs, seed = inputs(fresh_seed()), 5
-    single = np.mean([squared_error(loss_gap._Reducer(CODEC, 4, s, "ring", 1)(xs), xs)
-                      for s in range(seed * 1000, seed * 1000 + 4)])
-    avg = loss_gap.DiagnosticReducer("avg4:" + CODEC, 4, seed, "ring", 1)
-    out = avg(xs)
-    assert squared_error(out, xs) < single / 2
+    """Four draws averaged: about a quarter of one draw's squared error.  On
+    these heavy-tailed inputs the ratio of one input set passes 1/2 about
+    once in 75 (150 sets measured); the median of three sets, about once in
+    2,000."""
+    seed, ratios = 5, []
+    for _ in range(3):
+        xs = inputs(fresh_seed())
+        single = np.mean([squared_error(loss_gap._Reducer(CODEC, 4, s, "ring", 1)(xs), xs)
+                          for s in range(seed * 1000, seed * 1000 + 4)])
+        avg = loss_gap.DiagnosticReducer("avg4:" + CODEC, 4, seed, "ring", 1)
+        ratios.append(squared_error(avg(xs), xs) / single)
+    assert np.median(ratios) < 0.5, ratios
     one = loss_gap._Reducer(CODEC, 4, seed * 1000, "ring", 1)
     one(xs)
     assert avg.bits_per_coord() == pytest.approx(one.bits_per_coord())     # one draw's bits
