@@ -22,7 +22,7 @@ from .call.workspace import FRESH
 from .codecs import DEFAULT_CODEC
 from .codecs.base import DEFAULT_TILE_BYTES
 from .control import as_plane as plane_of, default_comm, is_torch_group  # noqa: F401
-from .settings import env_choice, env_text
+from .settings import check_flag, env_choice, env_text
 from .transports import TRANSPORTS
 from .transports.simulate import SimulatedTransport
 
@@ -128,9 +128,7 @@ class Collective:
         self.layout = default_layout()
         self.gather = default_gather()
         self.graphs = default_graphs(graphs)
-        if not isinstance(agree_replays, bool):
-            raise TypeError(f"agree_replays must be True or False, got {agree_replays!r}")
-        self.agree_replays = agree_replays
+        self.agree_replays = check_flag(agree_replays, "agree_replays")
         self.parent = comm
         self.transport = transport
         self.tile_bytes = int(tile_bytes)
@@ -272,9 +270,7 @@ def default_lanes(value=None):
 
 
 def _check_graphs(value) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"graphs must be True or False, got {value!r}")
-    return value
+    return check_flag(value, "graphs")
 
 
 # The options a Collective takes from its maker beyond the control plane and

@@ -30,6 +30,13 @@ def env_choice(value, variable: str, choices: tuple, what: str, default: str = "
     return value
 
 
+def check_flag(value, what: str) -> bool:
+    """``value`` when it is True or False: a clear error otherwise."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{what} must be True or False, got {value!r}")
+    return value
+
+
 def env_switch(variable: str) -> bool:
     """Whether ``$variable`` leaves a feature on: unless it says "0", "false", "off", "no"."""
     return os.environ.get(variable, "").strip().lower() not in _FALSE

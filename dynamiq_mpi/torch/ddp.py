@@ -451,7 +451,7 @@ def register_comm_hook(ddp, state: "HookState", hook=None) -> "HookState":
     groups' gradients).  Returns ``state``.
 
     With ``path="auto"`` on a CUDA model, a link so fast that the group's
-    float32 all-reduce of a bucket costs less than any Python comm hook's
+    own all-reduce of a bucket costs less than any Python comm hook's
     own host time (NVLink at DDP's default buckets) gets no hook: DDP keeps
     its C++ reducer, ``path_decisions()["step"]`` is ``("ddp", why)`` and
     rank 0 warns once (hook_gate.py).  Any other path, a ``hook``, and

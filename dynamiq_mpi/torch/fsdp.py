@@ -36,6 +36,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..settings import check_flag
 from .arrays import stream_view, torch_stream
 from .ddp import HookState
 from .groups import _adopt_group, _native_group
@@ -115,9 +116,7 @@ class ReduceScatter(_FSDPReduceScatter, HookState):
                  hierarchy: str | None = None, node_size: int | None = None, links=None,
                  rail_budget: str | None = None, graphs: bool | None = None,
                  lanes: int | str | None = None, agree_replays: bool = True):
-        if not isinstance(agree_replays, bool):
-            raise TypeError(f"agree_replays must be True or False, got {agree_replays!r}")
-        self.agree_replays = agree_replays
+        self.agree_replays = check_flag(agree_replays, "agree_replays")
         HookState.__init__(self, codec, comm, seed, transport, topology=topology,
                            reports=reports, timing=timing, path=path, nonfinite=nonfinite,
                            process_group=process_group, hierarchy=hierarchy,

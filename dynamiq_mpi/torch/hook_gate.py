@@ -12,9 +12,9 @@ can pay, and :func:`~dynamiq_mpi.torch.register_comm_hook` with
 ``"step": ("ddp", why)``).
 
 The gate times the group's own all-reduce of one bucket (in the gradients'
-dtype; DDP's ``bucket_cap_mb``, at most the model's gradients) before training, takes
-the slowest rank's median (so every rank decides alike) and compares it
-with :data:`HOOK_HOST_COST_S`.  Over a slow link (NCCL's sockets: ~3.6 ms
+dtype; DDP's ``bucket_cap_mb``, at most the model's gradients) before
+training, takes the slowest rank's median (so every rank decides alike)
+and compares it with :data:`HOOK_HOST_COST_S`.  Over a slow link (NCCL's sockets: ~3.6 ms
 for a 25 MB bucket) the hook is registered; over NVLink (~0.1 ms) it is
 not.  Only CUDA models are gated: there the hook's host time delays the
 backward pass's kernel launches.
@@ -47,7 +47,7 @@ def bucket_probe(ddp) -> tuple | None:
     params = [p for p in ddp.parameters() if p.requires_grad]
     if not params:
         return None
-    dtype = max((p.dtype for p in params), key=lambda d: torch.empty(0, dtype=d).element_size())
+    dtype = max((p.dtype for p in params), key=lambda d: d.itemsize)
     total = sum(p.numel() * p.element_size() for p in params)
     cap = int(getattr(ddp, "bucket_bytes_cap", 25 * 2 ** 20))
     return min(cap, total), dtype, params[0].device
@@ -58,7 +58,7 @@ def group_allreduce_seconds(group, nbytes: int, dtype, device) -> float:
     median over :data:`PROBE_REPS` calls (probed at most
     :data:`PROBE_MAX_BYTES`, scaled by the bytes beyond), the same on every
     rank."""
-    size = torch.empty(0, dtype=dtype).element_size()
+    size = dtype.itemsize
     n = max(1, min(nbytes, PROBE_MAX_BYTES) // size)
     buf = torch.zeros(n, dtype=dtype, device=device)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
