@@ -12,8 +12,8 @@ import pytest
 from mpi4py import MPI
 
 import dynamiq_mpi as dq
-from helpers import (digest, exact_sum, joint_rail_codecs, magnitude_nmse, rank_inputs,
-                     shared_seed, vnmse)
+from helpers import (bf16_magnitude_bound, digest, exact_sum, joint_rail_codecs, magnitude_nmse,
+                     rank_inputs, shared_seed, vnmse)
 
 comm = MPI.COMM_WORLD
 N = comm.size
@@ -26,8 +26,9 @@ TOPOLOGIES = ["ring", "butterfly"]
 # cancel), about twice the worst of 25 seeds x every shape of 2..8 ranks
 # measured with the reference below (2026-11-25): the bit-for-bit check is
 # the test; this only catches a gross loss (a rail dropped, a world of one).
-BOUNDS = {"exact": 1e-10, "bf16": 2e-5, "mxfp": 3e-3, "dynamiq": 0.25, "thc": 1.0,
-          "omnireduce": 0.7, "reduce_scatter": 0.9}
+# BF16's is its proven worst case: one heavy element can come near it.
+BOUNDS = {"exact": 1e-10, "bf16": bf16_magnitude_bound(N), "mxfp": 3e-3, "dynamiq": 0.25,
+          "thc": 1.0, "omnireduce": 0.7, "reduce_scatter": 0.9}
 
 
 def node_sum(parts, dtype, reverse=False):
