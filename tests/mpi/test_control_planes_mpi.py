@@ -83,10 +83,10 @@ def test_same_bits_on_both_planes(planes, backend, codec, topology):
     assert len(set(comm.allgather(digest(got["torch"])))) == 1
     # the flat call's error against sum_r |x_r| (short heavy-tailed inputs
     # cancel), bounds as in test_hierarchy_mpi.py (there measured; BF16's proven)
-    bound = {"exact": 1e-10, "bf16": bf16_magnitude_bound(N), "mxfp": 3e-3, "dynamiq": 0.25,
-             "thc": 1.0, "omnireduce": 0.7}[codec.name]
+    bound = {"exact": 1e-10, "bf16": bf16_magnitude_bound(N), "mxfp": 6e-3, "dynamiq": 0.25,
+             "thc": 2.0, "omnireduce": 1.0}[codec.name]
     if codec.name == "dynamiq" and codec.bits < 4:
-        bound = 1.0                     # 3 bits: 0.28 seen (seed 4262882884, 4 ranks)
+        bound = 1.2                     # 3 bits: 0.57 the worst of 3000 seeds at 6 ranks
     assert magnitude_nmse(got["torch"], xs) < bound, seed
 
 

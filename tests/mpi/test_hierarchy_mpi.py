@@ -23,12 +23,14 @@ CODECS = [dq.DynamiQ(small_input=0, bits=5), dq.Exact(), dq.BF16(), dq.MXFP("e4m
           dq.THC(), dq.OmniReduce(0.5)]
 TOPOLOGIES = ["ring", "butterfly"]
 # Error against sum_r |x_r| (magnitude_nmse: these short heavy-tailed inputs
-# cancel), about twice the worst of 25 seeds x every shape of 2..8 ranks
-# measured with the reference below (2026-11-25): the bit-for-bit check is
-# the test; this only catches a gross loss (a rail dropped, a world of one).
-# BF16's is its proven worst case: one heavy element can come near it.
-BOUNDS = {"exact": 1e-10, "bf16": bf16_magnitude_bound(N), "mxfp": 3e-3, "dynamiq": 0.25,
-          "thc": 1.0, "omnireduce": 0.7, "reduce_scatter": 0.9}
+# cancel): the bit-for-bit check is the test; this only catches a gross loss
+# (a rail dropped, a world of one).  BF16's is its proven worst case; the
+# others about twice the worst of 3000 seeds of the flat call at 3 and 8
+# ranks (dq.simulate_allreduce; levels err less; 2026-11-28): MXFP e4m3
+# 2.1e-3 (3.0e-3 once in 600 at 3 ranks), THC 0.92 (0.995 once in 600 at 8),
+# OmniReduce 0.49, DynamiQ 5 bits 0.02; one heavy element rules the sum.
+BOUNDS = {"exact": 1e-10, "bf16": bf16_magnitude_bound(N), "mxfp": 6e-3, "dynamiq": 0.25,
+          "thc": 2.0, "omnireduce": 1.0, "reduce_scatter": 0.9}
 
 
 def node_sum(parts, dtype, reverse=False):
