@@ -98,7 +98,7 @@ class BucketRouter:
         self.decided = decided      # (path, why) of path="auto" restored from a checkpoint
         self._in_step = False       # a step's buckets have begun (its end not yet seen)
         self._group_info = None     # (torch.distributed spans the same ranks, its group)
-        self._pg = None             # (its ProcessGroup, is NCCL)
+        self._pg = None             # its ProcessGroup
         self._open = []             # [(bucket, future)] of the group not yet started
         self._open_key = None       # (device, dtype, collective path) of that group
         self._open_numel = 0
@@ -188,29 +188,28 @@ class BucketRouter:
 
     # -- plain and native: the group's own all-reduce, returned at once
     def _process_group(self):
-        """The torch ProcessGroup itself and whether it is NCCL (asked once):
-        its C++ ``allreduce`` costs a fraction of ``dist.all_reduce``'s Python
-        checks, which count at ~80 buckets a step on a fast link."""
+        """The torch ProcessGroup itself (asked once): its C++ ``allreduce``
+        costs a fraction of ``dist.all_reduce``'s Python checks, which count
+        at ~80 buckets a step on a fast link."""
         if self._pg is None:
-            group = self._group_info[1] or dist.distributed_c10d._get_default_group()
-            self._pg = (group, dist.get_backend(group) == "nccl")
+            self._pg = self._group_info[1] or dist.distributed_c10d._get_default_group()
         return self._pg
 
     def _group_all_reduce(self, buf, path):
         st = self.state
         exact = st.exact_mean(buf) if st.measure_error else None
-        pg, nccl = self._process_group()
+        pg = self._process_group()
         opts = dist.AllreduceOptions()
+        # Divide, then SUM, as DDP's reducer and torch's hooks do: NCCL runs
+        # AVG as a pre-multiplied sum, which its NVLink SHARP (NVLS)
+        # algorithms do not take, so on an NVSwitch host an AVG all-reduce
+        # falls back to the ring where DDP's own SUM does not.
+        opts.reduceOp = dist.ReduceOp.SUM
         if path == "native" and getattr(st.codec, "native_wire", None) == "bfloat16" \
                 and buf.dtype in (torch.float32, torch.float64):
             wire = buf.to(torch.bfloat16).div_(st.plane.size)   # as bf16_compress_hook does
-            opts.reduceOp = dist.ReduceOp.SUM
-        elif nccl and st.plane.size > 1:
-            wire = buf                  # NCCL averages: no division kernel
-            opts.reduceOp = dist.ReduceOp.AVG
         else:
             wire = buf.div_(st.plane.size)
-            opts.reduceOp = dist.ReduceOp.SUM
         work = pg.allreduce([wire], opts)
         st._count_call(buf.numel(), bits=8 * wire.element_size(), path=path)
 

@@ -1,7 +1,9 @@
 """What a DDP hook's plain all-reduce costs by how it averages: torch's
 NCCL all-reduce of a float32 bucket with ReduceOp.SUM, with ReduceOp.AVG,
 and a division kernel then SUM (torch's ``allreduce_hook``); back to back on
-the current stream, median of the slowest rank, per bucket size.
+the current stream, median of the slowest rank, per bucket size.  On an
+NVSwitch host with NCCL's NVLS algorithms on, SUM may take them and AVG
+(a pre-multiplied sum) cannot.
 
     torchrun --nproc_per_node 2 tools/profiling/allreduce_ops.py [MB ...]
 """
