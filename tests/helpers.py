@@ -1,6 +1,7 @@
 """Shared test helpers: fresh random inputs, the float64 oracle, bit checks."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 
@@ -65,6 +66,21 @@ def bf16_magnitude_bound(n_ranks: int) -> float:
     sum_r |x_r|.  A heavy-tailed short input whose one element dominates
     comes near it (2.5e-5 seen at 4 ranks: that element erred by 1.6 x 2^-8)."""
     return (n_ranks * 2.0 ** -8) ** 2
+
+
+@contextlib.contextmanager
+def gloo_process_group():
+    """torch.distributed over gloo on MPI's ranks (one CPU thread a rank),
+    destroyed on leaving: a torch MPI test module's process group."""
+    import torch
+    import torch.distributed as dist
+    import dynamiq_mpi.torch as dqt
+    torch.set_num_threads(1)
+    dqt.init_process_group_from_mpi("gloo")
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def digest(a) -> str:

@@ -29,6 +29,7 @@ except ImportError:   # pragma: no cover
 
 import dynamiq_mpi as dq  # noqa: E402
 import dynamiq_mpi.torch as dqt  # noqa: E402
+from helpers import gloo_process_group  # noqa: E402
 
 # The same at every world size above 4: not run again at 6 and 8 ranks (CI time).
 pytestmark = pytest.mark.max_size(4)
@@ -39,10 +40,8 @@ if not hasattr(torch.distributed.fsdp.FSDPModule, "set_custom_reduce_scatter"):
 
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
-    torch.set_num_threads(1)
-    dqt.init_process_group_from_mpi("gloo")
-    yield
-    dist.destroy_process_group()
+    with gloo_process_group():
+        yield
 
 
 def make_model(seed=0):

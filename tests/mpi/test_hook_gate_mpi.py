@@ -29,16 +29,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import dynamiq_mpi as dq  # noqa: E402
 import dynamiq_mpi.torch as dqt  # noqa: E402
 from dynamiq_mpi.torch import hook_gate  # noqa: E402
+from helpers import gloo_process_group  # noqa: E402
 
 pytestmark = pytest.mark.max_size(3)
 
 
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
-    torch.set_num_threads(1)
-    dqt.init_process_group_from_mpi("gloo")
-    yield
-    dist.destroy_process_group()
+    with gloo_process_group():
+        yield
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 import dynamiq_mpi as dq  # noqa: E402
 import dynamiq_mpi.torch as dqt  # noqa: E402
 
-from helpers import load_example, shared_seed  # noqa: E402
+from helpers import gloo_process_group, load_example, shared_seed  # noqa: E402
 
 # The same at every world size above 4: not run again at 6 and 8 ranks (CI time).
 pytestmark = pytest.mark.max_size(4)
@@ -46,11 +46,9 @@ def dynamiq5():
 
 @pytest.fixture(scope="module", autouse=True)
 def process_group():
-    torch.set_num_threads(1)
-    dqt.init_process_group_from_mpi("gloo")
-    assert dist.get_world_size() == N and dist.get_rank() == comm.rank
-    yield
-    dist.destroy_process_group()
+    with gloo_process_group():
+        assert dist.get_world_size() == N and dist.get_rank() == comm.rank
+        yield
 
 
 class Net(nn.Module):
